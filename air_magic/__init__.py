@@ -1,0 +1,76 @@
+"""air_magic: run PyTorch training on every accelerator of this machine from a notebook.
+
+>>> %load_ext air_magic                       # doctest: +SKIP
+>>> from air_magic import distributed         # doctest: +SKIP
+
+``import air_magic`` stays light: IPython, torch and MLflow are imported where
+they are used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._version import __version__
+from .accelerators import AcceleratorType, GPUType
+from .decorator import DistributedFunction, distributed
+from .errors import (
+    AcceleratorMismatchError,
+    AirMagicError,
+    CaptureError,
+    ConfigurationError,
+    DirectCallError,
+    LaunchCancelledError,
+    LaunchError,
+    LaunchTimeoutError,
+    RankCrashedError,
+    RankFailedError,
+    ResultError,
+)
+
+__all__ = [
+    "__version__",
+    "distributed",
+    "DistributedFunction",
+    "AcceleratorType",
+    "GPUType",
+    "ray_init",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+    "AirMagicError",
+    "ConfigurationError",
+    "AcceleratorMismatchError",
+    "DirectCallError",
+    "CaptureError",
+    "LaunchError",
+    "RankFailedError",
+    "RankCrashedError",
+    "LaunchTimeoutError",
+    "LaunchCancelledError",
+    "ResultError",
+]
+
+
+def ray_init(address: str | None = None, **kwargs: Any) -> Any:
+    """Start or join a Ray cluster (``address`` or ``RAY_ADDRESS``); returns Ray's context."""
+    try:
+        import ray  # type: ignore[import-not-found]
+    except ImportError:
+        raise ImportError("Ray is not installed: pip install 'ray[default]' to use ray_init().") from None
+    return ray.init(address=address or os.environ.get("RAY_ADDRESS"), **kwargs)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext air_magic``: register ``%%distributed`` and start the helper process."""
+    from .magics import DistributedMagics
+
+    ipython.register_magics(DistributedMagics)
+    from .launcher import get_launcher
+
+    get_launcher().warm()
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext air_magic``: remove ``%%distributed``; running launches are not touched."""
+    ipython.magics_manager.magics["cell"].pop("distributed", None)

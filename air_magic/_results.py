@@ -1,0 +1,105 @@
+"""How a rank's return value (or exception) gets back to the kernel.
+
+Each rank writes one record to ``result-<rank>.pkl`` in the launch's work folder
+(written to a temporary name, then renamed into place, so the kernel never reads a
+half-written file):
+
+* ``("ok", value)``: the function's return value / the cell's last expression;
+* ``("error", exc_bytes | None, type_name, message, traceback_text)``.
+
+Large CPU tensors in a return value do not travel inside the pickle: their bytes
+are copied once into a file under ``/dev/shm`` and the pickle holds its name.  The
+kernel maps that file (``torch.from_file(shared=True)``) and unlinks it at once, so
+the tensor arrives without a second copy and nothing stays behind in ``/dev/shm``.
+CUDA tensors arrive as CPU tensors: the kernel never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+from typing import Any
+
+import cloudpickle
+
+#: Tensors at least this large (bytes) go through shared memory.
+SHM_THRESHOLD = 1 << 20
+
+
+class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    def __init__(self, file: io.BufferedWriter, shm_dir: str | None, prefix: str) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._shm_dir = shm_dir
+        self._prefix = prefix
+        self._count = 0
+        self.shm_paths: list[str] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if (
+            self._shm_dir is not None
+            and torch is not None
+            and type(obj) is torch.Tensor
+            and obj.layout == torch.strided
+            and not obj.is_quantized
+            and obj.numel() > 0
+            and obj.element_size() * obj.numel() >= SHM_THRESHOLD
+        ):
+            return self._to_shared_memory(torch, obj)
+        return super().reducer_override(obj)
+
+    def _to_shared_memory(self, torch: Any, tensor: Any) -> Any:
+        source = tensor.detach()
+        if source.device.type != "cpu":
+            source = source.cpu()
+        path = os.path.join(self._shm_dir, f"{self._prefix}-{self._count}")  # type: ignore[arg-type]
+        self._count += 1
+        self.shm_paths.append(path)
+        target = torch.from_file(path, shared=True, size=source.numel(), dtype=source.dtype)
+        target.copy_(source.reshape(-1))
+        return rebuild_shared_tensor, (path, source.dtype, tuple(source.shape), tensor.requires_grad)
+
+
+def rebuild_shared_tensor(path: str, dtype: Any, shape: tuple[int, ...], requires_grad: bool) -> Any:
+    """Map a tensor written by a rank and unlink its file (the mapping stays valid)."""
+    import torch
+
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    try:
+        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def write_record(path: str, record: tuple[Any, ...], shm_dir: str | None, prefix: str) -> None:
+    """Pickle ``record`` to ``path`` atomically; large tensors go to ``shm_dir``."""
+    tmp = f"{path}.tmp"
+    pickler_paths: list[str] = []
+    try:
+        with open(tmp, "wb") as handle:
+            pickler = _ResultPickler(handle, shm_dir, prefix)
+            pickler_paths = pickler.shm_paths
+            pickler.dump(record)
+        os.replace(tmp, path)
+    except BaseException:
+        for leftover in [tmp, *pickler_paths]:
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
+        raise
+
+
+def read_record(path: str) -> tuple[Any, ...]:
+    with open(path, "rb") as handle:
+        return pickle.load(handle)  # written by our own rank, in our own private folder

@@ -1,0 +1,313 @@
+"""The helper process that ranks are forked from (``python -m air_magic._zygote``).
+
+One per kernel, started by :mod:`air_magic.launcher` with ``start_new_session=True``.
+It imports torch once, then waits.  For each launch it binds a loopback socket at
+an OS-assigned port, forks one child per rank (each child calls
+:func:`air_magic._rank.child_main` and never returns here), and hosts the launch's
+``TCPStore`` on that socket so the ranks' ``init_process_group()`` connect to it
+(``TORCHELASTIC_USE_AGENT_STORE``) with no port race.
+
+Why a helper and not ``fork()`` of the kernel: the kernel has threads, ZMQ sockets
+and maybe CUDA state, none of which survive a fork.  This process stays
+single-threaded between launches and never touches CUDA, so a fork of it is clean,
+and ranks start in milliseconds with torch already imported.
+
+The kernel talks to it over an inherited socketpair (no listening socket, so no
+one else can connect and nothing unauthenticated is ever unpickled).  It watches:
+
+* the control socket: EOF means the kernel is gone -> kill every rank, delete the
+  session's files, exit;
+* one pidfd per rank: a rank exits -> kill what is left of its process group
+  (DataLoader workers), reap it, report the exit code; the first non-zero exit
+  stops the other ranks of that launch (fail fast);
+* timers: a launch's timeout, and the SIGINT -> SIGTERM -> SIGKILL escalation.
+
+Messages to the kernel: ``("ready", info)``, ``("started", id, {rank: pid}, port)``,
+``("exit", id, rank, returncode)``, ``("stopping", id, reason)``, ``("done", id)``,
+``("error", id, text)``.  From the kernel: ``("launch", request)``,
+``("stop", id, reason)``, ``("shutdown",)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+_DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
+
+#: Escalation after a stop request, by reason: (delay in seconds, signal).
+_ESCALATION: dict[str, list[tuple[float, signal.Signals]]] = {
+    # A user's interrupt first reaches Python code as KeyboardInterrupt (finally blocks run).
+    "cancel": [(0.0, signal.SIGINT), (1.0, signal.SIGTERM), (3.0, signal.SIGKILL)],
+    # The other ranks are most likely blocked inside a collective: terminate them.
+    "failure": [(0.0, signal.SIGTERM), (2.0, signal.SIGKILL)],
+    "timeout": [(0.0, signal.SIGTERM), (2.0, signal.SIGKILL)],
+}
+
+
+@dataclass
+class _Launch:
+    launch_id: str
+    request: dict[str, Any]
+    pids: dict[int, int] = field(default_factory=dict)
+    running: dict[int, int] = field(default_factory=dict)  # rank -> pid
+    pidfds: dict[int, int] = field(default_factory=dict)  # rank -> pidfd
+    listener: socket.socket | None = None
+    listen_fd: int = -1
+    store: Any = None
+    stopping: str | None = None
+
+
+class Zygote:
+    def __init__(self, conn: Connection, alive_fd: int, session_dir: str, shm_dir: str) -> None:
+        self.conn = conn
+        self.alive_fd = alive_fd
+        self.session_dir = session_dir
+        self.shm_dir = shm_dir
+        self.selector = selectors.DefaultSelector()
+        self.launches: dict[str, _Launch] = {}
+        self.timers: list[tuple[float, str, Callable[[], None]]] = []
+        self.use_pidfd = hasattr(os, "pidfd_open")
+        self.torch_dist: Any = None
+
+    # -- start-up -------------------------------------------------------------------
+
+    def preload(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        loaded, failed = [], {}
+        names = os.environ.get("AIR_MAGIC_PRELOAD", _DEFAULT_PRELOAD)
+        for name in filter(None, (n.strip() for n in names.split(","))):
+            try:
+                importlib.import_module(name)
+                loaded.append(name)
+            except Exception as exc:  # a missing optional module must not stop the helper
+                failed[name] = f"{type(exc).__name__}: {exc}"
+        # Import what every rank needs before it runs user code.
+        from . import _rank, _results  # noqa: F401
+
+        try:
+            import torch.distributed as dist
+
+            self.torch_dist = dist if dist.is_available() else None
+        except Exception:
+            self.torch_dist = None
+        return {
+            "pid": os.getpid(),
+            "preloaded": loaded,
+            "preload_failed": failed,
+            "preload_seconds": time.perf_counter() - started,
+            "torch": getattr(sys.modules.get("torch"), "__version__", None),
+        }
+
+    # -- main loop --------------------------------------------------------------------
+
+    def serve(self) -> None:
+        self.selector.register(self.conn.fileno(), selectors.EVENT_READ, None)
+        while True:
+            timeout = self._next_timer_delay()
+            if not self.use_pidfd and self.launches:
+                timeout = 0.05 if timeout is None else min(timeout, 0.05)
+            for key, _ in self.selector.select(timeout):
+                if key.data is None:
+                    try:
+                        message = self.conn.recv()
+                    except (EOFError, OSError):
+                        return  # the kernel is gone
+                    if message[0] == "shutdown":
+                        return
+                    self._handle(message)
+                else:
+                    launch_id, rank = key.data
+                    self._on_rank_exit(launch_id, rank)
+            if not self.use_pidfd:
+                self._poll_exits()
+            self._run_timers()
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "launch":
+            request = message[1]
+            try:
+                self._start(request)
+            except Exception:
+                self._send("error", request["launch_id"], traceback.format_exc())
+        elif kind == "stop":
+            launch = self.launches.get(message[1])
+            if launch is not None and message[2] == "kill":
+                self._signal(launch, signal.SIGKILL)
+            elif launch is not None:
+                self._stop(launch, message[2])
+
+    # -- launches -----------------------------------------------------------------------
+
+    def _start(self, request: dict[str, Any]) -> None:
+        launch = _Launch(request["launch_id"], request)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(max(128, 2 * request["world_size"]))
+        launch.listener = listener
+        launch.listen_fd = listener.fileno()
+        port = listener.getsockname()[1]
+        close_in_child = [self.conn.fileno(), listener.fileno(), self.selector_fd()]
+        for other in self.launches.values():
+            close_in_child.extend(other.pidfds.values())
+            if other.listen_fd >= 0:
+                close_in_child.append(other.listen_fd)
+        from . import _rank
+
+        for rank in range(request["world_size"]):
+            pid = os.fork()
+            if pid == 0:  # the rank; child_main never returns
+                _rank.child_main(request, rank, port, self.alive_fd, close_in_child)
+            launch.pids[rank] = pid
+            launch.running[rank] = pid
+            if self.use_pidfd:
+                fd = os.pidfd_open(pid)
+                launch.pidfds[rank] = fd
+                close_in_child.append(fd)
+                self.selector.register(fd, selectors.EVENT_READ, (launch.launch_id, rank))
+        self.launches[launch.launch_id] = launch
+        # Host the rendezvous store only now: its server thread must not exist while forking.
+        if self.torch_dist is not None:
+            # The store takes ownership of the socket and closes it when it is deleted.
+            launch.listener = None
+            launch.store = self.torch_dist.TCPStore(
+                "127.0.0.1", port, request["world_size"], True,
+                wait_for_workers=False, master_listen_fd=listener.detach(),
+            )
+        self._send("started", launch.launch_id, dict(launch.pids), port)
+        timeout = request.get("timeout")
+        if timeout is not None:
+            self._after(timeout, launch.launch_id, lambda: self._stop(launch, "timeout"))
+
+    def selector_fd(self) -> int:
+        fileno = getattr(self.selector, "fileno", None)
+        return fileno() if callable(fileno) else -1
+
+    def _on_rank_exit(self, launch_id: str, rank: int) -> None:
+        launch = self.launches.get(launch_id)
+        if launch is None or rank not in launch.running:
+            return
+        pid = launch.running[rank]
+        # The rank is a zombie until reaped, so its process-group id cannot be reused yet:
+        # kill whatever it left behind (DataLoader workers, shells) before reaping it.
+        _killpg(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        self._reaped(launch, rank, os.waitstatus_to_exitcode(status))
+
+    def _poll_exits(self) -> None:
+        for launch in list(self.launches.values()):
+            for rank, pid in list(launch.running.items()):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    _killpg(pid, signal.SIGKILL)
+                    self._reaped(launch, rank, os.waitstatus_to_exitcode(status))
+
+    def _reaped(self, launch: _Launch, rank: int, returncode: int) -> None:
+        del launch.running[rank]
+        fd = launch.pidfds.pop(rank, None)
+        if fd is not None:
+            self.selector.unregister(fd)
+            os.close(fd)
+        self._send("exit", launch.launch_id, rank, returncode)
+        if returncode != 0 and launch.stopping is None:
+            self._stop(launch, "failure")
+        if not launch.running:
+            self._finish(launch)
+
+    def _stop(self, launch: _Launch, reason: str) -> None:
+        if launch.stopping is not None or not launch.running:
+            return
+        launch.stopping = reason
+        self._send("stopping", launch.launch_id, reason)
+        for delay, signum in _ESCALATION.get(reason, _ESCALATION["failure"]):
+            self._after(delay, launch.launch_id, lambda s=signum: self._signal(launch, s))
+
+    def _signal(self, launch: _Launch, signum: int) -> None:
+        for pid in launch.running.values():
+            _killpg(pid, signum)
+
+    def _finish(self, launch: _Launch) -> None:
+        self.launches.pop(launch.launch_id, None)
+        self.timers = [timer for timer in self.timers if timer[1] != launch.launch_id]
+        launch.store = None  # stops the store's server thread
+        if launch.listener is not None:
+            launch.listener.close()
+        self._send("done", launch.launch_id)
+
+    def shutdown(self) -> None:
+        for launch in list(self.launches.values()):
+            for pid in launch.running.values():
+                _killpg(pid, signal.SIGKILL)
+            for pid in launch.running.values():
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+            launch.store = None
+        self.launches.clear()
+        for path in (self.session_dir, self.shm_dir):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- timers and messages ---------------------------------------------------------
+
+    def _after(self, delay: float, owner: str, fn: Callable[[], None]) -> None:
+        self.timers.append((time.monotonic() + delay, owner, fn))
+        self.timers.sort(key=lambda item: item[0])
+
+    def _next_timer_delay(self) -> float | None:
+        if not self.timers:
+            return None
+        return max(0.0, self.timers[0][0] - time.monotonic())
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self.timers and self.timers[0][0] <= now:
+            _, _, fn = self.timers.pop(0)
+            fn()
+
+    def _send(self, *message: Any) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:
+            pass  # the kernel is gone; the next recv() ends the loop
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    ctrl_fd, alive_fd = int(argv[0]), int(argv[1])
+    session_dir, shm_dir = argv[2], argv[3]
+    # Interrupts are the kernel's to handle: it tells us what to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.set_inheritable(alive_fd, True)
+    conn = Connection(ctrl_fd)
+    zygote = Zygote(conn, alive_fd, session_dir, shm_dir)
+    # On SIGTERM (a kernel manager cleaning up) still take every rank along.
+    signal.signal(signal.SIGTERM, lambda *_: (zygote.shutdown(), os._exit(0)))
+    try:
+        zygote._send("ready", zygote.preload())
+        zygote.serve()
+    finally:
+        zygote.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

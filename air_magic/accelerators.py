@@ -1,0 +1,279 @@
+"""Accelerator names and detection of what this machine has.
+
+``AcceleratorType`` names a node shape: ``GPU_<n>x<MODEL>`` (``GPU_8xH100``,
+``GPU_1xA10``, ``GPU_4xL40S`` ...) or ``CPU``.  ``GPUType`` is the legacy chip-only
+name kept for notebooks moved from ``serverless_gpu`` / ``databricks.air``.
+
+Detection asks NVML (``nvidia-ml-py``) in the kernel: NVML never creates a CUDA
+context, so the kernel stays free of CUDA state.  ``nvidia-smi`` is the fallback,
+and a machine where neither answers is CPU-only.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import ClassVar
+
+from .errors import ConfigurationError
+
+__all__ = ["AcceleratorType", "GPUType", "Hardware", "detect_hardware", "model_from_device_name"]
+
+_SHAPE_RE = re.compile(r"^GPU_(\d+)X([A-Z0-9][A-Z0-9_]*)$")
+
+
+class AcceleratorType:
+    """A node shape: ``GPU_<count>x<MODEL>`` or ``CPU``.
+
+    Parsing is case-insensitive; the canonical spelling is ``GPU_8xH100``.
+
+    Examples
+    --------
+    >>> AcceleratorType.parse("gpu_8xh100")
+    AcceleratorType('GPU_8xH100')
+    >>> AcceleratorType.GPU_1xA10.count, AcceleratorType.GPU_1xA10.model
+    (1, 'A10')
+    """
+
+    GPU_1xA10: ClassVar[AcceleratorType]
+    GPU_1xH100: ClassVar[AcceleratorType]
+    GPU_8xH100: ClassVar[AcceleratorType]
+    GPU_8xB300: ClassVar[AcceleratorType]
+    CPU: ClassVar[AcceleratorType]
+
+    __slots__ = ("count", "model")
+
+    def __init__(self, count: int, model: str) -> None:
+        self.count = count
+        self.model = model
+
+    @property
+    def value(self) -> str:
+        return "CPU" if self.is_cpu else f"GPU_{self.count}x{self.model}"
+
+    name = value
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.model == "CPU"
+
+    @classmethod
+    def parse(cls, value: "AcceleratorType | str") -> "AcceleratorType":
+        """Parse ``GPU_<n>x<MODEL>`` or ``CPU`` (any case); raise ``ConfigurationError`` otherwise."""
+        if isinstance(value, AcceleratorType):
+            return value
+        if not isinstance(value, str):
+            raise ConfigurationError(
+                f"accelerator_type must be an AcceleratorType or a string such as 'GPU_8xH100', "
+                f"got {type(value).__name__} {value!r}."
+            )
+        text = value.strip().upper()
+        if text == "CPU":
+            return cls.CPU
+        match = _SHAPE_RE.match(text)
+        if match and int(match.group(1)) > 0:
+            return cls(int(match.group(1)), match.group(2))
+        raise ConfigurationError(
+            f"Invalid accelerator type {value!r}. Use 'GPU_<count>x<MODEL>' "
+            f"(for example {', '.join(repr(t.value) for t in _KNOWN)}) or 'CPU'; "
+            "omit accelerator_type to use what this machine has."
+        )
+
+    @classmethod
+    def values(cls) -> list[str]:
+        """The named shapes of the reference product, plus ``CPU``."""
+        return [t.value for t in _KNOWN] + ["CPU"]
+
+    @classmethod
+    def detect(cls) -> "AcceleratorType":
+        """The shape of this machine: every visible GPU (``GPU_2xH200``), or ``CPU``."""
+        return detect_hardware().accelerator_type
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            try:
+                other = AcceleratorType.parse(other)
+            except ConfigurationError:
+                return False
+        if not isinstance(other, AcceleratorType):
+            return NotImplemented
+        return (self.count, self.model) == (other.count, other.model)
+
+    def __hash__(self) -> int:
+        return hash((self.count, self.model))
+
+    def __repr__(self) -> str:
+        return f"AcceleratorType({self.value!r})"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AcceleratorType.GPU_1xA10 = AcceleratorType(1, "A10")
+AcceleratorType.GPU_1xH100 = AcceleratorType(1, "H100")
+AcceleratorType.GPU_8xH100 = AcceleratorType(8, "H100")
+AcceleratorType.GPU_8xB300 = AcceleratorType(8, "B300")
+AcceleratorType.CPU = AcceleratorType(0, "CPU")
+_KNOWN = (
+    AcceleratorType.GPU_1xA10,
+    AcceleratorType.GPU_1xH100,
+    AcceleratorType.GPU_8xH100,
+    AcceleratorType.GPU_8xB300,
+)
+
+
+class GPUType(enum.Enum):
+    """Legacy chip names of ``serverless_gpu`` (deprecated: use :class:`AcceleratorType`)."""
+
+    H100 = "h100_80gb"
+    A10 = "a10"
+    B300 = "b300"
+
+    @classmethod
+    def parse(cls, value: "GPUType | str") -> "GPUType | None":
+        """The legacy type for ``value`` (``"H100"``, ``"h100_80gb"``, ``"a10g"`` ...), else ``None``."""
+        if isinstance(value, GPUType):
+            return value
+        if not isinstance(value, str):
+            return None
+        text = value.strip().lower()
+        if text == "a10g":
+            return cls.A10
+        for member in cls:
+            if text in (member.value, member.name.lower()):
+                return member
+        return None
+
+    def to_accelerator_type(self, count: int | None) -> AcceleratorType | None:
+        """The exact replacement: A10 is always one GPU, B300 always eight, H100 follows ``count``."""
+        if self is GPUType.A10:
+            return AcceleratorType.GPU_1xA10
+        if self is GPUType.B300:
+            return AcceleratorType.GPU_8xB300
+        if count is None:
+            return None
+        return AcceleratorType(count, "H100")
+
+
+_DROP_WORDS = {"NVIDIA", "GEFORCE", "TESLA", "QUADRO"}
+
+
+def model_from_device_name(name: str) -> str:
+    """The chip token of an NVIDIA device name.
+
+    Examples
+    --------
+    >>> model_from_device_name("NVIDIA H100 80GB HBM3")
+    'H100'
+    >>> model_from_device_name("NVIDIA A10G")
+    'A10'
+    >>> model_from_device_name("NVIDIA GeForce RTX 4090")
+    'RTX4090'
+    >>> model_from_device_name("NVIDIA A100-SXM4-80GB")
+    'A100'
+    """
+    words = [w for w in re.split(r"[\s]+", name.upper().strip()) if w and w not in _DROP_WORDS]
+    if not words:
+        return "GPU"
+    first = words[0].split("-")[0]
+    if first == "RTX" and len(words) > 1:
+        first = "RTX" + words[1].split("-")[0]
+    # The reference product calls the A10G (AWS) and A10-24Q (Azure vGPU) "A10".
+    if first in ("A10G",):
+        first = "A10"
+    return re.sub(r"[^A-Z0-9]", "", first) or "GPU"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What this machine offers to a launch."""
+
+    gpu_count: int
+    gpu_name: str | None
+
+    @property
+    def model(self) -> str | None:
+        return model_from_device_name(self.gpu_name) if self.gpu_name else None
+
+    @property
+    def accelerator_type(self) -> AcceleratorType:
+        if self.gpu_count == 0 or self.model is None:
+            return AcceleratorType.CPU
+        return AcceleratorType(self.gpu_count, self.model)
+
+    def describe(self) -> str:
+        if self.gpu_count == 0:
+            return "no NVIDIA GPU (CPU only)"
+        return f"{self.gpu_count} x {self.gpu_name} ({self.accelerator_type.value})"
+
+
+def _query_nvml() -> list[str] | None:
+    """Names of every GPU NVML sees, or ``None`` when NVML is not available."""
+    try:
+        import pynvml  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        names = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # pragma: no cover - shutdown failures change nothing
+            pass
+
+
+def _query_nvidia_smi() -> list[str] | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+@lru_cache(maxsize=1)
+def _physical_gpus() -> tuple[str, ...]:
+    names = _query_nvml()
+    if names is None:
+        names = _query_nvidia_smi()
+    return tuple(names or ())
+
+
+def detect_hardware() -> Hardware:
+    """The GPUs this process may use (``CUDA_VISIBLE_DEVICES`` honoured), without touching CUDA."""
+    names = list(_physical_gpus())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and names:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        chosen: list[str] = []
+        for entry in entries:
+            if entry.isdigit():
+                index = int(entry)
+                if index >= len(names):
+                    break  # CUDA stops at the first invalid ordinal
+                chosen.append(names[index])
+            elif entry.startswith(("GPU-", "MIG-")):
+                chosen.append(names[0])
+            else:
+                break
+        names = chosen
+    return Hardware(gpu_count=len(names), gpu_name=names[0] if names else None)

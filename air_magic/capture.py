@@ -1,0 +1,456 @@
+"""Turning a notebook function or cell into a payload the ranks can run.
+
+Only what the code uses travels:
+
+* a cell: the names it reads before assigning them (free-name analysis of its
+  syntax tree; names read inside functions it defines count unless the cell binds
+  them), looked up in the notebook's namespace;
+* a function: the function itself, by value when it was defined in the notebook,
+  with the globals and closures it (and notebook functions it calls) reads —
+  cloudpickle's own traversal; its arguments.
+
+Everything is pickled *before* any process starts.  Objects that cannot be pickled
+are all named in one :class:`~air_magic.errors.CaptureError` (name, type, reason);
+big objects and CUDA tensors get a warning that names them.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dis
+import io
+import linecache
+import marshal
+import os
+import pickle
+import sys
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import cloudpickle
+
+from ._rank import RESULT_NAME
+from .errors import CaptureError
+
+__all__ = ["Payload", "function_payload", "cell_payload", "free_names", "CaptureWarning", "settings"]
+
+
+class CaptureWarning(UserWarning):
+    """Something sent to the ranks is large, or lives on a GPU."""
+
+
+@dataclass
+class _Settings:
+    #: Captured objects whose pickle is larger than this (MB) get a warning.
+    warn_mb: float = float(os.environ.get("AIR_MAGIC_CAPTURE_WARN_MB", "100"))
+
+
+settings = _Settings()
+
+#: Names IPython puts in the user namespace that must never travel.
+_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh", "_i", "_ii", "_iii"}
+
+
+@dataclass
+class Payload:
+    """What the ranks run: pickled once in the kernel, read by every rank."""
+
+    kind: str  # "function" or "cell"
+    label: str
+    data: dict[str, Any]
+    #: filename -> (display name, source) so rank tracebacks show the notebook's lines.
+    sources: dict[str, tuple[str, str]] = field(default_factory=dict)
+    size: int = 0
+
+    def dumps(self) -> bytes:
+        return dumps({"kind": self.kind, **self.data})
+
+
+class _PayloadPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    # cloudpickle renames the file of every code object it pickles ("<dynamic-code>");
+    # marshal keeps it, so a rank's traceback can name the notebook cell and line.
+    # Ranks run the kernel's own interpreter, so marshal's format always matches.
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType):
+            return marshal.loads, (marshal.dumps(obj),)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> bytes:
+    """cloudpickle, keeping code objects' file names."""
+    buffer = io.BytesIO()
+    _PayloadPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+# -- free names of a cell ----------------------------------------------------------------
+
+
+class _FreeNames(ast.NodeVisitor):
+    """Names a cell reads before it binds them, in execution order (module level)."""
+
+    def __init__(self) -> None:
+        self.bound: set[str] = set()
+        self.free: set[str] = set()
+        self.deferred: set[str] = set()  # read inside function bodies / lambdas
+
+    # statements that bind after evaluating their value
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.visit(node.value)
+        for target in node.targets:
+            self.visit(target)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self.visit(node.value)
+        self.visit(node.annotation)
+        self.visit(node.target)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self.visit(node.value)
+        if isinstance(node.target, ast.Name):
+            self._load(node.target.id)
+            self.bound.add(node.target.id)
+        else:
+            self.visit(node.target)
+
+    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
+        self.visit(node.value)
+        self.bound.add(node.target.id)
+
+    def visit_For(self, node: ast.For | ast.AsyncFor) -> None:
+        self.visit(node.iter)
+        self.visit(node.target)
+        for stmt in node.body + node.orelse:
+            self.visit(stmt)
+
+    visit_AsyncFor = visit_For
+
+    def visit_Import(self, node: ast.Import | ast.ImportFrom) -> None:
+        for alias in node.names:
+            if alias.name != "*":
+                self.bound.add(alias.asname or alias.name.split(".")[0])
+
+    visit_ImportFrom = visit_Import
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        if node.type is not None:
+            self.visit(node.type)
+        if node.name:
+            self.bound.add(node.name)
+        for stmt in node.body:
+            self.visit(stmt)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Store):
+            self.bound.add(node.id)
+        else:
+            self._load(node.id)
+
+    def _load(self, name: str) -> None:
+        if name not in self.bound:
+            self.free.add(name)
+
+    # scopes of their own
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        for expr in [*node.decorator_list, *_defaults(node.args), *_annotations(node)]:
+            self.visit(expr)
+        self.deferred |= _scope_reads(node)
+        self.bound.add(node.name)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        for expr in _defaults(node.args):
+            self.visit(expr)
+        self.deferred |= _scope_reads(node)
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        for expr in [*node.decorator_list, *node.bases, *(k.value for k in node.keywords)]:
+            self.visit(expr)
+        # A class body runs now; the methods inside it run later.
+        for name in _scope_reads(node):
+            self._load(name)
+        self.bound.add(node.name)
+
+    def _comprehension(self, node: ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp) -> None:
+        for name in _scope_reads(node):
+            self._load(name)
+
+    visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
+
+
+def _defaults(args: ast.arguments) -> list[ast.expr]:
+    return [d for d in [*args.defaults, *args.kw_defaults] if d is not None]
+
+
+def _annotations(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.expr]:
+    args = node.args
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    found = [a.annotation for a in every if a is not None and a.annotation is not None]
+    return found + ([node.returns] if node.returns is not None else [])
+
+
+def _scope_reads(node: ast.AST) -> set[str]:
+    """Names read in a nested scope that the scope itself does not bind (approximate)."""
+    reads: set[str] = set()
+    binds: set[str] = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            (binds if isinstance(child.ctx, ast.Store) else reads).add(child.id)
+        elif isinstance(child, ast.arg):
+            binds.add(child.arg)
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child is not node:
+            binds.add(child.name)
+        elif isinstance(child, (ast.Import, ast.ImportFrom)):
+            binds.update(a.asname or a.name.split(".")[0] for a in child.names)
+        elif isinstance(child, ast.ExceptHandler) and child.name:
+            binds.add(child.name)
+        elif isinstance(child, (ast.Global, ast.Nonlocal)):
+            reads.update(child.names)
+    return reads - binds
+
+
+def free_names(tree: ast.Module) -> set[str]:
+    """The names a cell needs from the notebook namespace."""
+    visitor = _FreeNames()
+    for stmt in tree.body:
+        visitor.visit(stmt)
+    return visitor.free | (visitor.deferred - visitor.bound)
+
+
+# -- checks shared by both fronts ------------------------------------------------------
+
+
+def _describe_type(value: object) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _pickle_each(items: Iterable[tuple[str, Any]]) -> tuple[dict[str, bytes], list[tuple[str, str, str]]]:
+    blobs: dict[str, bytes] = {}
+    problems: list[tuple[str, str, str]] = []
+    for name, value in items:
+        try:
+            blobs[name] = dumps(value)
+        except Exception as exc:
+            problems.append((name, _describe_type(value), f"{type(exc).__name__}: {exc}"))
+    return blobs, problems
+
+
+def _raise_problems(problems: list[tuple[str, str, str]], where: str) -> None:
+    lines = [f"  - {name} ({kind}): {reason}" for name, kind, reason in problems]
+    names = ", ".join(f"'{name}'" for name, _, _ in problems)
+    raise CaptureError(
+        f"cannot send {names} to the ranks: {'it' if len(problems) == 1 else 'they'} cannot be "
+        f"pickled.\n" + "\n".join(lines) + f"\nCreate {'it' if len(problems) == 1 else 'them'} "
+        f"inside {where} instead (load data, open files and connections on each rank).",
+        problems,
+    )
+
+
+def _warn_sizes(sizes: dict[str, int], where: str) -> None:
+    limit = settings.warn_mb * 1e6
+    for name, size in sizes.items():
+        if size > limit:
+            warnings.warn(
+                f"'{name}' is {size / 1e6:.0f} MB once pickled and is sent to every rank. "
+                f"Load or build it inside {where} instead: each rank then makes its own copy "
+                "without going through the kernel.",
+                CaptureWarning,
+                stacklevel=_user_stacklevel(),
+            )
+
+
+def _warn_cuda(values: Iterable[tuple[str, Any]]) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for name, value in values:
+        on_gpu = False
+        if isinstance(value, torch.Tensor):
+            on_gpu = value.device.type != "cpu"
+        elif isinstance(value, torch.nn.Module):
+            on_gpu = any(p.device.type != "cpu" for p in value.parameters())
+        if on_gpu:
+            warnings.warn(
+                f"'{name}' is on a GPU in the kernel; every rank would load it onto that same "
+                "device. Create it inside the function and move it to cuda:LOCAL_RANK there.",
+                CaptureWarning,
+                stacklevel=_user_stacklevel(),
+            )
+
+
+def _user_stacklevel() -> int:
+    from .spec import _user_stacklevel as level
+
+    return level() + 1
+
+
+def _notebook_sources(codes: Iterable[types.CodeType]) -> dict[str, tuple[str, str]]:
+    """Sources of notebook cells (not real files) that the code comes from."""
+    found: dict[str, tuple[str, str]] = {}
+    names = _cell_names()
+    for code in codes:
+        filename = code.co_filename
+        if filename in found or os.path.exists(filename):
+            continue
+        entry = linecache.cache.get(filename)
+        if entry and entry[2]:
+            display = f"Cell In[{names[filename]}]" if filename in names else f'File "{filename}"'
+            found[filename] = (display, "".join(entry[2]))
+    return found
+
+
+def _cell_names() -> dict[str, int]:
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return {}
+    shell = ipython.get_ipython()
+    compiler = getattr(shell, "compile", None)
+    return dict(getattr(compiler, "_filename_map", {}) or {})
+
+
+def _referenced_globals(func: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """The notebook globals a function reads, following notebook functions it calls."""
+    seen: set[int] = set()
+    found: dict[str, Any] = {}
+    stack = [func]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen or not isinstance(fn, types.FunctionType):
+            continue
+        seen.add(id(fn))
+        for name, value in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                found.setdefault(name, value.cell_contents)
+            except ValueError:
+                pass
+        for name in _global_names(fn.__code__):
+            if name in fn.__globals__:
+                value = fn.__globals__[name]
+                found.setdefault(name, value)
+                if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+                    stack.append(value)
+    return list(found.items())
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = {
+        instr.argval
+        for instr in dis.get_instructions(code)
+        if instr.opname in ("LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL") and isinstance(instr.argval, str)
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _code_objects(func: Callable[..., Any]) -> list[types.CodeType]:
+    codes = []
+    for _, value in [("", func), *_referenced_globals(func)]:
+        code = getattr(value, "__code__", None)
+        if isinstance(code, types.CodeType):
+            codes.append(code)
+    return codes
+
+
+def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:
+    """Pickle a function call for the ranks; name everything that cannot travel."""
+    label = getattr(func, "__qualname__", repr(func))
+    where = f"'{label}'"
+    arguments = [(f"argument {i}", a) for i, a in enumerate(args)] + [
+        (f"argument '{k}'", v) for k, v in kwargs.items()
+    ]
+    arg_blobs, problems = _pickle_each(arguments)
+    try:
+        func_blob = dumps(func)
+    except Exception as exc:
+        # Find which globals / closure variables are to blame, to name every one of them.
+        _, culprits = _pickle_each(
+            (name, value) for name, value in _referenced_globals(func)
+            if not isinstance(value, types.ModuleType)
+        )
+        problems = culprits + problems
+        if not culprits:
+            problems.insert(0, (label, _describe_type(func), f"{type(exc).__name__}: {exc}"))
+        func_blob = b""
+    if problems:
+        _raise_problems(problems, where)
+    sizes = {name: len(blob) for name, blob in arg_blobs.items()}
+    if len(func_blob) > settings.warn_mb * 1e6:
+        sizes.update(
+            (name, len(dumps(value)))
+            for name, value in _referenced_globals(func)
+            if not isinstance(value, (types.ModuleType, types.FunctionType, type))
+        )
+    _warn_sizes(sizes, where)
+    _warn_cuda([*_referenced_globals(func), *arguments])
+    positional = [arg_blobs[f"argument {i}"] for i in range(len(args))]
+    keywords = {k: arg_blobs[f"argument '{k}'"] for k in kwargs}
+    payload = Payload(
+        kind="function",
+        label=label,
+        data={"func": func_blob, "args": positional, "kwargs": keywords},
+        sources=_notebook_sources(_code_objects(func)),
+        size=len(func_blob) + sum(len(b) for b in arg_blobs.values()),
+    )
+    return payload
+
+
+def compile_cell(body: str, display: str, filename: str, first_line: int = 2) -> tuple[types.CodeType, ast.Module]:
+    """Compile a cell body so its line numbers match the notebook cell (syntax errors here)."""
+    tree = ast.parse(body, filename=filename, mode="exec")
+    ast.increment_lineno(tree, first_line - 1)
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body[-1]
+        tree.body[-1] = ast.copy_location(
+            ast.Assign(targets=[ast.Name(RESULT_NAME, ast.Store())], value=last.value), last
+        )
+        ast.fix_missing_locations(tree)
+    return compile(tree, filename, "exec"), tree
+
+
+def cell_payload(
+    body: str,
+    namespace: dict[str, Any],
+    *,
+    display: str,
+    filename: str,
+    header: str = "%%distributed",
+) -> Payload:
+    """Pickle a ``%%distributed`` cell and the notebook names it reads."""
+    try:
+        code, tree = compile_cell(body, display, filename)
+    except SyntaxError as exc:
+        if exc.filename == filename:
+            exc.filename = display
+        raise
+    wanted = sorted(
+        name for name in free_names(tree)
+        if name in namespace
+        and name not in _IPYTHON_NAMES
+        and not (name.startswith("_i") and name[2:].isdigit())
+        and not (name.startswith("_") and name[1:].isdigit())
+        and not (hasattr(builtins, name) and namespace[name] is getattr(builtins, name))
+    )
+    items = [(name, namespace[name]) for name in wanted]
+    blobs, problems = _pickle_each(items)
+    if problems:
+        _raise_problems(problems, "the cell")
+    _warn_sizes({name: len(blob) for name, blob in blobs.items()}, "the cell")
+    _warn_cuda(items)
+    codes = [v.__code__ for _, v in items if isinstance(getattr(v, "__code__", None), types.CodeType)]
+    sources = _notebook_sources(codes)
+    sources[filename] = (display, header + "\n" + body)
+    return Payload(
+        kind="cell",
+        label=display,
+        data={"code": code, "names": blobs},
+        sources=sources,
+        size=sum(len(b) for b in blobs.values()),
+    )

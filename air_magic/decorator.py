@@ -1,0 +1,229 @@
+"""``@distributed``: run a function on every accelerator of this machine."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Generic, TypeVar, overload
+
+from .accelerators import AcceleratorType, GPUType
+from .capture import function_payload
+from .errors import DirectCallError
+from .spec import DEFAULT_TIMEOUT, UNSET, AcceleratorArg, LaunchSpec, make_spec
+
+__all__ = ["distributed", "DistributedFunction"]
+
+R = TypeVar("R")
+
+
+class DistributedFunction(Generic[R]):
+    """A function that runs as one process per accelerator.
+
+    Launch it with ``.distributed(*args, **kwargs)`` (blocks, returns one value per
+    rank in rank order) or ``.submit(*args, **kwargs)`` (returns a
+    :class:`~air_magic.launcher.Launch` at once).  ``.func`` is the original function.
+    """
+
+    def __init__(self, func: Callable[..., R], spec: LaunchSpec) -> None:
+        if not callable(func):
+            raise TypeError(f"@distributed decorates a function, got {type(func).__name__} {func!r}")
+        self.func = func
+        self.spec = spec
+        functools.update_wrapper(self, func)  # type: ignore[arg-type]
+        self._signature = inspect.signature(func)
+
+    @property
+    def num_accelerators(self) -> int | None:
+        """The number of ranks asked for (``None``: every GPU, or 1 CPU rank)."""
+        return self.spec.num_accelerators
+
+    @property
+    def accelerator_type(self) -> AcceleratorType | GPUType | None:
+        """The accelerator type asked for (``None``: detected at launch)."""
+        return self.spec.accelerator_type
+
+    @property
+    def timeout(self) -> float | None:
+        return self.spec.timeout
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        name = getattr(self.func, "__name__", "func")
+        raise DirectCallError(
+            f"{name} is decorated with @distributed and cannot be called directly. "
+            f"Use {name}.distributed(...) to run it on every rank, or {name}.func(...) to call "
+            "the original function in this process."
+        )
+
+    def _payload(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # A wrong call is a TypeError here, before anything is pickled or started.
+        self._signature.bind(*args, **kwargs)
+        return function_payload(self.func, args, kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        """Start the launch and return its :class:`~air_magic.launcher.Launch` handle at once."""
+        from .launcher import get_launcher
+
+        payload = self._payload(args, kwargs)
+        return get_launcher().start(self.spec, payload)
+
+    def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
+        """Run on every rank and wait; one return value per rank, ordered by global rank.
+
+        Examples
+        --------
+        >>> @distributed(num_accelerators=2)          # doctest: +SKIP
+        ... def rank_and_size():
+        ...     import os
+        ...     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        >>> rank_and_size.distributed()               # doctest: +SKIP
+        [(0, 2), (1, 2)]
+        """
+        launch = self.submit(*args, **kwargs)
+        return launch.wait_streaming()  # type: ignore[no-any-return]
+
+    def with_overrides(
+        self,
+        num_accelerators: int | None = None,
+        accelerator_type: AcceleratorArg = None,
+        timeout: Any = UNSET,
+        *,
+        gpus: int | None = None,
+        gpu_type: AcceleratorArg = None,
+        tracking: bool | None = None,
+        experiment: str | None = None,
+        run_name: str | None = None,
+        backend: str | None = None,
+    ) -> "DistributedFunction[R]":
+        """A new, re-validated object with some settings changed (``timeout=None``: no limit)."""
+        spec = self.spec
+        count = num_accelerators
+        if gpus is None and num_accelerators is None:
+            count = spec.num_accelerators
+        accel = accelerator_type
+        if gpu_type is None and accelerator_type is None:
+            accel = spec.accelerator_type
+            if (
+                count != spec.num_accelerators
+                and isinstance(accel, AcceleratorType)
+                and not accel.is_cpu
+                and count is not None
+                and count > accel.count
+            ):
+                accel = AcceleratorType(count, accel.model)  # keep the chip, follow the count
+        new_spec = make_spec(
+            count if gpus is None else None,
+            accel,
+            spec.timeout if timeout is UNSET else timeout,
+            gpus=gpus,
+            gpu_type=gpu_type,
+            tracking=spec.tracking if tracking is None else tracking,
+            experiment=spec.experiment if experiment is None else experiment,
+            run_name=spec.run_name if run_name is None else run_name,
+            backend=spec.backend if backend is None else backend,
+        )
+        return DistributedFunction(self.func, new_spec)
+
+    def __repr__(self) -> str:
+        name = getattr(self.func, "__qualname__", repr(self.func))
+        return f"DistributedFunction({self.spec.describe()}, func={name})"
+
+
+@overload
+def distributed(func: Callable[..., R], /) -> DistributedFunction[R]: ...
+
+
+@overload
+def distributed(
+    num_accelerators: int | None = None,
+    accelerator_type: AcceleratorArg = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    *,
+    gpus: int | None = None,
+    gpu_type: AcceleratorArg = None,
+    tracking: bool = True,
+    experiment: str | None = None,
+    run_name: str | None = None,
+    backend: str = "local",
+    remote: bool = False,
+) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
+
+
+def distributed(
+    num_accelerators: Any = None,
+    accelerator_type: AcceleratorArg = None,
+    timeout: Any = DEFAULT_TIMEOUT,
+    *,
+    gpus: Any = None,
+    gpu_type: AcceleratorArg = None,
+    tracking: Any = True,
+    experiment: Any = None,
+    run_name: Any = None,
+    backend: Any = "local",
+    remote: Any = False,
+) -> Any:
+    """Run a function as one process per accelerator of this machine (DDP, FSDP, DeepSpeed).
+
+    Parameters
+    ----------
+    num_accelerators : int, optional
+        Number of ranks. Default: every GPU of this machine, or 1 CPU rank where
+        there is none (pass N to run N CPU ranks with gloo).
+    accelerator_type : AcceleratorType or str, optional
+        ``"GPU_8xH100"``, ``"GPU_1xA10"``, ``"GPU_<n>x<MODEL>"`` or ``"CPU"``, any case.
+        Detected when omitted; checked against the hardware at launch.
+    timeout : float or None
+        Seconds before every rank is stopped and a ``LaunchTimeoutError`` is raised;
+        ``None`` for no limit. Default 3 hours.
+    gpus, gpu_type
+        Deprecated names of ``num_accelerators`` and ``accelerator_type``.
+    tracking : bool
+        Record the launch as an MLflow run.
+    experiment, run_name : str, optional
+        MLflow experiment and run name for the launch.
+    backend : str
+        ``"local"`` (this machine).
+
+    Returns
+    -------
+    DistributedFunction
+        Launch with ``.distributed(*args, **kwargs)``; ``.func`` is the original.
+
+    Examples
+    --------
+    >>> from air_magic import distributed                      # doctest: +SKIP
+    >>> @distributed(num_accelerators=2)                       # doctest: +SKIP
+    ... def train(lr):
+    ...     import torch.distributed as dist
+    ...     dist.init_process_group()
+    ...     rank = dist.get_rank()
+    ...     dist.destroy_process_group()
+    ...     return rank, lr
+    >>> train.distributed(0.1)                                 # doctest: +SKIP
+    [(0, 0.1), (1, 0.1)]
+    """
+    if callable(num_accelerators) and not isinstance(num_accelerators, (int, AcceleratorType)):
+        # Bare @distributed: the function arrives as the first argument.
+        _warm_launcher()
+        return DistributedFunction(num_accelerators, make_spec())
+    spec = make_spec(
+        num_accelerators, accelerator_type, timeout,
+        gpus=gpus, gpu_type=gpu_type, tracking=tracking, experiment=experiment,
+        run_name=run_name, backend=backend, remote=remote,
+    )
+    _warm_launcher()
+
+    def decorate(func: Callable[..., R]) -> DistributedFunction[R]:
+        return DistributedFunction(func, spec)
+
+    return decorate
+
+
+def _warm_launcher() -> None:
+    # Start the helper (which imports torch) as early as possible: by the time the
+    # user calls .distributed(), the first launch is warm.
+    try:
+        from .launcher import get_launcher
+
+        get_launcher().warm()
+    except Exception:  # warming is an optimisation; the launch reports real problems
+        pass

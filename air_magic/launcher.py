@@ -1,0 +1,704 @@
+"""The kernel-side launcher: one per kernel, shared by ``@distributed`` and ``%%distributed``.
+
+Data flow::
+
+    kernel (this module)                    helper process (_zygote)          ranks (_rank)
+    --------------------                    ------------------------          -------------
+    LaunchSpec + Payload
+      |  resolve against hardware
+      |  payload.pkl  -> work dir (0700)
+      |  ("launch", request) ------------>  bind 127.0.0.1:0, fork N -------> setsid, log file,
+      |                                     host TCPStore on that socket       env/cwd/sys.path,
+      |  <------------ ("started", pids)                                       run code,
+      |                                     pidfd per rank <----- exit ------  result-<r>.pkl
+      |  <------------ ("exit", rank, rc)   first rc != 0: stop the others     (+ /dev/shm tensors)
+      |  <------------ ("done")
+      |  read result-<r>.pkl in rank order -> list, or one exception naming the rank
+      v
+    observers (MLflow run, panel) see start and end through LaunchObserver
+
+Rank 0's log is copied into the cell while a blocking launch waits (from the main
+thread, in short slices, so an interrupt is handled at once); every rank's full log
+stays in the launch's log folder.  A kernel that dies takes everything with it: the
+helper sees EOF on its control socket, each rank sees EOF on a pipe whose only write
+end is in the kernel.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Protocol
+
+import socket
+
+from . import _results
+from ._rank import TRACEBACK_MARK
+from .accelerators import detect_hardware
+from .capture import Payload
+from .errors import (
+    LaunchCancelledError,
+    LaunchError,
+    LaunchTimeoutError,
+    RankCrashedError,
+    RankFailedError,
+    RankTraceback,
+    ResultError,
+    attach_rank_rendering,
+)
+from .hints import hints_for
+from .spec import LaunchSpec, Placement
+
+__all__ = ["Launcher", "Launch", "LaunchObserver", "get_launcher", "describe_exit"]
+
+#: Bytes of rank 0's output copied into the cell per launch; past it the cell says so.
+OUTPUT_LIMIT = int(os.environ.get("AIR_MAGIC_OUTPUT_LIMIT", str(1 << 20)))
+_POLL = 0.05
+
+
+class LaunchObserver(Protocol):
+    """What optional pieces (MLflow tracking, the panel) see of a launch."""
+
+    def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
+        """Called before the ranks start; may add environment variables for them."""
+
+    def after_end(self, launch: "Launch") -> None:
+        """Called once every rank has ended and the outcome is known."""
+
+
+ObserverFactory = Callable[["Launch"], "LaunchObserver | None"]
+
+
+@dataclass
+class RankState:
+    rank: int
+    log_path: str
+    pid: int | None = None
+    returncode: int | None = None
+
+    @property
+    def state(self) -> str:
+        if self.returncode is None:
+            return "starting" if self.pid is None else "running"
+        return "finished" if self.returncode == 0 else "failed"
+
+
+_SIGNAL_NOTES = {
+    signal.SIGKILL: "possibly out of memory (the kernel's OOM killer sends SIGKILL)",
+    signal.SIGSEGV: "a segmentation fault in native code (an extension, a driver, or a bad tensor access)",
+    signal.SIGABRT: "aborted by native code (a failed assertion in a C++ library, or a CUDA/NCCL error)",
+    signal.SIGBUS: "a bus error (often /dev/shm too small for DataLoader workers)",
+    signal.SIGTERM: "terminated by SIGTERM",
+    signal.SIGINT: "interrupted by SIGINT",
+}
+
+
+def describe_exit(returncode: int) -> str:
+    """``-9`` -> ``'was killed by SIGKILL (exit -9), possibly out of memory ...'``."""
+    if returncode < 0:
+        try:
+            sig = signal.Signals(-returncode)
+        except ValueError:
+            return f"was killed by signal {-returncode} (exit {returncode})"
+        note = _SIGNAL_NOTES.get(sig)
+        return f"was killed by {sig.name} (exit {returncode})" + (f": {note}" if note else "")
+    return f"exited with code {returncode} without reporting an exception (os._exit() or a crash in native code)"
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - 16384))
+            text = handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class _OutputPump:
+    """Copies new output of one rank's log into ``sys.stdout``, up to a limit.
+
+    Whole lines only (a carriage return ends a line too, for progress bars), so the
+    failure marker is always seen whole; the traceback after it is shown as the
+    cell's error instead.
+    """
+
+    def __init__(self, path: str, limit: int) -> None:
+        self.path = path
+        self.limit = limit
+        self.offset = 0
+        self.shown = 0
+        self.stopped = False
+
+    def pump(self, final: bool = False) -> None:
+        if self.stopped:
+            return
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read(1 << 20)
+        except FileNotFoundError:
+            return
+        if not final:
+            end = max(data.rfind(b"\n"), data.rfind(b"\r"))
+            data = data[: end + 1]
+        if not data:
+            return
+        self.offset += len(data)
+        mark = data.find(_MARK)
+        if mark >= 0:
+            data = data[:mark]
+            self.stopped = True
+        room = self.limit - self.shown
+        if len(data) > room:
+            cut = data[:room]
+            if b"\n" in cut:
+                cut = cut[: cut.rfind(b"\n") + 1]
+            self._write(cut)
+            self.stopped = True
+            sys.stdout.write(
+                f"\n[air_magic] rank 0 printed more than {self.limit // 1024} KiB; the rest is not "
+                f"shown here. Full log: {self.path}\n"
+            )
+            sys.stdout.flush()
+            return
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        if not data:
+            return
+        self.shown += len(data)
+        sys.stdout.write(data.decode("utf-8", "replace"))
+        sys.stdout.flush()
+
+
+_MARK = TRACEBACK_MARK.encode()
+
+
+class Launch:
+    """One launch of a function or cell on N ranks, running in the background.
+
+    ``result()`` waits for it (``.distributed()`` does exactly that), ``cancel()``
+    stops it, ``done()`` and ``status`` tell where it is.
+    """
+
+    def __init__(self, launcher: "Launcher", spec: LaunchSpec, placement: Placement, payload: Payload) -> None:
+        self.launcher = launcher
+        self.spec = spec
+        self.placement = placement
+        self.label = payload.label
+        self.kind = payload.kind
+        self.id = f"{next(launcher._counter):04d}-{uuid.uuid4().hex[:8]}"
+        self.work_dir = os.path.join(launcher.session_dir, self.id)
+        self.log_dir = os.path.join(self.work_dir, "logs")
+        self.shm_dir = os.path.join(launcher.shm_root, self.id) if launcher.shm_root else None
+        self.world_size = placement.world_size
+        self.ranks = [
+            RankState(r, os.path.join(self.log_dir, f"rank-{r}.log")) for r in range(self.world_size)
+        ]
+        self.run_id: str | None = None
+        self.run_url: str | None = None
+        self.started_at = time.time()
+        self.ended_at: float | None = None
+        self.status = "starting"
+        self._payload = payload
+        self._stop_reason: str | None = None
+        self._failures: list[int] = []
+        self._cancel_requested = False
+        self._done = threading.Event()
+        self._outcome: tuple[bool, Any] | None = None
+        self._error_text: str | None = None
+        self.observers: list[LaunchObserver] = []
+
+    # -- public handle ----------------------------------------------------------------------
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def log_paths(self) -> list[str]:
+        return [r.log_path for r in self.ranks]
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """Wait for the launch; the per-rank return values in rank order, or raise its error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"launch {self.id} is still running after {timeout} s")
+        assert self._outcome is not None
+        ok, value = self._outcome
+        if ok:
+            return list(value)
+        raise value
+
+    def cancel(self) -> bool:
+        """Stop every rank (SIGINT, then SIGTERM, then SIGKILL). False if it had already ended."""
+        if self._done.is_set():
+            return False
+        self._cancel_requested = True
+        self.launcher._send(("stop", self.id, "cancel"))
+        return True
+
+    def __repr__(self) -> str:
+        return f"<Launch {self.id} {self.label} ranks={self.world_size} status={self.status}>"
+
+    # -- blocking wait, from the main thread ------------------------------------------------
+
+    def wait_streaming(self) -> list[Any]:
+        """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
+        pump = _OutputPump(self.ranks[0].log_path, OUTPUT_LIMIT)
+        try:
+            while not self._done.wait(_POLL):
+                pump.pump()
+        except KeyboardInterrupt:
+            self.cancel()
+            try:
+                while not self._done.wait(_POLL):
+                    pump.pump()
+            except KeyboardInterrupt:  # a second interrupt: no more grace
+                self.launcher._send(("stop", self.id, "kill"))
+                self._kill_now()
+                self._done.wait(10)
+            pump.pump(final=True)
+            raise KeyboardInterrupt(
+                f"the launch of {self.label} was interrupted; its {self.world_size} "
+                f"rank{'s were' if self.world_size != 1 else ' was'} stopped"
+            ) from None
+        pump.pump(final=True)
+        return self.result()
+
+    # -- events from the helper (reader thread) ---------------------------------------------
+
+    def _on_started(self, pids: dict[int, int]) -> None:
+        for rank, pid in pids.items():
+            self.ranks[rank].pid = pid
+        if self.status == "starting":
+            self.status = "running"
+
+    def _on_exit(self, rank: int, returncode: int) -> None:
+        self.ranks[rank].returncode = returncode
+        if returncode != 0 and self._stop_reason is None:
+            self._failures.append(rank)
+
+    def _on_stopping(self, reason: str) -> None:
+        self._stop_reason = self._stop_reason or reason
+        self.status = "stopping"
+
+    def _on_error(self, text: str) -> None:
+        self._error_text = text
+
+    def _on_done(self) -> None:
+        try:
+            outcome = self._build_outcome()
+        except BaseException as exc:  # never leave a waiter hanging
+            outcome = (False, exc)
+        self._outcome = outcome
+        self.ended_at = time.time()
+        self._cleanup_files()
+        for observer in self.observers:
+            try:
+                observer.after_end(self)
+            except Exception as exc:  # an observer must never hide the launch's outcome
+                sys.stderr.write(f"[air_magic] {type(observer).__name__} failed at the end: {exc}\n")
+        self._done.set()
+
+    def _kill_now(self) -> None:
+        for state in self.ranks:
+            if state.pid and state.returncode is None:
+                try:
+                    os.killpg(state.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _helper_died(self, returncode: int | None) -> None:
+        self._kill_now()
+        self._error_text = (
+            f"the air_magic helper process died (exit {returncode}); the ranks were stopped. "
+            "The next launch starts a new helper."
+        )
+        self._on_done()
+
+    # -- outcome ------------------------------------------------------------------------------
+
+    def _build_outcome(self) -> tuple[bool, Any]:
+        n = self.world_size
+        if self._error_text is not None:
+            self.status = "failed"
+            return False, LaunchError(f"could not run {self.label}: {self._error_text}")
+        if self._stop_reason == "timeout":
+            self.status = "timed out"
+            timeout = self.spec.timeout
+            return False, LaunchTimeoutError(
+                f"{self.label} ran past its timeout of {timeout:g} s; all {n} rank"
+                f"{'s were' if n != 1 else ' was'} stopped. Pass a larger timeout (seconds) or "
+                "timeout=None for no limit (%%distributed --timeout SECONDS|none)."
+            )
+        if self._stop_reason in ("cancel", "kill") or (self._cancel_requested and not self._failures):
+            self.status = "cancelled"
+            return False, LaunchCancelledError(
+                f"the launch of {self.label} was cancelled; its {n} rank{'s were' if n != 1 else ' was'} stopped."
+            )
+        if self._failures:
+            self.status = "failed"
+            return False, self._rank_error(self._root_failure())
+        values = []
+        for state in self.ranks:
+            path = os.path.join(self.work_dir, f"result-{state.rank}.pkl")
+            try:
+                record = _results.read_record(path)
+            except FileNotFoundError:
+                self.status = "failed"
+                return False, RankCrashedError(
+                    f"rank {state.rank} of {n} exited (code {state.returncode}) without returning a "
+                    "result: something in the code ended the process early (os._exit). "
+                    f"Its log: {state.log_path}",
+                    rank=state.rank, world_size=n, returncode=state.returncode or 0,
+                    log_path=state.log_path,
+                )
+            if record[0] == "unpicklable":
+                self.status = "failed"
+                error = ResultError(
+                    f"rank {state.rank} of {n} returned a {record[1]}, which cannot be sent back to "
+                    f"the kernel ({record[2]}). Return plain data instead (numbers, lists, tensors, "
+                    "a state_dict()), or save it to a file on the rank."
+                )
+                error.rank, error.world_size = state.rank, n
+                return False, error
+            values.append(record[1])
+        self.status = "finished"
+        return True, values
+
+    def _root_failure(self) -> int:
+        # When one rank fails, its peers often fail right after inside a collective
+        # ("connection closed by peer"). The first failure that is not such an echo
+        # is the cause; else simply the first one.
+        for rank in self._failures:
+            record = self._error_record(rank)
+            if record is not None and not _is_echo(record[2], record[3]):
+                return rank
+        return self._failures[0]
+
+    def _error_record(self, rank: int) -> tuple[Any, ...] | None:
+        try:
+            record = _results.read_record(os.path.join(self.work_dir, f"result-{rank}.pkl"))
+        except (OSError, EOFError, Exception):
+            return None
+        return record if record[0] == "error" else None
+
+    def _rank_error(self, rank: int) -> BaseException:
+        n = self.world_size
+        state = self.ranks[rank]
+        others = [r for r in range(n) if r != rank]
+        stopped = (
+            f"; {'rank' if len(others) == 1 else 'ranks'} {', '.join(map(str, others))} "
+            f"{'was' if len(others) == 1 else 'were'} stopped" if others else ""
+        )
+        record = self._error_record(rank)
+        log_text = _tail(state.log_path, 200)
+        if record is None:
+            tail = _tail(state.log_path)
+            message = f"rank {rank} of {n} {describe_exit(state.returncode or 0)}{stopped}."
+            if tail:
+                message += f"\nIts last lines ({state.log_path}):\n{tail}"
+            error: BaseException = RankCrashedError(
+                message, rank=rank, world_size=n, returncode=state.returncode or 0, log_path=state.log_path
+            )
+            for hint in hints_for(log_text):
+                error.add_note(hint)
+            return error
+        _, blob, type_name, text, traceback_text = record
+        hints = hints_for(traceback_text + "\n" + log_text)
+        rebuilt: BaseException | None = None
+        if blob is not None:
+            try:
+                import cloudpickle
+
+                rebuilt = cloudpickle.loads(blob)
+            except Exception:
+                rebuilt = None
+        note = f"[air_magic] raised on rank {rank} of {n}{stopped}. Full log: {state.log_path}"
+        if isinstance(rebuilt, BaseException) and not isinstance(rebuilt, (KeyboardInterrupt, SystemExit)):
+            rebuilt.__cause__ = RankTraceback(traceback_text)
+            rebuilt.__suppress_context__ = True
+            rebuilt.__traceback__ = None
+            rebuilt.__notes__ = [note, *hints]  # replaces notes the rank added (they are in the traceback)
+            return attach_rank_rendering(rebuilt)
+        error = RankFailedError(
+            f"rank {rank} of {n} raised {type_name}: {text}{stopped}.",
+            rank=rank, world_size=n, exc_type=type_name, exc_message=text,
+            traceback_text=traceback_text, log_path=state.log_path,
+        )
+        for hint in hints:
+            error.add_note(hint)
+        return error
+
+    def _cleanup_files(self) -> None:
+        for name in os.listdir(self.work_dir) if os.path.isdir(self.work_dir) else ():
+            if name != "logs":
+                try:
+                    os.unlink(os.path.join(self.work_dir, name))
+                except OSError:
+                    pass
+        if self.shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+_ECHO_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistNetworkError",
+    "DistBackendError",
+    "NCCL communicator was aborted",
+)
+
+
+def _is_echo(type_name: str, message: str) -> bool:
+    return any(marker in type_name or marker in message for marker in _ECHO_MARKERS)
+
+
+class _Helper:
+    """The running helper process and the reader thread of its control channel."""
+
+    def __init__(self, launcher: "Launcher") -> None:
+        parent_sock, child_sock = socket.socketpair()
+        alive_r, self.alive_w = os.pipe()  # both ends non-inheritable; passed explicitly below
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+        env.pop("MPLBACKEND", None)
+        log = open(os.path.join(launcher.session_dir, "helper.log"), "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "air_magic._zygote", str(child_sock.fileno()), str(alive_r),
+                 launcher.session_dir, launcher.shm_root or ""],
+                pass_fds=(child_sock.fileno(), alive_r),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env=env, cwd=launcher.session_dir,
+            )
+        finally:
+            log.close()
+            child_sock.close()
+            os.close(alive_r)
+        self.conn = Connection(parent_sock.detach())
+        self.send_lock = threading.Lock()
+        self.ready = threading.Event()
+        self.info: dict[str, Any] = {}
+        self.alive = True
+        self.launcher = launcher
+        self.thread = threading.Thread(target=self._read, name="air_magic-helper-reader", daemon=True)
+        self.thread.start()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self.launcher._dispatch(self, message)
+            except Exception as exc:  # pragma: no cover - a bug must not kill the reader
+                sys.stderr.write(f"[air_magic] internal error handling {message[0]!r}: {exc}\n")
+        self.alive = False
+        self.launcher._helper_gone(self)
+
+    def close(self, wait: float = 3.0) -> None:
+        if self.alive:
+            try:
+                self.send(("shutdown",))
+            except OSError:
+                pass
+        try:
+            self.proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        try:
+            os.close(self.alive_w)
+        except OSError:
+            pass
+        if threading.current_thread() is not self.thread:
+            self.thread.join(2)
+
+
+class Launcher:
+    """Owns the helper process, the session's private folders and every launch of this kernel."""
+
+    _observer_factories: list[ObserverFactory] = []
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._helper: _Helper | None = None
+        self._counter = itertools.count(1)
+        self.launches: dict[str, Launch] = {}
+        self.session_dir = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-")
+        self.shm_root: str | None = None
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+            self.shm_root = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-", dir="/dev/shm")
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    @classmethod
+    def add_observer(cls, factory: ObserverFactory) -> None:
+        """Register ``factory(launch) -> observer | None``, called for every launch."""
+        if factory not in cls._observer_factories:
+            cls._observer_factories.append(factory)
+
+    def warm(self) -> None:
+        """Start the helper now (it imports torch in the background) so launches start fast."""
+        self._ensure_helper()
+
+    def _ensure_helper(self) -> _Helper:
+        with self._lock:
+            if self._closed:
+                raise LaunchError("the launcher was shut down; restart the kernel to launch again")
+            if self._helper is None or not self._helper.alive:
+                self._helper = _Helper(self)
+            return self._helper
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        helper = self._helper
+        if helper is not None and helper.alive:
+            try:
+                helper.send(message)
+            except OSError:
+                pass
+
+    def start(self, spec: LaunchSpec, payload: Payload) -> Launch:
+        """Start ``payload`` on the ranks ``spec`` asks for; returns at once."""
+        placement = spec.resolve(detect_hardware())
+        helper = self._ensure_helper()
+        launch = Launch(self, spec, placement, payload)
+        os.makedirs(launch.log_dir, mode=0o700)
+        if launch.shm_dir:
+            os.makedirs(launch.shm_dir, mode=0o700)
+        payload_path = os.path.join(launch.work_dir, "payload.pkl")
+        fd = os.open(payload_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload.dumps())
+        env = self._rank_environment(launch)
+        for factory in self._observer_factories:
+            observer = factory(launch)
+            if observer is not None:
+                launch.observers.append(observer)
+                observer.before_start(launch, env)
+        request = {
+            "launch_id": launch.id,
+            "world_size": launch.world_size,
+            "env": env,
+            "cwd": os.getcwd(),
+            "sys_path": [p if p else os.getcwd() for p in sys.path],
+            "payload_path": payload_path,
+            "work_dir": launch.work_dir,
+            "shm_dir": launch.shm_dir,
+            "log_paths": launch.log_paths,
+            "timeout": spec.timeout,
+            "sources": payload.sources,
+        }
+        with self._lock:
+            self.launches[launch.id] = launch
+        try:
+            helper.send(("launch", request))
+        except OSError as exc:
+            with self._lock:
+                self.launches.pop(launch.id, None)
+            raise LaunchError(f"could not reach the air_magic helper process: {exc}. Try again.") from exc
+        return launch
+
+    def _rank_environment(self, launch: Launch) -> dict[str, str]:
+        env = dict(os.environ)
+        # The kernel's inline plotting backend means nothing in a rank.
+        if env.get("MPLBACKEND", "").startswith("module://"):
+            env["MPLBACKEND"] = "Agg"
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.world_size)))
+        env["AIR_MAGIC_LAUNCH_ID"] = launch.id
+        if launch.placement.device == "cpu":
+            env.setdefault("DS_ACCELERATOR", "cpu")
+            if launch.placement.hardware.gpu_count:
+                env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks asked for on a GPU machine
+        return env
+
+    # -- messages from the helper (reader thread) ----------------------------------------------
+
+    def _dispatch(self, helper: _Helper, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "ready":
+            helper.info = message[1]
+            helper.ready.set()
+            return
+        launch = self.launches.get(message[1])
+        if launch is None:
+            return
+        if kind == "started":
+            launch._on_started(message[2])
+        elif kind == "exit":
+            launch._on_exit(message[2], message[3])
+        elif kind == "stopping":
+            launch._on_stopping(message[2])
+        elif kind == "error":
+            launch._on_error(message[2])
+            self._finish(launch)
+        elif kind == "done":
+            self._finish(launch)
+
+    def _finish(self, launch: Launch) -> None:
+        with self._lock:
+            self.launches.pop(launch.id, None)
+        launch._on_done()
+
+    def _helper_gone(self, helper: _Helper) -> None:
+        returncode = helper.proc.poll()
+        with self._lock:
+            orphans = list(self.launches.values())
+            self.launches.clear()
+            if self._helper is helper:
+                self._helper = None
+        for launch in orphans:
+            launch._helper_died(returncode)
+
+    def shutdown(self) -> None:
+        """Stop every rank and the helper; delete the session's files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.close()
+        for path in (self.session_dir, self.shm_root):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+_launcher: Launcher | None = None
+_launcher_lock = threading.Lock()
+
+
+def get_launcher() -> Launcher:
+    """The kernel's launcher (created on first use)."""
+    global _launcher
+    with _launcher_lock:
+        if _launcher is None or _launcher._closed:
+            _launcher = Launcher()
+        return _launcher

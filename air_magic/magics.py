@@ -1,0 +1,160 @@
+"""The ``%%distributed`` cell magic: a thin front over the same launcher as ``@distributed``."""
+
+from __future__ import annotations
+
+import ast
+import traceback
+import uuid
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, CFloat, CInt, Unicode
+
+from . import capture
+from .errors import ConfigurationError
+from .spec import DEFAULT_TIMEOUT, LaunchSpec, make_spec
+
+__all__ = ["DistributedMagics", "FLAG_TO_KEYWORD"]
+
+#: Every option of ``%%distributed`` and the ``@distributed`` keyword it maps to.
+FLAG_TO_KEYWORD = {
+    "--num-accelerators": "num_accelerators",
+    "--accelerator-type": "accelerator_type",
+    "--timeout": "timeout",
+    "--no-tracking": "tracking",
+    "--experiment": "experiment",
+    "--run-name": "run_name",
+    "--backend": "backend",
+    "--async": "submit",  # .submit(...) instead of .distributed(...)
+}
+
+
+def _timeout_arg(text: str) -> float | None:
+    if text.strip().lower() in ("none", "off", "0"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(
+            f"%%distributed: --timeout takes a number of seconds or 'none', got {text!r}"
+        ) from None
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """Defaults of ``%%distributed``, settable with ``%config DistributedMagics.<name> = ...``."""
+
+    num_accelerators = CInt(
+        None, allow_none=True, help="Ranks per launch (default: every GPU, or 1 CPU rank)."
+    ).tag(config=True)
+    accelerator_type = Unicode(None, allow_none=True, help="Default accelerator type.").tag(config=True)
+    timeout = CFloat(DEFAULT_TIMEOUT, allow_none=True, help="Default timeout in seconds (None: none).").tag(
+        config=True
+    )
+    tracking = Bool(True, help="Record each launch as an MLflow run.").tag(config=True)
+    experiment = Unicode(None, allow_none=True, help="Default MLflow experiment.").tag(config=True)
+    capture_warn_mb = CFloat(100.0, help="Warn when a captured object pickles to more MB than this.").tag(
+        config=True
+    )
+
+    @magic_arguments()
+    @argument("-n", "--num-accelerators", type=int, default=None, metavar="N",
+              help="Number of ranks (default: every GPU of this machine, or 1 CPU rank).")
+    @argument("--accelerator-type", default=None, metavar="TYPE",
+              help="GPU_<n>x<MODEL> (e.g. GPU_8xH100) or CPU; detected when omitted.")
+    @argument("--timeout", default=None, metavar="SECONDS|none",
+              help="Stop every rank after this many seconds (default 3 h); 'none' for no limit.")
+    @argument("--no-tracking", action="store_true", help="Do not record the launch in MLflow.")
+    @argument("--experiment", default=None, help="MLflow experiment of the launch's run.")
+    @argument("--run-name", default=None, help="MLflow run name of the launch.")
+    @argument("--async", dest="run_async", action="store_true",
+              help="Return a Launch handle at once instead of waiting for the ranks.")
+    @argument("--backend", default=None, choices=["local", "ray"], help="Where the ranks run (default local).")
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> Any:
+        """Run this cell on every rank; its last expression becomes a list, one value per rank.
+
+        Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so
+        ``torch.distributed.init_process_group()`` works as under torchrun. Names the
+        cell reads from the notebook are sent to the ranks (functions and classes
+        defined in the notebook by value, modules by reference). Interrupt the
+        kernel to stop the ranks.
+
+        Examples
+        --------
+        ::
+
+            In [1]: %load_ext air_magic
+
+            In [2]: %%distributed -n 2
+               ...: import torch, torch.distributed as dist
+               ...: dist.init_process_group()
+               ...: x = torch.ones(1) * dist.get_rank()
+               ...: dist.all_reduce(x)
+               ...: dist.destroy_process_group()
+               ...: x.item()
+            Out[2]: [1.0, 1.0]
+        """
+        args = parse_argstring(self.distributed, line)
+        spec = self._spec(args)
+        if not cell.strip():
+            raise UsageError("%%distributed: the cell is empty; write the code each rank runs below the magic.")
+        number = _cell_number(self.shell)
+        display = f"Cell In[{number}]"
+        filename = f"<air_magic cell {number} {uuid.uuid4().hex[:8]}>"
+        capture.settings.warn_mb = self.capture_warn_mb
+        namespace = self.shell.user_ns if self.shell is not None else {}
+        try:
+            payload = capture.cell_payload(
+                cell, namespace, display=display, filename=filename, header=f"%%distributed {line}".rstrip()
+            )
+        except SyntaxError as exc:
+            # Shown like any syntax error of a cell: no frames of the magic's machinery.
+            lines = traceback.format_exception_only(type(exc), exc)
+            exc._render_traceback_ = lambda: "".join(lines).rstrip("\n").splitlines()  # type: ignore[attr-defined]
+            raise exc.with_traceback(None) from None
+        from .launcher import get_launcher
+
+        try:
+            launch = get_launcher().start(spec, payload)
+        except ConfigurationError as exc:
+            raise UsageError(f"%%distributed: {exc}") from None
+        if args.run_async:
+            return launch
+        values = launch.wait_streaming()
+        return values if _ends_with_expression(cell) else None
+
+    def _spec(self, args: Any) -> LaunchSpec:
+        timeout: float | None = self.timeout
+        if args.timeout is not None:
+            timeout = _timeout_arg(args.timeout)
+        try:
+            return make_spec(
+                args.num_accelerators if args.num_accelerators is not None else self.num_accelerators,
+                args.accelerator_type or self.accelerator_type,
+                timeout,
+                tracking=self.tracking and not args.no_tracking,
+                experiment=args.experiment or self.experiment,
+                run_name=args.run_name,
+                backend=args.backend or "local",
+            )
+        except ConfigurationError as exc:
+            raise UsageError(f"%%distributed: {exc}") from None
+
+
+def _cell_number(shell: Any) -> int:
+    """The ``In[N]`` number of the running cell (IPython has already counted it)."""
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if numbers:
+        return max(numbers.values())
+    return int(getattr(shell, "execution_count", 0) or 0)
+
+
+def _ends_with_expression(cell: str) -> bool:
+    try:
+        tree = ast.parse(cell)
+    except SyntaxError:
+        return False
+    return bool(tree.body) and isinstance(tree.body[-1], ast.Expr)

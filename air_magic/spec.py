@@ -1,0 +1,269 @@
+"""The launch description shared by ``@distributed`` and ``%%distributed``.
+
+Both fronts build a :class:`LaunchSpec` with :func:`make_spec` (static checks, run
+at decoration / magic parsing, so a notebook written on a laptop decorates fine)
+and the launcher calls :meth:`LaunchSpec.resolve` against the attached hardware
+at launch time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Union
+
+from .accelerators import AcceleratorType, GPUType, Hardware
+from .errors import AcceleratorMismatchError, ConfigurationError
+
+__all__ = ["LaunchSpec", "Placement", "make_spec", "DEFAULT_TIMEOUT", "UNSET", "BACKENDS"]
+
+DEFAULT_TIMEOUT = 10800.0
+BACKENDS = ("local", "ray")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: "argument not passed" (``None`` is a meaningful timeout: no limit).
+UNSET: Any = _Unset()
+
+AcceleratorArg = Union[AcceleratorType, GPUType, str, None]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a launch runs, resolved against the hardware at launch time."""
+
+    world_size: int
+    device: str  # "cuda" or "cpu"
+    accelerator_type: AcceleratorType
+    hardware: Hardware
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launch needs besides the code: one field per ``%%distributed`` option."""
+
+    num_accelerators: int | None = None
+    accelerator_type: AcceleratorType | GPUType | None = None
+    timeout: float | None = DEFAULT_TIMEOUT
+    tracking: bool = True
+    experiment: str | None = None
+    run_name: str | None = None
+    backend: str = "local"
+
+    def with_changes(self, **changes: Any) -> "LaunchSpec":
+        return replace(self, **changes)
+
+    def resolve(self, hardware: Hardware) -> Placement:
+        """Check the spec against ``hardware``; raise ``AcceleratorMismatchError`` naming both."""
+        if self.backend != "local":
+            raise ConfigurationError(
+                f"backend={self.backend!r} is not available in this version of air_magic; "
+                "use backend='local' (every accelerator of this machine)."
+            )
+        wanted = self.accelerator_type
+        if isinstance(wanted, AcceleratorType) and wanted.is_cpu:
+            return Placement(self.num_accelerators or 1, "cpu", AcceleratorType.CPU, hardware)
+        if hardware.gpu_count == 0:
+            if wanted is not None:
+                raise AcceleratorMismatchError(
+                    f"accelerator_type={_shown(wanted)} was asked for, but this machine has "
+                    f"{hardware.describe()}. Omit accelerator_type (or pass 'CPU') to run "
+                    "CPU ranks here."
+                )
+            return Placement(self.num_accelerators or 1, "cpu", AcceleratorType.CPU, hardware)
+        attached = hardware.accelerator_type
+        if isinstance(wanted, GPUType):
+            chip = wanted.to_accelerator_type(1)
+            assert chip is not None
+            if chip.model != attached.model:
+                raise AcceleratorMismatchError(
+                    f"accelerator_type={_shown(wanted)} ({chip.model}) was asked for, but this "
+                    f"machine has {hardware.describe()}. Use accelerator_type="
+                    f"{attached.value!r} or omit it."
+                )
+            wanted = None
+        if isinstance(wanted, AcceleratorType):
+            if wanted.model != attached.model or wanted.count > attached.count:
+                raise AcceleratorMismatchError(
+                    f"accelerator_type={wanted.value!r} was asked for, but this machine has "
+                    f"{hardware.describe()}. Use accelerator_type={attached.value!r} or omit it."
+                )
+        count = self.num_accelerators
+        if count is None:
+            count = wanted.count if isinstance(wanted, AcceleratorType) else attached.count
+        if count > attached.count:
+            raise AcceleratorMismatchError(
+                f"num_accelerators={count} was asked for, but only {attached.count} GPU"
+                f"{'s are' if attached.count != 1 else ' is'} visible ({hardware.describe()}). "
+                f"Pass num_accelerators={attached.count} or fewer, or accelerator_type='CPU' "
+                "for CPU ranks."
+            )
+        return Placement(count, "cuda", attached, hardware)
+
+    def describe(self) -> str:
+        parts = [f"num_accelerators={self.num_accelerators!r}"]
+        parts.append(f"accelerator_type={_shown(self.accelerator_type)}")
+        parts.append(f"timeout={self.timeout!r}")
+        if not self.tracking:
+            parts.append("tracking=False")
+        if self.experiment:
+            parts.append(f"experiment={self.experiment!r}")
+        if self.run_name:
+            parts.append(f"run_name={self.run_name!r}")
+        if self.backend != "local":
+            parts.append(f"backend={self.backend!r}")
+        return ", ".join(parts)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, AcceleratorType):
+        return repr(value.value)
+    if isinstance(value, GPUType):
+        return f"GPUType.{value.name}"
+    return repr(value)
+
+
+def check_num_accelerators(value: object, name: str = "num_accelerators") -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(
+            f"{name} must be a positive integer (the number of ranks), got "
+            f"{type(value).__name__} {value!r}."
+        )
+    if value <= 0:
+        raise ConfigurationError(
+            f"{name} must be a positive integer (the number of ranks), got {value}. "
+            "Pass 1 or more, or omit it to use every GPU of this machine."
+        )
+    return value
+
+
+def check_timeout(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(
+            f"timeout must be a number of seconds or None (no limit), got "
+            f"{type(value).__name__} {value!r}."
+        )
+    if math.isnan(value) or value <= 0:
+        raise ConfigurationError(
+            f"timeout must be more than 0 seconds, got {value!r}. Pass timeout=None for no limit."
+        )
+    return None if math.isinf(value) else float(value)
+
+
+def _check_text(value: object, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigurationError(f"{name} must be a non-empty string or None, got {value!r}.")
+    return value
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside air_magic."""
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        if not os.path.abspath(frame.f_code.co_filename).startswith(package_dir + os.sep):
+            return level
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, FutureWarning, stacklevel=_user_stacklevel())
+
+
+def _fold_accelerator(
+    accelerator_type: AcceleratorArg, gpu_type: AcceleratorArg, count: int | None
+) -> AcceleratorType | GPUType | None:
+    if accelerator_type is not None and gpu_type is not None:
+        raise ConfigurationError(
+            "gpu_type and accelerator_type cannot be combined: gpu_type is the deprecated name "
+            "of accelerator_type. Pass only accelerator_type."
+        )
+    via_legacy_name = gpu_type is not None
+    value = gpu_type if via_legacy_name else accelerator_type
+    if value is None:
+        return None
+    if isinstance(value, AcceleratorType):
+        if via_legacy_name:
+            _warn(f"gpu_type is deprecated; use accelerator_type={value.value!r} instead.")
+        return value
+    legacy = GPUType.parse(value)  # type: ignore[arg-type]
+    if legacy is None:
+        parsed = AcceleratorType.parse(value)  # raises ConfigurationError with the valid forms
+        if via_legacy_name:
+            _warn(f"gpu_type is deprecated; use accelerator_type={parsed.value!r} instead.")
+        return parsed
+    replacement = legacy.to_accelerator_type(count)
+    if replacement is not None:
+        advice = f"accelerator_type={replacement.value!r}"
+    else:
+        advice = "accelerator_type='GPU_1xH100' (one GPU) or 'GPU_8xH100' (eight)"
+    shown = value.name if isinstance(value, GPUType) else value
+    if via_legacy_name:
+        _warn(f"gpu_type={shown!r} is deprecated; use {advice} instead (or omit it: the type is detected).")
+    else:
+        _warn(f"accelerator_type={shown!r} is a deprecated GPU type name; use {advice} instead.")
+    return replacement if replacement is not None else legacy
+
+
+def make_spec(
+    num_accelerators: object = None,
+    accelerator_type: AcceleratorArg = None,
+    timeout: object = DEFAULT_TIMEOUT,
+    *,
+    gpus: object = None,
+    gpu_type: AcceleratorArg = None,
+    tracking: object = True,
+    experiment: object = None,
+    run_name: object = None,
+    backend: object = "local",
+    remote: object = False,
+) -> LaunchSpec:
+    """Validate the decorator's arguments (no hardware is looked at) and build a spec."""
+    checked_timeout = check_timeout(timeout)
+    if remote is not False:
+        raise ConfigurationError(
+            "remote=True has no meaning in air_magic: ranks always run on this machine. "
+            "Remove remote=..., or use backend='ray' to run on a cluster."
+        )
+    if gpus is not None and num_accelerators is not None:
+        raise ConfigurationError(
+            "gpus and num_accelerators cannot be combined: gpus is the deprecated name of "
+            "num_accelerators. Pass only num_accelerators."
+        )
+    if gpus is not None:
+        count = check_num_accelerators(gpus, "gpus")
+        _warn(f"gpus is deprecated; use num_accelerators={count} instead.")
+    else:
+        count = check_num_accelerators(num_accelerators)
+    accel = _fold_accelerator(accelerator_type, gpu_type, count)
+    if not isinstance(tracking, bool):
+        raise ConfigurationError(f"tracking must be True or False, got {tracking!r}.")
+    if backend not in BACKENDS:
+        raise ConfigurationError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}."
+        )
+    return LaunchSpec(
+        num_accelerators=count,
+        accelerator_type=accel,
+        timeout=checked_timeout,
+        tracking=tracking,
+        experiment=_check_text(experiment, "experiment"),
+        run_name=_check_text(run_name, "run_name"),
+        backend=str(backend),
+    )
