@@ -27,7 +27,7 @@ from typing import Any
 
 import cloudpickle
 
-from . import _results
+from . import _rank_tracking, _results
 
 #: Name the cell's last expression is stored under in the rank's namespace.
 RESULT_NAME = "__air_magic_result__"
@@ -154,6 +154,7 @@ def _run(request: dict[str, Any], rank: int) -> int:
     _install_sources(sources)
     code = 0
     try:
+        _rank_tracking.install(request["work_dir"], rank, os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"))
         with open(request["payload_path"], "rb") as handle:
             payload = cloudpickle.load(handle)
         if payload["kind"] == "function":

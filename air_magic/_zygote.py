@@ -106,7 +106,7 @@ class Zygote:
             "preloaded": loaded,
             "preload_failed": failed,
             "preload_seconds": time.perf_counter() - started,
-            "torch": getattr(sys.modules.get("torch"), "__version__", None),
+            "torch": str(getattr(sys.modules.get("torch"), "__version__", "")) or None,
         }
 
     # -- main loop --------------------------------------------------------------------

@@ -404,8 +404,9 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
 
 def compile_cell(body: str, display: str, filename: str, first_line: int = 2) -> tuple[types.CodeType, ast.Module]:
     """Compile a cell body so its line numbers match the notebook cell (syntax errors here)."""
-    tree = ast.parse(body, filename=filename, mode="exec")
-    ast.increment_lineno(tree, first_line - 1)
+    # Blank lines in front put every statement on its line of the notebook cell,
+    # syntax errors included.
+    tree = ast.parse("\n" * (first_line - 1) + body, filename=filename, mode="exec")
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = tree.body[-1]
         tree.body[-1] = ast.copy_location(

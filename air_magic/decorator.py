@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Any, Callable, Generic, TypeVar, overload
 
 from .accelerators import AcceleratorType, GPUType
@@ -31,6 +32,9 @@ class DistributedFunction(Generic[R]):
         self.spec = spec
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
         self._signature = inspect.signature(func)
+        #: The most recent :class:`~air_magic.launcher.Launch` of this function (its
+        #: ``run_id``, ``log_paths``, ``status``), or ``None``.
+        self.last_launch: Any = None
 
     @property
     def num_accelerators(self) -> int | None:
@@ -64,7 +68,8 @@ class DistributedFunction(Generic[R]):
         from .launcher import get_launcher
 
         payload = self._payload(args, kwargs)
-        return get_launcher().start(self.spec, payload)
+        self.last_launch = get_launcher().start(self.spec, payload)
+        return self.last_launch
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
         """Run on every rank and wait; one return value per rank, ordered by global rank.
@@ -221,6 +226,8 @@ def distributed(
 def _warm_launcher() -> None:
     # Start the helper (which imports torch) as early as possible: by the time the
     # user calls .distributed(), the first launch is warm.
+    if os.environ.get("AIR_MAGIC_WARM", "1") == "0":
+        return
     try:
         from .launcher import get_launcher
 

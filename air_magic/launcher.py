@@ -305,12 +305,12 @@ class Launch:
             outcome = (False, exc)
         self._outcome = outcome
         self.ended_at = time.time()
-        self._cleanup_files()
         for observer in self.observers:
             try:
                 observer.after_end(self)
             except Exception as exc:  # an observer must never hide the launch's outcome
                 sys.stderr.write(f"[air_magic] {type(observer).__name__} failed at the end: {exc}\n")
+        self._cleanup_files()
         self._done.set()
 
     def _kill_now(self) -> None:
@@ -446,10 +446,14 @@ class Launch:
     def _cleanup_files(self) -> None:
         for name in os.listdir(self.work_dir) if os.path.isdir(self.work_dir) else ():
             if name != "logs":
-                try:
-                    os.unlink(os.path.join(self.work_dir, name))
-                except OSError:
-                    pass
+                path = os.path.join(self.work_dir, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
         if self.shm_dir:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
 
@@ -597,10 +601,16 @@ class Launcher:
             handle.write(payload.dumps())
         env = self._rank_environment(launch)
         for factory in self._observer_factories:
-            observer = factory(launch)
-            if observer is not None:
-                launch.observers.append(observer)
-                observer.before_start(launch, env)
+            try:
+                observer = factory(launch)
+                if observer is not None:
+                    observer.before_start(launch, env)
+                    launch.observers.append(observer)
+            except Exception as exc:  # optional pieces never stop a launch
+                print(f"[air_magic] {getattr(factory, '__name__', 'observer')} is off for this launch: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        if not spec.tracking:
+            print("[air_magic] tracking is off: no MLflow run; mlflow calls in the ranks do nothing.")
         request = {
             "launch_id": launch.id,
             "world_size": launch.world_size,
@@ -690,6 +700,17 @@ class Launcher:
             if path:
                 shutil.rmtree(path, ignore_errors=True)
 
+
+def tracking(launch: Launch) -> LaunchObserver | None:
+    """MLflow tracking (imported only when a launch has tracking on)."""
+    if not launch.spec.tracking:
+        return None
+    from .tracking import tracking_observer
+
+    return tracking_observer(launch)
+
+
+Launcher.add_observer(tracking)
 
 _launcher: Launcher | None = None
 _launcher_lock = threading.Lock()

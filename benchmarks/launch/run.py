@@ -153,6 +153,7 @@ def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
     c = T.Ctx(n, str(sd), str(VENV_PY), env.torchrun, str(env.script))
     kenv = env.kernel_env(session)
     ks = None
+    runs: list[dict] = []
     t_session = time.perf_counter()
     try:
         if tool.kernel_mode == "proxy":
@@ -167,7 +168,6 @@ def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
             cold_init = None
         res["kernel_start_s"] = ks.start_s
 
-        runs = []
         for i in range(1 + warm):
             if i > 0 and time.perf_counter() - t_session > cfg.tool_budget:
                 res["notes"].append(f"stopped after {i - 1} warm runs: per-tool budget "
@@ -201,17 +201,13 @@ def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
                 runs.append(one)
             log(f"  {tool.name} N={n} {'cold' if i == 0 else 'warm %d' % i}: "
                 f"ttfl={one['ttfl_s']:.3f}s ttr={one['ttr_s']:.3f}s client={one['client_s']:.3f}s")
-        res["warm"] = {
-            "ttfl": H.summarize([r["ttfl_s"] for r in runs]),
-            "ttr": H.summarize([r["ttr_s"] for r in runs]),
-            "ttr_client": H.summarize([r["client_s"] for r in runs]),
-        }
-        if len(runs) < warm:
-            res["notes"].append(f"{len(runs)} of {warm} warm runs measured")
     except Exception as e:  # noqa: BLE001 - one broken peer must not stop the run
-        res["status"] = "failed"
+        # A failure after the cold launch keeps the runs measured so far.
+        res["status"] = "partial" if res["cold"] and runs else "failed"
         res["reason"] = f"{type(e).__name__}: {e}"[:2000]
-        log(f"  {tool.name} N={n}: FAILED {res['reason'][:400]}")
+        if isinstance(e, H.CellTimeout):
+            res["failures"].append({"run": len(runs) + 1, "error": res["reason"]})
+        log(f"  {tool.name} N={n}: {res['status'].upper()} {res['reason'][:400]}")
         if ks is not None and isinstance(e, H.CellTimeout):
             ks.interrupt()
         if ks is not None:
@@ -225,6 +221,13 @@ def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
                 except Exception as e:  # noqa: BLE001
                     res["notes"].append(f"teardown: {type(e).__name__}: {str(e)[:300]}")
             ks.shutdown()
+        res["warm"] = {
+            "ttfl": H.summarize([r["ttfl_s"] for r in runs]),
+            "ttr": H.summarize([r["ttr_s"] for r in runs]),
+            "ttr_client": H.summarize([r["client_s"] for r in runs]),
+        }
+        if res["status"] != "failed" and len(runs) < warm:
+            res["notes"].append(f"{len(runs)} of {warm} warm runs measured")
         left = H.reap(H.TAG_VAR, session)
         if left:
             res["notes"].append(f"killed {len(left)} leftover process(es) after shutdown")
@@ -391,11 +394,11 @@ def render_markdown(data: dict) -> str:
                   "warm client med | runs | returns values | × torchrun | × air_magic |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         ref_tr = next((_med(r["warm"].get("ttr")) for r in rows if r["tool"] == "torchrun"
-                       and r["status"] == "ok"), None)
+                       and r["status"] in ("ok", "partial")), None)
         ref_am = next((_med(r["warm"].get("ttr")) for r in rows if r["tool"] == "air_magic"
-                       and r["status"] == "ok"), None)
+                       and r["status"] in ("ok", "partial")), None)
         for r in rows:
-            if r["status"] != "ok":
+            if r["status"] not in ("ok", "partial"):
                 lines.append(f"| {r['tool']} | **{r['status']}** (see notes) |" + " — |" * 9)
                 continue
             w = r["warm"]
@@ -404,8 +407,9 @@ def render_markdown(data: dict) -> str:
             x_tr = _ratio(med, ref_tr)
             x_am = _ratio(med, ref_am)
             ttfl, ttr = w.get("ttfl"), w.get("ttr")
+            tag = " (partial)" if r["status"] == "partial" else ""
             lines.append(
-                f"| {r['tool']} | {_f(r['init_s'])} | {_f(r['cold'].get('ttfl_s'))} | "
+                f"| {r['tool']}{tag} | {_f(r['init_s'])} | {_f(r['cold'].get('ttfl_s'))} | "
                 f"{_f(r['cold'].get('ttr_s'))}{dag} | "
                 f"{_f(ttfl and ttfl['median'], 3)} / {_f(ttfl and ttfl['p90'], 3)} | "
                 f"{_f(ttr and ttr['median'], 3)} / {_f(ttr and ttr['p90'], 3)}{dag} | "
@@ -439,8 +443,8 @@ def render_markdown(data: dict) -> str:
             where = "all N" if r["status"] == "skipped" else f"N={r['n']}"
             notes.append((r["tool"], where, f"{r['status']}: {_oneline(r['reason'], 600)}"))
     notes += [(r["tool"], f"N={r['n']}", x) for r in data["launch"] for x in r.get("notes", [])]
-    notes += [(r["tool"], f"N={r['n']}", f"run {f['run']} failed: {_oneline(f['error'])}")
-              for r in data["launch"] for f in r.get("failures", []) if r["status"] == "ok"]
+    notes += [(r["tool"], f"N={r['n']}", f"run {f['run']} failed: {_oneline(f['error'], 300)}")
+              for r in data["launch"] for f in r.get("failures", []) if r["status"] in ("ok", "partial")]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {t} {n}: {x}" for t, n, x in notes]
     return "\n".join(lines) + "\n"

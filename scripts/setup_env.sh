@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv in the repository and install air_magic with its test tools.
+# torch: on a machine without an NVIDIA GPU the pinned CPU-friendly release is installed
+# first; with a GPU, pip picks the CUDA build that `torch>=2.4` resolves to.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    python -m pip install -q "torch>=2.4"
+  else
+    python -m pip install -q "${AIR_MAGIC_TORCH:-torch==2.13.0}"
+  fi
+fi
+python -m pip install -q -e ".[test]"

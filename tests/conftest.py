@@ -1,0 +1,78 @@
+"""Fixtures of the kernel-level and process-level tests (helpers live in harness.py)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+from harness import LIVE_KERNEL_PIDS, Kernel, describe, stray_processes, wait_until
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every kernel/process test: no rank, no rank child and no orphaned helper
+    survives it (5 s grace)."""
+    yield
+    if not (request.node.get_closest_marker("kernel") or request.node.get_closest_marker("process")):
+        return
+    if not wait_until(lambda: not stray_processes(), timeout=5.0):
+        leftovers = stray_processes()
+        for proc in leftovers:  # do not poison the next tests
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        pytest.fail("air_magic processes survived the test:\n" + describe(leftovers))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Every kernel fixture has shut down by now: no rank and no helper of a kernel may
+    # remain (a helper of this pytest process itself goes at its exit).
+    LIVE_KERNEL_PIDS.clear()
+    if wait_until(lambda: not stray_processes(), timeout=5.0):
+        return
+    leftovers = stray_processes()
+    sys.stderr.write("\nair_magic processes left after the test session:\n" + describe(leftovers) + "\n")
+    for proc in leftovers:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def kernel_factory() -> Iterator[Any]:
+    """``kernel_factory(extra_env=None) -> Kernel``; every kernel is shut down at the end."""
+    kernels: list[Kernel] = []
+    root = tempfile.mkdtemp(prefix="air-magic-tests-")
+
+    def make(extra_env: dict[str, str] | None = None, load: bool = True, tracking: bool = False) -> Kernel:
+        workdir = tempfile.mkdtemp(dir=root)
+        kernel = Kernel(workdir, extra_env)
+        kernels.append(kernel)
+        if load:
+            kernel.ok("%load_ext air_magic")
+            if not tracking:  # MLflow has tests of its own; keep these launches lean
+                kernel.ok("%config DistributedMagics.tracking = False")
+        return kernel
+
+    yield make
+    for kernel in kernels:
+        kernel.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_factory: Any) -> Iterator[Kernel]:
+    """One kernel per test module, with ``%load_ext air_magic`` done."""
+    k = kernel_factory()
+    yield k
+    k.shutdown()
+
+

@@ -1,0 +1,272 @@
+"""Test harness: real IPython kernels driven like a notebook, and process accounting.
+
+Every process air_magic starts (the helper ``python -m air_magic._zygote`` and the
+ranks forked from it, with their DataLoader workers) carries ``AIR_MAGIC_TEST_MARK``
+in the environment it was started with, so the checks below only ever look at the
+processes of this test session, not at those of another session on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import psutil
+
+#: Written into the environment of this pytest process (inherited by the process
+#: tests' helper) and of every kernel started here (inherited by their helpers).
+TEST_MARK = uuid.uuid4().hex
+os.environ["AIR_MAGIC_TEST_MARK"] = TEST_MARK
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+#: pids of kernels started by this session that are alive (their helpers may live on).
+LIVE_KERNEL_PIDS: set[int] = set()
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def user_lines(text: str) -> list[str]:
+    """The lines of a cell's output that the launched code printed (air_magic's own
+    status lines, which start with ``[air_magic]``, left out)."""
+    return [line for line in text.splitlines() if not line.startswith("[air_magic]")]
+
+
+# -- process accounting ------------------------------------------------------------------
+
+
+def _is_ours(proc: psutil.Process) -> bool:
+    try:
+        cmdline = " ".join(proc.cmdline())
+        if "air_magic" not in cmdline:
+            return False
+        return proc.environ().get("AIR_MAGIC_TEST_MARK") == TEST_MARK
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def air_magic_processes() -> list[psutil.Process]:
+    """Every live (non-zombie) process of this session with ``air_magic`` in its command line."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if proc.pid != os.getpid() and _is_ours(proc):
+            found.append(proc)
+    return found
+
+
+def _parent_pid(proc: psutil.Process) -> int | None:
+    try:
+        return proc.ppid()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def helper_processes() -> list[psutil.Process]:
+    """Helpers: started by a live kernel of this session or by this pytest process."""
+    owners = LIVE_KERNEL_PIDS | {os.getpid()}
+    return [p for p in air_magic_processes() if _parent_pid(p) in owners]
+
+
+def stray_processes() -> list[psutil.Process]:
+    """air_magic processes that should not exist between tests: ranks, their children,
+    and helpers whose kernel is gone."""
+    owners = LIVE_KERNEL_PIDS | {os.getpid()}
+    return [p for p in air_magic_processes() if _parent_pid(p) not in owners]
+
+
+def rank_processes() -> list[psutil.Process]:
+    """Processes forked (directly or not) from a helper of this session."""
+    procs = air_magic_processes()
+    pids = {p.pid for p in procs}
+    return [p for p in procs if _parent_pid(p) in pids]
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def describe(procs: list[psutil.Process]) -> str:
+    rows = []
+    for proc in procs:
+        try:
+            rows.append(f"pid {proc.pid} ppid {proc.ppid()} {' '.join(proc.cmdline())[:120]}")
+        except psutil.Error:
+            rows.append(f"pid {proc.pid} (gone)")
+    return "\n".join(rows)
+
+
+# -- kernels -------------------------------------------------------------------------------
+
+
+@dataclass
+class CellResult:
+    """What a notebook shows for one executed cell."""
+
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None  # text/plain of execute_result
+    error: dict[str, Any] | None = None  # ename, evalue, traceback (ANSI stripped), text
+    streams: list[tuple[str, str]] = field(default_factory=list)  # (name, text) in order
+    reply: dict[str, Any] | None = None
+    execution_count: int | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.stdout, self.result, self.error))
+
+    @property
+    def error_text(self) -> str:
+        return self.error["text"] if self.error else ""
+
+
+class Kernel:
+    """A real IPython kernel in its own temp folder, driven like a notebook front end."""
+
+    def __init__(self, workdir: str, extra_env: dict[str, str] | None = None) -> None:
+        from jupyter_client.manager import KernelManager
+
+        self.workdir = workdir
+        env = dict(os.environ)
+        env.update(
+            AIR_MAGIC_TEST_MARK=TEST_MARK,
+            MLFLOW_TRACKING_URI=f"sqlite:///{os.path.join(workdir, 'mlflow.db')}",
+            PYTHONDONTWRITEBYTECODE="1",
+        )
+        env.pop("PYTEST_CURRENT_TEST", None)
+        env.update(extra_env or {})
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=workdir, env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        self.pid = self.km.provisioner.process.pid  # type: ignore[union-attr]
+        LIVE_KERNEL_PIDS.add(self.pid)
+
+    # -- running cells ---------------------------------------------------------------------
+
+    def execute(self, code: str) -> str:
+        """Send a cell without waiting; returns its msg_id."""
+        return self.kc.execute(code, store_history=True, allow_stdin=False)
+
+    def collect(self, msg_id: str, timeout: float = 60.0, until: Any = None) -> CellResult:
+        """Read the cell's output until the kernel is idle again (or ``until(result)`` is true)."""
+        res = CellResult()
+        deadline = time.monotonic() + timeout
+        idle = False
+        while not idle:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"cell did not finish in {timeout} s; output so far: {res.stdout[-2000:]!r}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                res.streams.append((content["name"], content["text"]))
+                if content["name"] == "stdout":
+                    res.stdout += content["text"]
+                else:
+                    res.stderr += content["text"]
+            elif kind == "execute_result":
+                res.result = content["data"].get("text/plain")
+                res.execution_count = content.get("execution_count")
+            elif kind == "execute_input":
+                res.execution_count = content.get("execution_count")
+            elif kind == "error":
+                tb = [strip_ansi(line) for line in content["traceback"]]
+                res.error = {
+                    "ename": content["ename"],
+                    "evalue": strip_ansi(content["evalue"]),
+                    "traceback": tb,
+                    "text": "\n".join(tb),
+                }
+            elif kind == "status" and content["execution_state"] == "idle":
+                idle = True
+            if until is not None and until(res):
+                return res
+        res.reply = self._shell_reply(msg_id, max(1.0, deadline - time.monotonic()))
+        return res
+
+    def _shell_reply(self, msg_id: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg["content"]
+        raise TimeoutError("no execute_reply")
+
+    def run(self, code: str, timeout: float = 60.0) -> CellResult:
+        return self.collect(self.execute(code), timeout=timeout)
+
+    def ok(self, code: str, timeout: float = 60.0) -> CellResult:
+        """Run a cell that must not fail."""
+        res = self.run(code, timeout=timeout)
+        assert res.error is None, res.error_text
+        return res
+
+    def value(self, expr: str, timeout: float = 60.0) -> Any:
+        """Evaluate an expression in the kernel and return it (through its repr)."""
+        import ast
+
+        res = self.ok(expr, timeout=timeout)
+        assert res.result is not None, f"{expr!r} gave no result"
+        return ast.literal_eval(res.result)
+
+    # -- life ----------------------------------------------------------------------------------
+
+    def forget(self) -> None:
+        LIVE_KERNEL_PIDS.discard(self.pid)
+
+    def refresh_pid(self) -> None:
+        """After a restart: the new kernel process."""
+        self.forget()
+        self.pid = self.km.provisioner.process.pid  # type: ignore[union-attr]
+        LIVE_KERNEL_PIDS.add(self.pid)
+
+    def shutdown(self) -> None:
+        try:
+            self.kc.stop_channels()
+        except Exception:
+            pass
+        try:
+            if self.km.is_alive():
+                self.km.shutdown_kernel(now=False)
+        except Exception:
+            try:
+                self.km.shutdown_kernel(now=True)
+            except Exception:
+                pass
+        self.km.cleanup_resources()
+        self.forget()
+
+
+def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
