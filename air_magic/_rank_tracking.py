@@ -34,7 +34,23 @@ def _clean(text: object) -> str:
 
 def _emit(kind: str, *fields: object) -> None:
     if _FD is not None:
+        if kind in _NAME_CHECKS and (kind, fields[0]) not in _GOOD_NAMES:
+            _check_name(kind, fields[0])
         os.write(_FD, ("\t".join((kind, *map(_clean, fields))) + "\n").encode())
+
+
+#: Names MLflow accepted, by kind: each is checked once per rank.
+_GOOD_NAMES: set[tuple[str, object]] = set()
+_NAME_CHECKS = {"m": "_validate_metric_name", "p": "_validate_param_name", "t": "_validate_tag_name"}
+
+
+def _check_name(kind: str, name: object) -> None:
+    # A name MLflow would refuse raises here, in the rank, at the call, as MLflow's own
+    # call does; reaching the kernel it would make the store refuse the whole batch.
+    from mlflow.utils import validation
+
+    getattr(validation, _NAME_CHECKS[kind])(name)
+    _GOOD_NAMES.add((kind, name))
 
 
 def _check_run_id(run_id: str | None) -> None:

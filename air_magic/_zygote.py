@@ -291,6 +291,38 @@ def _killpg(pgid: int, signum: int) -> None:
         pass
 
 
+def _watch_kernel_while_preloading(alive_fd: int, session_dir: str, shm_dir: str) -> Callable[[], None]:
+    """Leave at once if the kernel dies while the preload runs (seconds, or minutes for a
+    heavy ``AIR_MAGIC_PRELOAD``): the control socket is only read after it.
+
+    Watches the kernel's alive pipe (EOF: the kernel is gone) from a thread that the
+    returned function stops and joins, so no thread is left when ranks are forked.
+    """
+    import select
+    import threading
+
+    wake_r, wake_w = os.pipe()
+
+    def watch() -> None:
+        readable, _, _ = select.select([alive_fd, wake_r], [], [])
+        if alive_fd in readable:
+            for path in (session_dir, shm_dir):
+                if path:
+                    shutil.rmtree(path, ignore_errors=True)
+            os._exit(0)
+
+    thread = threading.Thread(target=watch, name="air_magic-preload-watch", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        os.write(wake_w, b"x")
+        thread.join()
+        os.close(wake_r)
+        os.close(wake_w)
+
+    return stop
+
+
 def main(argv: list[str]) -> int:
     ctrl_fd, alive_fd = int(argv[0]), int(argv[1])
     session_dir, shm_dir = argv[2], argv[3]
@@ -302,7 +334,10 @@ def main(argv: list[str]) -> int:
     # On SIGTERM (a kernel manager cleaning up) still take every rank along.
     signal.signal(signal.SIGTERM, lambda *_: (zygote.shutdown(), os._exit(0)))
     try:
-        zygote._send("ready", zygote.preload())
+        stop_watch = _watch_kernel_while_preloading(alive_fd, session_dir, shm_dir)
+        info = zygote.preload()
+        stop_watch()  # single-threaded again before the first fork
+        zygote._send("ready", info)
         zygote.serve()
     finally:
         zygote.shutdown()

@@ -285,9 +285,11 @@ def _warn_cuda(values: Iterable[tuple[str, Any]]) -> None:
 
 
 def _user_stacklevel() -> int:
+    # ``level()`` counts this frame as 1; ``warnings.warn`` counts its caller (one frame
+    # further down) as 1.
     from .spec import _user_stacklevel as level
 
-    return level() + 1
+    return level() - 1
 
 
 def _notebook_sources(codes: Iterable[types.CodeType]) -> dict[str, tuple[str, str]]:

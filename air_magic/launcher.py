@@ -217,6 +217,7 @@ class Launch:
         self._payload = payload
         self._stop_reason: str | None = None
         self._failures: list[int] = []
+        self._late_failures: list[int] = []  # failed after the fail-fast stop had begun
         self._cancel_requested = False
         self._done = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
@@ -238,6 +239,11 @@ class Launch:
             raise TimeoutError(f"launch {self.id} is still running after {timeout} s")
         assert self._outcome is not None
         ok, value = self._outcome
+        if ok and value is None:
+            raise LaunchError(
+                f"the values of launch {self.id} were returned by the .distributed() call that ran "
+                "it and are not kept; use .submit(...).result() to keep a handle with its values."
+            )
         if ok:
             return list(value)
         raise value
@@ -276,7 +282,11 @@ class Launch:
                 f"rank{'s were' if self.world_size != 1 else ' was'} stopped"
             ) from None
         pump.pump(final=True)
-        return self.result()
+        values = self.result()
+        # The caller owns the values now; the handle (kept as .last_launch) must not pin
+        # hundreds of MB of returned tensors in the kernel.
+        self._outcome = (True, None)
+        return values
 
     # -- events from the helper (reader thread) ---------------------------------------------
 
@@ -290,6 +300,8 @@ class Launch:
         self.ranks[rank].returncode = returncode
         if returncode != 0 and self._stop_reason is None:
             self._failures.append(rank)
+        elif returncode != 0 and self._stop_reason == "failure":
+            self._late_failures.append(rank)
 
     def _on_stopping(self, reason: str) -> None:
         self._stop_reason = self._stop_reason or reason
@@ -366,6 +378,15 @@ class Launch:
                     rank=state.rank, world_size=n, returncode=state.returncode or 0,
                     log_path=state.log_path,
                 )
+            except Exception as exc:  # pickled on the rank, but cannot be loaded here
+                self.status = "failed"
+                error = ResultError(
+                    f"rank {state.rank} of {n} returned a value that cannot be loaded in the kernel "
+                    f"({type(exc).__name__}: {exc}). Return plain data instead (numbers, lists, "
+                    "tensors, a state_dict()), or save it to a file on the rank."
+                )
+                error.rank, error.world_size = state.rank, n
+                return False, error
             if record[0] == "unpicklable":
                 self.status = "failed"
                 error = ResultError(
@@ -383,10 +404,17 @@ class Launch:
         # When one rank fails, its peers often fail right after inside a collective
         # ("connection closed by peer"). The first failure that is not such an echo
         # is the cause; else simply the first one.
-        for rank in self._failures:
-            record = self._error_record(rank)
+        early = [(rank, self._error_record(rank)) for rank in self._failures]
+        for rank, record in early:
             if record is not None and not _is_echo(record[2], record[3]):
                 return rank
+        # Ranks that exit together are reaped in any order: when every failure seen
+        # before the stop is only such an echo, the cause may be one reaped just after.
+        if all(record is not None for _, record in early):
+            for rank in self._late_failures:
+                record = self._error_record(rank)
+                if record is not None and not _is_echo(record[2], record[3]):
+                    return rank
         return self._failures[0]
 
     def _error_record(self, rank: int) -> tuple[Any, ...] | None:
@@ -522,6 +550,12 @@ class _Helper:
         self.launcher._helper_gone(self)
 
     def close(self, wait: float = 3.0) -> None:
+        # EOF on the alive pipe first: a helper still importing torch leaves at once,
+        # and ranks take themselves down even before the helper's own shutdown.
+        try:
+            os.close(self.alive_w)
+        except OSError:
+            pass
         if self.alive:
             try:
                 self.send(("shutdown",))
@@ -534,10 +568,6 @@ class _Helper:
             self.proc.wait()
         try:
             self.conn.close()
-        except OSError:
-            pass
-        try:
-            os.close(self.alive_w)
         except OSError:
             pass
         if threading.current_thread() is not self.thread:
@@ -592,7 +622,8 @@ class Launcher:
         placement = spec.resolve(detect_hardware())
         helper = self._ensure_helper()
         launch = Launch(self, spec, placement, payload)
-        os.makedirs(launch.log_dir, mode=0o700)
+        os.mkdir(launch.work_dir, mode=0o700)  # makedirs' mode applies to the leaf only
+        os.mkdir(launch.log_dir, mode=0o700)
         if launch.shm_dir:
             os.makedirs(launch.shm_dir, mode=0o700)
         payload_path = os.path.join(launch.work_dir, "payload.pkl")

@@ -145,17 +145,33 @@ class TrackingObserver:
         self.stop.set()
         if self.thread is not None:
             self.thread.join()
-        self._drain()
+        # Whatever the store refuses, the run still gets its logs and its status.
+        try:
+            self._drain()
+        except Exception as exc:
+            self._note(exc)
         if self.monitor is not None:
             try:
                 self.monitor.finish()
             except Exception:
                 pass
-        for state in launch.ranks:
-            if os.path.exists(state.log_path):
-                self.client.log_artifact(self.run_id, state.log_path, "logs")
+        try:
+            for state in launch.ranks:
+                if os.path.exists(state.log_path):
+                    self.client.log_artifact(self.run_id, state.log_path, "logs")
+        except Exception as exc:
+            self._note(exc)
         status = {"finished": "FINISHED", "cancelled": "KILLED", "timed out": "KILLED"}.get(launch.status, "FAILED")
         self.client.set_terminated(self.run_id, RunStatus.to_string(getattr(RunStatus, status)))
+        if self.error is not None:
+            sys.stderr.write(
+                f"[air_magic] not everything the ranks logged reached MLflow run {self.run_id}: {self.error}\n"
+            )
+            sys.stderr.flush()
+
+    def _note(self, exc: Exception) -> None:
+        if self.error is None:  # the first failure is the one to fix
+            self.error = f"{type(exc).__name__}: {exc}"
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -173,7 +189,7 @@ class TrackingObserver:
             try:
                 self._drain()
             except Exception as exc:
-                self.error = f"{type(exc).__name__}: {exc}"
+                self._note(exc)
 
     def _drain(self) -> None:
         from mlflow.entities import Metric, Param, RunTag
@@ -195,13 +211,12 @@ class TrackingObserver:
                     tags.append(RunTag(fields[1], fields[2]))
                 elif kind == "a" and len(fields) == 3:
                     self.client.log_artifact(self.run_id, fields[1], fields[2] or None)
-        for start in range(0, max(len(metrics), 1), _BATCH):
-            chunk = metrics[start:start + _BATCH]
-            first = start == 0
-            if chunk or (first and (params or tags)):
-                self.client.log_batch(
-                    self.run_id, metrics=chunk, params=params if first else [], tags=tags if first else []
-                )
+        for start in range(0, len(metrics), _BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + _BATCH])
+        if params or tags:
+            # Sent apart from the points: a parameter the store refuses (a value changed)
+            # must not take them along.
+            self.client.log_batch(self.run_id, params=params, tags=tags)
 
     def _new_lines(self, rank: int) -> list[list[str]]:
         path = os.path.join(self.launch.work_dir, f"tracking-{rank}.tsv")

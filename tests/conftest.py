@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -22,12 +23,22 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     if not wait_until(lambda: not stray_processes(), timeout=5.0):
         leftovers = stray_processes()
-        for proc in leftovers:  # do not poison the next tests
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        pytest.fail("air_magic processes survived the test:\n" + describe(leftovers))
+        report = describe(leftovers)
+        _kill_and_clean(leftovers)  # do not poison the next tests
+        pytest.fail("air_magic processes survived the test:\n" + report)
+
+
+def _kill_and_clean(procs: list[psutil.Process]) -> None:
+    """SIGKILL leftovers and delete the session folders their command lines name."""
+    folders = set()
+    for proc in procs:
+        try:
+            folders.update(a for a in proc.cmdline() if os.path.basename(a).startswith("air_magic-"))
+            proc.kill()
+        except psutil.Error:
+            pass
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -38,11 +49,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     leftovers = stray_processes()
     sys.stderr.write("\nair_magic processes left after the test session:\n" + describe(leftovers) + "\n")
-    for proc in leftovers:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    _kill_and_clean(leftovers)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import signal
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -263,10 +261,3 @@ class Kernel:
                 pass
         self.km.cleanup_resources()
         self.forget()
-
-
-def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

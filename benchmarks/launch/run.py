@@ -325,7 +325,7 @@ def run_bigreturn(env: Env, reps: int, have_air: bool, air_reason: str, cfg) -> 
                     want = [[numel if kind == "big" else 1]] * 2
                     if rec.get("shapes") != want or not rec.get("ok_values"):
                         raise H.CellError(f"unexpected result shapes {rec.get('shapes')}")
-                    samples[kind].append({"s": rec["p1"] - rec["p0"],
+                    samples[kind].append({"s": rec["call_s"],
                                           "rss_delta_mib": (rec["rss_peak"] - rec["rss_base"]) / 2**20})
                     ks.run_plain(T.BIG_CLEANUP, timeout=60)
                     log(f"  bigreturn {key} {kind}: {samples[kind][-1]['s']:.3f}s "
@@ -371,8 +371,11 @@ def render_markdown(data: dict) -> str:
                  ("; not installed: " + ", ".join(k for k, v in m["versions"].items() if not v)
                   if any(not v for v in m["versions"].values()) else ""))
     if data.get("merged_with_run"):
-        lines.append(f"Merged with the run of {data['merged_with_run']}: rows not re-measured now come from "
-                     "that run (see `measured` in launch.json); compare rows from different runs with care.")
+        la = data.get("merged_run_loadavg") or [None, None]
+        la_txt = (f" (load average {', '.join('%.2f' % x for x in la[0])} at its start, "
+                  f"{', '.join('%.2f' % x for x in la[1])} at its end)" if la[0] and la[1] else "")
+        lines.append(f"Merged with the run of {data['merged_with_run']}{la_txt}: rows not re-measured now come "
+                     "from that run (see `measured` in launch.json); compare rows from different runs with care.")
     if data.get("plain_kernel_start_s") is not None:
         lines.append(f"Plain ipykernel start (not counted in any number below): "
                      f"{data['plain_kernel_start_s']:.2f} s.")
@@ -419,10 +422,11 @@ def render_markdown(data: dict) -> str:
     if big:
         lines += ["", f"## Returning a {big['mib_per_rank']:.0f} MiB float32 tensor from each of "
                       f"{big['ranks']} ranks", "",
-                  "Warm launches (one untimed warm-up first).  Time = kernel-side bracket around the call; "
-                  "tiny = same call returning 1 element; transfer ≈ big − tiny (medians).  Peak RSS = "
-                  "kernel process peak above its level before the call, sampled every ~1 ms (the "
-                  f"{2 * big['mib_per_rank']:.0f} MiB of results themselves are included).", "",
+                  "Warm launches (one untimed warm-up first).  Time = kernel-side `perf_counter` around the "
+                  "call; tiny = same call returning 1 element; transfer ≈ big − tiny (medians).  Peak RSS = "
+                  "kernel process peak above its level before the call, sampled every ~1 ms over the call "
+                  "plus one read of every returned element (so shared-memory results are counted once "
+                  f"touched); the {2 * big['mib_per_rank']:.0f} MiB of results themselves are included.", "",
                   "| method | big: median s (runs) | tiny: median s | transfer ≈ s | peak kernel RSS Δ MiB |",
                   "|---|---|---|---|---|"]
         for r in big["rows"]:
@@ -446,7 +450,13 @@ def render_markdown(data: dict) -> str:
     notes += [(r["tool"], f"N={r['n']}", f"run {f['run']} failed: {_oneline(f['error'], 300)}")
               for r in data["launch"] for f in r.get("failures", []) if r["status"] in ("ok", "partial")]
     if notes:
-        lines += ["", "Notes:", ""] + [f"- {t} {n}: {x}" for t, n, x in notes]
+        grouped: dict[tuple, list] = {}
+        for t, n, x in notes:
+            grouped.setdefault((t, x), []).append(n)
+        lines += ["", "Notes:", ""]
+        for (t, x), ns in grouped.items():
+            where = ns[0] if len(ns) == 1 else "N=" + ",".join(w.removeprefix("N=") for w in ns)
+            lines.append(f"- {t} {where}: {x}")
     return "\n".join(lines) + "\n"
 
 
@@ -482,6 +492,7 @@ def merge_results(old: dict, new: dict) -> dict:
     if new.get("bigreturn") is None:
         new["bigreturn"] = old.get("bigreturn")
     new["merged_with_run"] = old.get("started")
+    new["merged_run_loadavg"] = [old.get("machine", {}).get("loadavg_start"), old.get("loadavg_end")]
     return new
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ast
-import os
-import re
 import time
 from typing import Any, Iterator
 

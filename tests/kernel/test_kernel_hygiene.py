@@ -1,0 +1,112 @@
+"""Default settings (MLflow tracking on): no growth over many launches, concurrent kernels,
+and a rendezvous that listens on loopback only."""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+from harness import Kernel, helper_processes
+
+pytestmark = pytest.mark.kernel
+
+PROBE = (
+    "import os, signal, threading\n"
+    "(threading.active_count(), len(os.listdir('/proc/self/fd')), dict(os.environ), "
+    "repr(signal.getsignal(signal.SIGINT)))"
+)
+
+ALL_REDUCE = (
+    "%%distributed -n 2\n"
+    "import torch, torch.distributed as dist\n"
+    "dist.init_process_group()\n"
+    "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+    "dist.all_reduce(t)\n"
+    "dist.destroy_process_group()\n"
+    "t.item()"
+)
+
+
+@pytest.fixture(scope="module")
+def k(kernel_factory: Any) -> Iterator[Kernel]:
+    kernel = kernel_factory(tracking=True)
+    yield kernel
+    kernel.shutdown()
+
+
+def launch_ok(k: Kernel, code: str = ALL_REDUCE, timeout: float = 120) -> Any:
+    res = k.run(code, timeout=timeout)
+    assert res.error is None, res.error_text
+    return ast.literal_eval(res.result)
+
+
+def test_twenty_five_launches_leave_no_growth_in_the_kernel(k: Kernel) -> None:
+    assert launch_ok(k) == [3.0, 3.0]
+    threads_1, fds_1, env_1, sigint_1 = k.value(PROBE)
+    for _ in range(24):
+        assert launch_ok(k) == [3.0, 3.0]
+    threads_25, fds_25, env_25, sigint_25 = k.value(PROBE)
+    assert threads_25 <= threads_1, (threads_1, threads_25)
+    assert fds_25 <= fds_1, (fds_1, fds_25)
+    assert env_25 == env_1
+    assert sigint_25 == sigint_1
+
+
+def test_two_kernels_launching_at_the_same_moment(k: Kernel, kernel_factory: Any) -> None:
+    other = kernel_factory(tracking=True)
+    try:
+        launch_ok(other)  # both helpers warm, both tracking stores created
+        port_cell = ALL_REDUCE.replace("t.item()", '(t.item(), os.environ["MASTER_PORT"])').replace(
+            "import torch,", "import os, torch,"
+        )
+        first = k.execute(port_cell)
+        second = other.execute(port_cell)
+        results = [k.collect(first, timeout=120), other.collect(second, timeout=120)]
+        values = []
+        for res in results:
+            assert res.error is None, res.error_text
+            values.append(ast.literal_eval(res.result))
+        for value in values:
+            assert [v[0] for v in value] == [3.0, 3.0]
+            assert value[0][1] == value[1][1]
+        assert values[0][0][1] != values[1][0][1]  # each launch its own rendezvous port
+    finally:
+        other.shutdown()
+
+
+def test_rendezvous_listens_on_loopback_only(k: Kernel) -> None:
+    msg_id = k.execute(
+        "%%distributed -n 2\n"
+        "import os, time\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        'print("port", os.environ["MASTER_PORT"], flush=True)\n'
+        "time.sleep(3)\n"
+        "dist.destroy_process_group()\n"
+    )
+    early = k.collect(msg_id, timeout=60, until=lambda r: re.search(r"port \d+\n", r.stdout) is not None)
+    port = int(re.search(r"port (\d+)\n", early.stdout).group(1))  # type: ignore[union-attr]
+    try:
+        helpers = [p for p in helper_processes() if p.ppid() == k.pid]
+        assert len(helpers) == 1
+        listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        on_port = [c for c in listening if c.laddr.port == port]
+        assert on_port, f"nothing listens on the rendezvous port {port}"
+        assert {c.laddr.ip for c in on_port} == {"127.0.0.1"}
+        # the helper hosts it, and every socket the helper listens on is on loopback
+        helper_listening = [c for c in helpers[0].net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert port in {c.laddr.port for c in helper_listening}
+        assert {c.laddr.ip for c in helper_listening} == {"127.0.0.1"}
+    finally:
+        res = k.collect(msg_id, timeout=60)
+    assert res.error is None, res.error_text
+    # gone with the launch
+    time.sleep(0.2)
+    assert not [
+        c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]

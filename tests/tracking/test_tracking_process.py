@@ -1,0 +1,419 @@
+"""``@distributed`` with MLflow tracking, launched from this process into a private sqlite store.
+
+Each test reads the store back with ``MlflowClient`` right after the launch
+returns: what is there then is what the user sees.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+import pytest
+
+from air_magic import LaunchCancelledError, LaunchTimeoutError, distributed
+from tracking_support import Store, one_run_id, run_ids_in
+
+pytestmark = pytest.mark.process
+
+# The functions below travel by value, as a notebook's do.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+def metric_points(store: Store, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in store.history(run_id, key))
+
+
+# -- one launch, one run -----------------------------------------------------------------------
+
+
+@distributed(num_accelerators=2, timeout=600)
+def log_a_little() -> int:
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(5):
+        mlflow.log_metric("loss", 10 * rank + step, step=step)
+    return rank
+
+
+def test_a_launch_is_one_finished_run_with_its_configuration(store: Store, capsys: Any) -> None:
+    assert log_a_little.distributed() == [0, 1]
+    out = capsys.readouterr().out
+    run_id = one_run_id(out)
+    assert log_a_little.last_launch.run_id == run_id
+    line = next(line for line in out.splitlines() if run_id in line)
+    assert line.endswith(f"see it with: mlflow ui --backend-store-uri {store.uri}"), line
+
+    runs = store.runs()
+    assert [r.info.run_id for r in runs] == [run_id]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["air_magic.num_accelerators"] == "2"
+    assert run.data.params["air_magic.accelerator_type"] == "CPU"
+    assert run.data.params["air_magic.timeout"] == "600.0"
+    assert run.data.params["air_magic.code"] == "function log_a_little"
+    assert run.data.tags["air_magic.launch_id"] == log_a_little.last_launch.id
+    assert "mlflow.parentRunId" not in run.data.tags
+    assert metric_points(store, run_id, "loss") == sorted(
+        (step, float(10 * rank + step)) for rank in (0, 1) for step in range(5)
+    )
+    assert store.artifacts(run_id, "logs") == ["logs/rank-0.log", "logs/rank-1.log"]
+    # With no experiment chosen anywhere, the run goes to the one named after the
+    # notebook; outside a notebook that is "air_magic".
+    assert store.experiment_name(run_id) == "air_magic"
+
+
+@distributed(num_accelerators=2)
+def run_ids_seen_by_the_rank() -> tuple[str, str, str, str]:
+    import mlflow
+
+    run = mlflow.start_run()
+    with mlflow.start_run() as in_with:
+        inner = in_with.info.run_id
+    active = mlflow.active_run().info.run_id
+    mlflow.end_run()  # the kernel ends the run, not the rank
+    return run.info.run_id, inner, active, str(mlflow.active_run().info.run_id)
+
+
+def test_start_run_inside_a_rank_is_the_launchs_run(store: Store, capsys: Any) -> None:
+    values = run_ids_seen_by_the_rank.distributed()
+    run_id = one_run_id(capsys.readouterr().out)
+    assert values == [(run_id,) * 4, (run_id,) * 4]
+    assert [r.info.run_id for r in store.runs()] == [run_id]
+    assert store.run(run_id).info.status == "FINISHED"
+
+
+# -- nesting and the experiment ------------------------------------------------------------------
+
+
+def test_launch_nests_under_the_active_run_which_stays_active(store: Store, capsys: Any) -> None:
+    import mlflow
+
+    parent = mlflow.start_run(run_name="outer")
+    try:
+        assert log_a_little.distributed() == [0, 1]
+        run_id = one_run_id(capsys.readouterr().out)
+        active = mlflow.active_run()
+        assert active is not None and active.info.run_id == parent.info.run_id
+        child = store.run(run_id)
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.info.experiment_id == parent.info.experiment_id
+        assert child.info.status == "FINISHED"
+        assert store.run(parent.info.run_id).info.status == "RUNNING"
+    finally:
+        mlflow.end_run()
+    assert store.run(parent.info.run_id).info.status == "FINISHED"
+
+
+@distributed(num_accelerators=2, experiment="from-keyword", run_name="named-by-keyword")
+def log_into_chosen_experiment() -> None:
+    import os
+
+    import mlflow
+
+    mlflow.log_metric("x", float(os.environ["RANK"]))
+
+
+def test_experiment_from_environment_and_keyword_wins(
+    store: Store, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-environment")
+    log_a_little.distributed()
+    from_env = one_run_id(capsys.readouterr().out)
+    assert store.experiment_name(from_env) == "from-environment"
+
+    log_into_chosen_experiment.distributed()
+    chosen = one_run_id(capsys.readouterr().out)
+    run = store.run(chosen)
+    assert store.experiment_name(chosen) == "from-keyword"
+    assert run.info.run_name == "named-by-keyword"
+    assert run.data.tags["mlflow.runName"] == "named-by-keyword"
+    assert sorted(m.value for m in store.history(chosen, "x")) == [0.0, 1.0]
+
+
+def test_experiment_set_in_this_process_is_used(store: Store, capsys: Any) -> None:
+    import mlflow
+
+    mlflow.set_experiment("set-here")
+    log_a_little.distributed()
+    assert store.experiment_name(one_run_id(capsys.readouterr().out)) == "set-here"
+
+
+# -- statuses ------------------------------------------------------------------------------------
+
+
+@distributed(num_accelerators=2)
+def log_then_fail(points: int) -> None:
+    import os
+    import time
+
+    import mlflow
+
+    if os.environ["RANK"] == "0":
+        for step in range(points):
+            mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
+        raise ValueError(f"diverged after {points} steps")
+    time.sleep(60)  # stopped when rank 0 fails
+
+
+def test_points_logged_before_a_rank_fails_are_stored_and_run_failed(store: Store, capsys: Any) -> None:
+    with pytest.raises(ValueError, match="diverged after 100 steps"):
+        log_then_fail.distributed(100)
+    run_id = one_run_id(capsys.readouterr().out)
+    assert store.run(run_id).info.status == "FAILED"
+    assert metric_points(store, run_id, "loss") == [(step, 1.0 / (step + 1)) for step in range(100)]
+    assert store.artifacts(run_id, "logs") == ["logs/rank-0.log", "logs/rank-1.log"]
+    rank0_log = store.read_artifact(run_id, "logs/rank-0.log", os.getcwd())
+    assert "ValueError: diverged after 100 steps" in rank0_log
+
+
+@distributed(num_accelerators=2)
+def log_then_wait(marker: str) -> None:
+    import os
+    import time
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(10):
+        mlflow.log_metric("before_stop", step + rank / 10, step=step)
+    with open(f"{marker}-{os.environ['RANK']}", "w"):
+        pass
+    time.sleep(120)
+
+
+def wait_for_files(*paths: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        assert time.monotonic() < deadline, f"ranks did not reach {paths}"
+        time.sleep(0.05)
+
+
+def test_cancel_of_a_submitted_launch_marks_the_run_killed(store: Store, capsys: Any) -> None:
+    launch = log_then_wait.submit("ready")
+    wait_for_files("ready-0", "ready-1")
+    assert launch.cancel() is True
+    with pytest.raises(LaunchCancelledError):
+        launch.result(timeout=60)
+    run_id = one_run_id(capsys.readouterr().out)
+    assert launch.run_id == run_id
+    assert store.run(run_id).info.status == "KILLED"
+    assert metric_points(store, run_id, "before_stop") == sorted(
+        (step, step + rank / 10) for step in range(10) for rank in range(2)
+    )
+
+
+def test_timeout_marks_the_run_killed(store: Store, capsys: Any) -> None:
+    with pytest.raises(LaunchTimeoutError):
+        log_then_wait.with_overrides(timeout=10).distributed("never-read")
+    run_id = one_run_id(capsys.readouterr().out)
+    assert store.run(run_id).info.status == "KILLED"
+    assert len(store.history(run_id, "before_stop")) == 20
+
+
+# -- many ranks, many points ---------------------------------------------------------------------
+
+
+@distributed(num_accelerators=8, timeout=600)
+def log_everything(points: int) -> int:
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(points):
+        mlflow.log_metric("loss", rank + step / 1000, step=step)
+        if step % 50 == 0:
+            mlflow.log_metrics({"acc": rank + step / 1000, f"rank{rank}.lr": 0.1 * rank}, step=step)
+    mlflow.log_param("batch_size", 32)
+    mlflow.log_param(f"seed_of_rank_{rank}", 1000 + rank)
+    mlflow.set_tag(f"host_of_rank_{rank}", f"node-{rank}")
+    name = f"summary-{rank}.txt"
+    with open(name, "w") as handle:
+        handle.write(f"rank {rank} logged {points} points\n")
+    mlflow.log_artifact(name, "summaries")
+    print(f"rank {rank} done")
+    return rank
+
+
+def test_eight_ranks_every_point_param_tag_and_artifact_is_stored(store: Store, capsys: Any) -> None:
+    points = 500
+    assert log_everything.distributed(points) == list(range(8))
+    run_id = one_run_id(capsys.readouterr().out)
+    # Read back at once: everything was written before .distributed() returned.
+    loss = metric_points(store, run_id, "loss")
+    assert len(loss) == 8 * points
+    assert loss == sorted((step, rank + step / 1000) for rank in range(8) for step in range(points))
+    acc = metric_points(store, run_id, "acc")
+    assert acc == sorted((step, rank + step / 1000) for rank in range(8) for step in range(0, points, 50))
+    run = store.run(run_id)
+    assert run.info.status == "FINISHED"
+    for rank in range(8):
+        assert len(store.history(run_id, f"rank{rank}.lr")) == points // 50
+        assert run.data.params[f"seed_of_rank_{rank}"] == str(1000 + rank)
+        assert run.data.tags[f"host_of_rank_{rank}"] == f"node-{rank}"
+    assert run.data.params["batch_size"] == "32"
+    assert run.data.params["air_magic.num_accelerators"] == "8"
+
+    assert store.artifacts(run_id, "logs") == [f"logs/rank-{r}.log" for r in range(8)]
+    assert store.artifacts(run_id, "summaries") == [f"summaries/summary-{r}.txt" for r in range(8)]
+    assert store.read_artifact(run_id, "summaries/summary-5.txt", os.getcwd()) == "rank 5 logged 500 points\n"
+    for rank in range(8):
+        text = store.read_artifact(run_id, f"logs/rank-{rank}.log", os.getcwd())
+        assert f"rank {rank} done" in text
+        assert "database is locked" not in text
+    for path in log_everything.last_launch.log_paths:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            assert "database is locked" not in handle.read()
+
+
+# -- rank-side cost ----------------------------------------------------------------------------
+
+
+@distributed(num_accelerators=2)
+def median_log_metric_seconds(calls: int) -> float:
+    import os
+    import statistics
+    import time
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    costs = []
+    for step in range(calls):
+        started = time.perf_counter()
+        mlflow.log_metric("loss", rank + 0.5 * step, step=step)
+        costs.append(time.perf_counter() - started)
+    return statistics.median(costs)
+
+
+def test_log_metric_in_a_rank_costs_microseconds(store: Store, capsys: Any) -> None:
+    medians = median_log_metric_seconds.distributed(2000)
+    run_id = one_run_id(capsys.readouterr().out)
+    # A direct write to a sqlite store costs milliseconds; a line in a file, microseconds.
+    assert all(m < 200e-6 for m in medians), [f"{m * 1e6:.1f} us" for m in medians]
+    assert len(store.history(run_id, "loss")) == 2 * 2000
+
+
+# -- mistakes inside a rank ----------------------------------------------------------------------
+
+
+@distributed(num_accelerators=2)
+def set_experiment_inside() -> None:
+    import mlflow
+
+    mlflow.set_experiment("chosen-on-a-rank")
+
+
+def test_set_experiment_inside_a_rank_says_to_call_it_in_the_notebook(store: Store, capsys: Any) -> None:
+    with pytest.raises(RuntimeError, match=r"call mlflow\.set_experiment\(\.\.\.\) in the notebook"):
+        set_experiment_inside.distributed()
+    run_id = one_run_id(capsys.readouterr().out)
+    assert store.run(run_id).info.status == "FAILED"
+    assert "chosen-on-a-rank" not in [e.name for e in store.client.search_experiments()]
+
+
+@distributed(num_accelerators=2)
+def log_to_another_run() -> None:
+    import mlflow
+
+    mlflow.log_metric("loss", 1.0, run_id="other")
+
+
+def test_log_metric_to_another_run_inside_a_rank_names_the_launchs_run(store: Store, capsys: Any) -> None:
+    with pytest.raises(RuntimeError) as info:
+        log_to_another_run.distributed()
+    run_id = one_run_id(capsys.readouterr().out)
+    message = str(info.value)
+    assert f"this rank logs to the launch's MLflow run {run_id}" in message
+    assert "run_id='other'" in message
+    assert store.run(run_id).info.status == "FAILED"
+
+
+@distributed(num_accelerators=2)
+def log_then_use_a_bad_name() -> None:
+    import os
+    import time
+
+    import mlflow
+
+    if os.environ["RANK"] == "0":
+        for step in range(100):
+            mlflow.log_metric("loss", step / 100, step=step)
+        mlflow.log_metric("loss@rank0", 1.0)  # '@' is not allowed in MLflow names
+    time.sleep(60)
+
+
+def test_a_name_mlflow_refuses_raises_at_the_call_and_earlier_points_are_kept(store: Store, capsys: Any) -> None:
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException, match=r'Invalid value "loss@rank0".*Names may only contain') as info:
+        log_then_use_a_bad_name.distributed()
+    assert "mlflow.log_metric(\"loss@rank0\", 1.0)" in str(info.value.__cause__)
+    run_id = one_run_id(capsys.readouterr().out)
+    run = store.run(run_id)
+    assert run.info.status == "FAILED"
+    assert metric_points(store, run_id, "loss") == [(step, step / 100) for step in range(100)]
+    assert store.artifacts(run_id, "logs") == ["logs/rank-0.log", "logs/rank-1.log"]
+
+
+@distributed(num_accelerators=2)
+def log_and_change_a_launch_param() -> int:
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(100):
+        mlflow.log_metric("loss", rank + step / 1000, step=step)
+    if rank == 0:
+        mlflow.log_param("air_magic.timeout", "1")  # already logged by the launch, with another value
+    return rank
+
+
+def test_what_the_store_refuses_is_reported_and_the_run_still_ends(store: Store, capsys: Any) -> None:
+    assert log_and_change_a_launch_param.distributed() == [0, 1]
+    captured = capsys.readouterr()
+    run_id = one_run_id(captured.out)
+    run = store.run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["air_magic.timeout"] == "10800.0"
+    assert len(store.history(run_id, "loss")) == 200
+    assert store.artifacts(run_id, "logs") == ["logs/rank-0.log", "logs/rank-1.log"]
+    assert f"[air_magic] not everything the ranks logged reached MLflow run {run_id}: " in captured.err
+    assert "Changing param values is not allowed" in captured.err
+
+
+# -- tracking off ------------------------------------------------------------------------------
+
+
+@distributed(num_accelerators=2, tracking=False)
+def untracked() -> tuple[Any, ...]:
+    import mlflow
+
+    mlflow.log_metric("loss", 1.0, step=1)
+    mlflow.log_metrics({"a": 1.0, "b": 2.0})
+    mlflow.set_tag("t", "v")
+    with open("note.txt", "w") as handle:
+        handle.write("x")
+    mlflow.log_artifact("note.txt")
+    with mlflow.start_run() as run:
+        mlflow.log_metric("loss", 2.0)
+    return mlflow.log_param("p", 3), run.info.run_id, mlflow.active_run()
+
+
+def test_tracking_off_creates_nothing_and_rank_calls_do_nothing(store: Store, capsys: Any, tmp_path: Any) -> None:
+    db = store.uri[len("sqlite:///"):]
+    assert not os.path.exists(db)
+    assert untracked.distributed() == [(3, None, None), (3, None, None)]
+    out = capsys.readouterr().out
+    assert "[air_magic] tracking is off" in out
+    assert run_ids_in(out) == []
+    assert untracked.last_launch.run_id is None
+    assert not os.path.exists(db), "the sqlite store was created with tracking off"
+    assert sorted(os.listdir(tmp_path)) == ["note.txt"]  # no mlruns/, no mlflow.db
