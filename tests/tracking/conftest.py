@@ -23,6 +23,13 @@ from tracking_support import Server, Store, free_port, kill_tree, sqlite_uri
 _MLFLOW_VARIABLES = ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
 
 
+@pytest.fixture(autouse=True)
+def outside_the_repository(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run each test from its temp folder: a sqlite store that this process creates puts
+    its default experiment's artifacts (``mlruns/``) in the working directory."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def store(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
     """A fresh sqlite store for launches from this process; ranks start in ``tmp_path``."""

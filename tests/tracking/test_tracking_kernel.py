@@ -36,6 +36,8 @@ rank"""
 def tk(kernel_factory: Any) -> Iterator[Kernel]:
     """A kernel with tracking on (the default), as a notebook named train-notebook."""
     kernel = kernel_factory(extra_env={"JPY_SESSION_NAME": NOTEBOOK}, tracking=True)
+    # The kernel creates its store (in its own folder), not the test reading it back.
+    kernel.ok("from mlflow import MlflowClient\nMlflowClient().search_experiments()")
     yield kernel
     kernel.shutdown()
 
@@ -169,6 +171,7 @@ def test_experiment_choice_kernel_then_environment_flag_wins(kernel_factory: Any
         extra_env={"JPY_SESSION_NAME": NOTEBOOK, "MLFLOW_EXPERIMENT_NAME": "from-environment"}, tracking=True
     )
     store = store_of(kernel)
+    kernel.ok("from mlflow import MlflowClient\nMlflowClient().search_experiments()")
     try:
         def launch(flags: str = "") -> str:
             res = kernel.run(f"%%distributed -n 2 {flags}\n{LOGGING_CELL}", timeout=180)

@@ -136,12 +136,15 @@ def test_experiment_from_environment_and_keyword_wins(
     assert sorted(m.value for m in store.history(chosen, "x")) == [0.0, 1.0]
 
 
-def test_experiment_set_in_this_process_is_used(store: Store, capsys: Any) -> None:
+def test_experiment_set_in_this_process_is_used_and_keyword_wins(store: Store, capsys: Any) -> None:
     import mlflow
 
     mlflow.set_experiment("set-here")
     log_a_little.distributed()
     assert store.experiment_name(one_run_id(capsys.readouterr().out)) == "set-here"
+    # experiment= on the decorator wins over it
+    log_into_chosen_experiment.distributed()
+    assert store.experiment_name(one_run_id(capsys.readouterr().out)) == "from-keyword"
 
 
 # -- statuses ------------------------------------------------------------------------------------
