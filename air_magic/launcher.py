@@ -379,26 +379,25 @@ class Launch:
                     log_path=state.log_path,
                 )
             except Exception as exc:  # pickled on the rank, but cannot be loaded here
-                self.status = "failed"
-                error = ResultError(
-                    f"rank {state.rank} of {n} returned a value that cannot be loaded in the kernel "
-                    f"({type(exc).__name__}: {exc}). Return plain data instead (numbers, lists, "
-                    "tensors, a state_dict()), or save it to a file on the rank."
+                return False, self._result_error(
+                    state.rank, f"a value that cannot be loaded in the kernel ({type(exc).__name__}: {exc})"
                 )
-                error.rank, error.world_size = state.rank, n
-                return False, error
             if record[0] == "unpicklable":
-                self.status = "failed"
-                error = ResultError(
-                    f"rank {state.rank} of {n} returned a {record[1]}, which cannot be sent back to "
-                    f"the kernel ({record[2]}). Return plain data instead (numbers, lists, tensors, "
-                    "a state_dict()), or save it to a file on the rank."
+                return False, self._result_error(
+                    state.rank, f"a {record[1]}, which cannot be sent back to the kernel ({record[2]})"
                 )
-                error.rank, error.world_size = state.rank, n
-                return False, error
             values.append(record[1])
         self.status = "finished"
         return True, values
+
+    def _result_error(self, rank: int, what: str) -> ResultError:
+        self.status = "failed"
+        error = ResultError(
+            f"rank {rank} of {self.world_size} returned {what}. Return plain data instead (numbers, "
+            "lists, tensors, a state_dict()), or save it to a file on the rank."
+        )
+        error.rank, error.world_size = rank, self.world_size
+        return error
 
     def _root_failure(self) -> int:
         # When one rank fails, its peers often fail right after inside a collective
