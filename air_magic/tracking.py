@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import sys
 import threading
@@ -178,6 +179,9 @@ class TrackingObserver:
     def _start_monitor(self) -> None:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            # Its start/stop INFO lines would land in every launch's cell.
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
 
             self.monitor = SystemMetricsMonitor(self.run_id, sampling_interval=2, samples_before_logging=1)
             self.monitor.start()
