@@ -1,0 +1,69 @@
+"""Data loading and checkpoints for ranks, on any storage fsspec can reach.
+
+``StreamingDataset`` streams the files of a folder evenly across ranks and workers,
+``DataLoader`` is torchdata's ``StatefulDataLoader`` (resumable mid-epoch) where
+torchdata is installed, and the checkpoint helpers wrap ``torch.distributed.checkpoint``.
+The reference product's names (``UCVolumeDataset``, ``UCVolumeWriter``,
+``UCVolumeReader``) still work, with a ``FutureWarning`` naming the replacement.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from .checkpoint import (
+    async_save_checkpoint,
+    checkpoint_reader,
+    checkpoint_writer,
+    load_checkpoint,
+    load_training_state,
+    save_checkpoint,
+    save_training_state,
+)
+from .dataset import DataError, StreamingDataset
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
+except ImportError:  # pragma: no cover - without torchdata, no mid-epoch resume with workers
+    from torch.utils.data import DataLoader  # type: ignore[assignment]
+
+__all__ = [
+    "StreamingDataset",
+    "DataLoader",
+    "DataError",
+    "checkpoint_writer",
+    "checkpoint_reader",
+    "save_checkpoint",
+    "async_save_checkpoint",
+    "load_checkpoint",
+    "save_training_state",
+    "load_training_state",
+    "UCVolumeDataset",
+    "UCVolumeWriter",
+    "UCVolumeReader",
+]
+
+
+def _moved(old: str, new: str) -> None:
+    warnings.warn(f"{old} is the reference product's name; use air_magic.data.{new} instead.",
+                  FutureWarning, stacklevel=3)
+
+
+def UCVolumeDataset(path: str, **kwargs: Any) -> StreamingDataset:  # noqa: N802 - the old name
+    """Deprecated name of :class:`StreamingDataset` (its files are no longer limited to /Volumes)."""
+    _moved("UCVolumeDataset", "StreamingDataset")
+    kwargs.setdefault("shuffle", False)  # the reference did not shuffle
+    return StreamingDataset(path, **kwargs)
+
+
+def UCVolumeWriter(path: str, **kwargs: Any) -> Any:  # noqa: N802
+    """Deprecated name of :func:`checkpoint_writer`."""
+    _moved("UCVolumeWriter", "checkpoint_writer")
+    return checkpoint_writer(path, **kwargs)
+
+
+def UCVolumeReader(path: str, **kwargs: Any) -> Any:  # noqa: N802
+    """Deprecated name of :func:`checkpoint_reader`."""
+    _moved("UCVolumeReader", "checkpoint_reader")
+    return checkpoint_reader(path, **kwargs)
