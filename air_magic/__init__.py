@@ -62,15 +62,17 @@ def ray_init(address: str | None = None, **kwargs: Any) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext air_magic``: register ``%%distributed`` and start the helper process."""
+    """``%load_ext air_magic``: register ``%%distributed`` and ``%air_lint``, start the helper process."""
+    from .lint.magic import LintMagics
     from .magics import DistributedMagics
 
-    ipython.register_magics(DistributedMagics)
+    ipython.register_magics(DistributedMagics, LintMagics)
     from .launcher import get_launcher
 
     get_launcher().warm()
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """``%unload_ext air_magic``: remove ``%%distributed``; running launches are not touched."""
+    """``%unload_ext air_magic``: remove ``%%distributed`` and ``%air_lint``; running launches are not touched."""
     ipython.magics_manager.magics["cell"].pop("distributed", None)
+    ipython.magics_manager.magics["line"].pop("air_lint", None)

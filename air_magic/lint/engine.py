@@ -1,0 +1,86 @@
+"""The checks behind the rule table, run over one parsed module.
+
+::
+
+    source ──libcst parse + metadata (_source.Source)──> checks by kind ──> Diagnostics with byte-edit fixes
+                                                         _imports    AM1xx
+                                                         _arguments  AM2xx
+                                                         _patterns   AM3xx
+
+Fixes are byte edits of the source (never a re-printed tree), so every line a fix does
+not touch keeps its exact text; :mod:`air_magic.lint.fixes` applies them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import libcst as cst
+
+from . import _arguments, _imports, _patterns
+from ._source import Region, Source, accelerator_replacement
+from .diagnostics import Diagnostic
+from .rules import Applicability, rule
+
+__all__ = ["Region", "check", "accelerator_replacement", "syntax_error"]
+
+_CHECKS: tuple[Callable[[Source], None], ...] = (
+    _imports.check_imports,
+    _imports.check_env_vars,
+    _arguments.check_arguments,
+    _patterns.check_torch_distributor,
+    _patterns.check_rendezvous,
+    _patterns.check_direct_calls,
+)
+
+
+def check(
+    source: str,
+    *,
+    path: str = "<string>",
+    regions: Sequence[Region] = (),
+    describe_line: Callable[[int], str] | None = None,
+    launched: Sequence[str] = (),
+) -> list[Diagnostic]:
+    """Lint ``source``; a syntax error is one ``AM001`` finding.
+
+    ``regions`` are lines that run on the ranks as they are (``%%distributed`` bodies);
+    ``launched`` names top-level functions that run on the ranks however they are
+    launched.  Fix edits are byte offsets into ``source.encode("utf-8")``.
+    """
+    try:
+        src = Source(source, describe_line or (lambda line: f"line {line}"), launched)
+    except cst.ParserSyntaxError as exc:
+        return [syntax_error(source, exc, path)]
+    for checker in _CHECKS:
+        checker(src)
+    _patterns.check_launched_code(src, regions)
+    return src.diagnostics(path)
+
+
+def syntax_error(source: str, exc: Exception, path: str, what: str = "this code") -> Diagnostic:
+    """``AM001`` at the place Python's own parser names (libcst's position is often a token later)."""
+    import ast
+
+    line = getattr(exc, "raw_line", 1)
+    col = getattr(exc, "raw_column", 0) + 1
+    message = (getattr(exc, "message", "") or str(exc)).splitlines()[0]
+    try:
+        ast.parse(source)
+    except SyntaxError as err:
+        line, col, message = err.lineno or line, err.offset or col, err.msg
+    except (ValueError, RecursionError):
+        pass
+    r = rule("AM001")
+    return Diagnostic(
+        code="AM001",
+        message=r.format_message(what=what, error=f"syntax error: {message}"),
+        path=path,
+        cell=None,
+        line=line,
+        col=col,
+        applicability=Applicability.DISPLAY_ONLY,
+        fix_title=r.fix_title,
+        end_line=line,
+        end_col=col,
+    )

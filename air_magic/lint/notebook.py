@@ -1,0 +1,410 @@
+"""Notebooks: code cells are linted as one module, so an import in cell 2 is seen in cell 5.
+
+::
+
+    cells ──mask magics──> one module, a separator comment before each cell
+          ──lint / fix (engine, fixes)──> split at the separators ──unmask──> cells
+
+* IPython line magics, ``!shell`` lines and ``obj?`` help lines become
+  ``pass  # <token>`` (same indentation, same line count) and come back verbatim
+  afterwards, as nbQA does.
+* A ``%%distributed`` cell: its header is parsed with the magic's own parser (a legacy
+  ``--accelerator-type`` value is fixed there, ``AM207``) and its body is linted as Python
+  that runs on every rank.  ``%%time`` and ``%%capture`` bodies are plain Python too;
+  cells of any other cell magic (``%%bash``, ``%%writefile`` ...) are skipped.
+* A cell that does not parse is reported (``AM001``) and left out; the others are still
+  linted.
+* Findings point at ``cell N, line M``: N counts every cell of the notebook from 1
+  (markdown too, as ``nb.cells[N - 1]``), M is the line inside the cell.
+
+Notebook files are read and written with nbformat; only the ``source`` of cells a fix
+changed is replaced, outputs and metadata are left as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from .diagnostics import ConvergenceError, Diagnostic, Edit, Fix
+from .fixes import MAX_PASSES, allowed, apply_fixes
+from .rules import Applicability, rule
+
+__all__ = [
+    "CellsResult",
+    "lint_cells",
+    "fix_cells",
+    "lint_notebook_file",
+    "fix_notebook_file",
+    "mask_magics",
+    "PYTHON_BODY_MAGICS",
+]
+
+#: Cell magics whose body is Python run in the notebook's namespace.
+PYTHON_BODY_MAGICS = frozenset({"distributed", "time", "capture"})
+
+_LINE_MAGIC = re.compile(r"^\s*(%|!(?!=))")
+_ASSIGNED_MAGIC = re.compile(r"^\s*[A-Za-z_][\w.]*(\s*,\s*[A-Za-z_][\w.]*)*\s*=\s*[%!](?!=)")
+_HELP = re.compile(r"^\s*(\?{1,2}[\w.*]+|[\w.*]+\?{1,2})\s*$")
+_ACCEL_OPTION = re.compile(r"(--accelerator-type(?:=|\s+))([\"']?)([^\s\"']+)\2")
+
+
+# -- masking -------------------------------------------------------------------------------------
+
+
+def mask_magics(source: str, token: str) -> tuple[str, dict[str, str]]:
+    """Replace IPython-only lines by ``pass  # <token>_<n>``; returns the text and the originals."""
+    masks: dict[str, str] = {}
+    out = []
+    continued = False
+    for line in source.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        ending = line[len(body):]
+        if continued or _LINE_MAGIC.match(body) or _ASSIGNED_MAGIC.match(body) or _HELP.match(body):
+            key = f"{token}_{len(masks)}"
+            masks[key] = body
+            indent = body[: len(body) - len(body.lstrip())] if not continued else ""
+            out.append(f"{indent}pass  # {key}{ending}")
+            continued = body.endswith("\\")
+            continue
+        out.append(line)
+    return "".join(out), masks
+
+
+def unmask(text: str, masks: dict[str, str]) -> str:
+    if not masks:
+        return text
+    pattern = re.compile(r"^[ \t]*pass  # (" + "|".join(re.escape(k) for k in masks) + r")$")
+    lines = []
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        match = pattern.match(body)
+        lines.append(masks[match.group(1)] + line[len(body):] if match else line)
+    return "".join(lines)
+
+
+# -- one lint view of a list of cells ---------------------------------------------------------
+
+
+@dataclass
+class _Cell:
+    index: int
+    source: str
+    python: str | None = None  # masked text linted as Python (None: not linted)
+    masks: dict[str, str] = field(default_factory=dict)
+    header: str | None = None  # the %%distributed line
+    start: int = 0  # first line of the cell in the joined module
+    added_newline: bool = False
+
+
+class _Joined:
+    """Code cells joined into one module, with the maps back to cells."""
+
+    def __init__(self, sources: Sequence[str | None], path: str, numbers: Sequence[int]) -> None:
+        self.path = path
+        self.numbers = list(numbers)
+        self.token = "air_magic_" + uuid.uuid4().hex[:12]
+        self.cells: list[_Cell] = []
+        self.early: list[Diagnostic] = []  # findings made before joining (syntax, headers)
+        self.header_fixes: dict[int, list[tuple[Diagnostic, Edit]]] = {}
+        from .engine import Region
+
+        self.regions: list[Region] = []
+        chunks: list[str] = []
+        line = 1
+        for index, source in enumerate(sources):
+            if source is None:
+                continue
+            cell = _Cell(index, source)
+            self.cells.append(cell)
+            python = self._prepare(cell)
+            if python is None:
+                continue
+            chunks.append(f"# {self.token}_cell_{index}\n")
+            line += 1
+            cell.start = line
+            cell.added_newline = bool(python) and not python.endswith("\n")
+            text = python + ("\n" if cell.added_newline else "")
+            cell.python = python
+            chunks.append(text)
+            count = text.count("\n")
+            if cell.header is not None and count > 1:
+                self.regions.append(Region(line + 1, line + count - 1, "the %%distributed cell"))
+            line += count
+        self.text = "".join(chunks)
+
+    def _prepare(self, cell: _Cell) -> str | None:
+        source = cell.source
+        first, _, rest = source.partition("\n")
+        if first.startswith("%%"):
+            magic = first[2:].split(None, 1)[0] if first[2:].strip() else ""
+            if magic not in PYTHON_BODY_MAGICS:
+                return None
+            if magic == "distributed":
+                cell.header = first
+                self._check_header(cell)
+        masked, cell.masks = mask_magics(source, f"{self.token}_{cell.index}")
+        try:
+            import libcst as cst
+
+            cst.parse_module(masked)
+        except Exception as exc:  # libcst.ParserSyntaxError, or a grammar libcst lacks
+            from .engine import syntax_error
+
+            found = syntax_error(masked, exc, self.path, what="this cell")
+            self.early.append(replace(found, cell=self.numbers[cell.index]))
+            return None
+        return masked
+
+    def _check_header(self, cell: _Cell) -> None:
+        assert cell.header is not None
+        line = cell.header[len("%%distributed"):]
+        try:
+            from IPython.core.magic_arguments import parse_argstring
+
+            from ..magics import DistributedMagics
+
+            args = parse_argstring(DistributedMagics.distributed, line)
+        except ImportError:
+            return
+        except (Exception, SystemExit) as exc:
+            r = rule("AM001")
+            self.early.append(
+                Diagnostic(
+                    code="AM001",
+                    message=r.format_message(what="the %%distributed line", error=str(exc)),
+                    path=self.path, cell=self.numbers[cell.index], line=1, col=1,
+                    applicability=Applicability.DISPLAY_ONLY,
+                    fix_title="Fix the options (%%distributed? lists them)",
+                    end_line=1, end_col=len(cell.header) + 1,
+                )
+            )
+            return
+        from ..accelerators import GPUType
+        from .engine import accelerator_replacement
+
+        value = args.accelerator_type
+        if isinstance(value, str):
+            value = value.strip("\"'")
+        legacy = GPUType.parse(value) if isinstance(value, str) else None
+        match = _ACCEL_OPTION.search(cell.header)
+        if legacy is None or match is None:
+            return
+        col = match.start(3) + 1
+        replacement = accelerator_replacement(legacy, args.num_accelerators)
+        number = self.numbers[cell.index]
+        if replacement is None:
+            r = rule("AM204")
+            fields = {"old": value}
+            self.early.append(
+                Diagnostic(
+                    code="AM204", message=r.format_message(**fields), path=self.path, cell=number,
+                    line=1, col=col, applicability=Applicability.DISPLAY_ONLY,
+                    fix_title=r.format_fix_title(**fields), end_line=1, end_col=match.end(3) + 1,
+                )
+            )
+            return
+        new, reason = replacement
+        r = rule("AM207")
+        fields = {"old": value, "new": new, "reason": reason}
+        start = len(cell.header[: match.start(3)].encode("utf-8"))
+        edit = Edit(start, start + len(match.group(3).encode("utf-8")), new)
+        diagnostic = Diagnostic(
+            code="AM207", message=r.format_message(**fields), path=self.path, cell=number,
+            line=1, col=col, applicability=Applicability.SAFE, fix_title=r.format_fix_title(**fields),
+            end_line=1, end_col=match.end(3) + 1, fix=Fix(Applicability.SAFE, (edit,)),
+        )
+        self.early.append(diagnostic)
+        self.header_fixes.setdefault(cell.index, []).append((diagnostic, edit))
+
+    # -- positions ---------------------------------------------------------------------------
+
+    def locate(self, line: int) -> tuple[_Cell, int]:
+        found = None
+        for cell in self.cells:
+            if cell.python is not None and cell.start <= line:
+                found = cell
+        assert found is not None, line
+        return found, line - found.start + 1
+
+    def describe(self, line: int) -> str:
+        cell, inner = self.locate(line)
+        return f"cell {self.numbers[cell.index]}, line {inner}"
+
+    def lint(self) -> list[Diagnostic]:
+        from .engine import check
+
+        found = list(self.early)
+        if self.text:
+            for d in check(self.text, path=self.path, regions=self.regions, describe_line=self.describe):
+                cell, line = self.locate(d.line)
+                end_cell, end_line = self.locate(d.end_line) if d.end_line else (cell, line)
+                found.append(
+                    replace(
+                        d, cell=self.numbers[cell.index], line=line,
+                        end_line=end_line if end_cell is cell else line,
+                    )
+                )
+        found.sort(key=lambda d: (d.cell or 0, d.line, d.col, d.code))
+        return found
+
+    def split(self, text: str) -> dict[int, str]:
+        """Cell index -> new source, from a fixed joined text."""
+        marks = list(re.finditer(rf"^# {self.token}_cell_(\d+)\n", text, flags=re.M))
+        linted = [c for c in self.cells if c.python is not None]
+        if [int(m.group(1)) for m in marks] != [c.index for c in linted]:
+            raise RuntimeError("a fix removed a cell boundary; nothing was changed")  # a bug
+        out = {}
+        for n, (mark, cell) in enumerate(zip(marks, linted)):
+            end = marks[n + 1].start() if n + 1 < len(marks) else len(text)
+            body = text[mark.end():end]
+            if cell.added_newline and body.endswith("\n"):
+                body = body[:-1]
+            out[cell.index] = unmask(body, cell.masks)
+        return out
+
+
+@dataclass(frozen=True)
+class CellsResult:
+    """Cell sources after fixing (``None`` for cells that are not code), what was fixed,
+    and what is left."""
+
+    sources: tuple[str | None, ...]
+    fixed: tuple[str, ...]
+    remaining: tuple[Diagnostic, ...]
+
+    def changed_cells(self, before: Sequence[str | None]) -> list[int]:
+        return [i for i, (a, b) in enumerate(zip(before, self.sources)) if a != b]
+
+
+def _numbers(sources: Sequence[str | None], numbers: Sequence[int] | None) -> list[int]:
+    return list(numbers) if numbers is not None else list(range(1, len(sources) + 1))
+
+
+def lint_cells(
+    sources: Sequence[str | None], *, path: str = "<notebook>", numbers: Sequence[int] | None = None
+) -> list[Diagnostic]:
+    """Lint notebook cells (``None`` for markdown/raw cells); ``numbers`` names the cells
+    in the findings (default 1, 2, 3 ...)."""
+    return _Joined(sources, path, _numbers(sources, numbers)).lint()
+
+
+def fix_cells(
+    sources: Sequence[str | None],
+    *,
+    path: str = "<notebook>",
+    numbers: Sequence[int] | None = None,
+    unsafe: bool = False,
+) -> CellsResult:
+    """Fix notebook cells until nothing changes (see :func:`air_magic.lint.fixes.fix_until_stable`)."""
+    labels = _numbers(sources, numbers)
+    current = list(sources)
+    fixed: list[str] = []
+    for passes in range(MAX_PASSES + 1):
+        joined = _Joined(current, path, labels)
+        diagnostics = joined.lint()
+        # Header fixes (AM207) edit the cell's first line, which the joined module masks.
+        todo = [d for d in diagnostics if allowed(d, unsafe) and d.code != "AM207"]
+        headers = joined.header_fixes
+        if not todo and not headers:
+            return CellsResult(tuple(current), tuple(fixed), tuple(diagnostics))
+        if passes == MAX_PASSES:
+            codes = {d.code for d in todo} | ({"AM207"} if headers else set())
+            raise ConvergenceError(path, MAX_PASSES, sorted(codes))
+        new = list(current)
+        if todo:
+            text, applied = apply_fixes(joined.text, [d.fix for d in todo if d.fix is not None])
+            fixed.extend(todo[i].code for i in applied)
+            for index, body in joined.split(text).items():
+                new[index] = body
+        for index, pairs in headers.items():
+            cell = new[index]
+            assert cell is not None
+            header, newline, rest = cell.partition("\n")
+            header, _ = apply_fixes(header, [Fix(Applicability.SAFE, (edit,)) for _, edit in pairs])
+            new[index] = header + newline + rest
+            fixed.extend(d.code for d, _ in pairs)
+        if new == current:
+            return CellsResult(tuple(current), tuple(fixed), tuple(diagnostics))
+        current = new
+    raise AssertionError("unreachable")
+
+
+# -- notebook files ------------------------------------------------------------------------------
+
+
+def _read(path: str | os.PathLike[str]) -> Any:
+    import nbformat
+
+    with warnings.catch_warnings():
+        # A notebook whose cells lack ids is still read; it is not this linter's finding.
+        warnings.simplefilter("ignore")
+        return nbformat.read(os.fspath(path), as_version=4)
+
+
+def _sources(nb: Any) -> list[str | None]:
+    return [c.source if c.cell_type == "code" else None for c in nb.cells]
+
+
+def lint_notebook_file(path: str | os.PathLike[str]) -> list[Diagnostic]:
+    nb = _read(path)
+    return lint_cells(_sources(nb), path=os.fspath(path))
+
+
+@dataclass(frozen=True)
+class NotebookFixResult:
+    before: tuple[str | None, ...]
+    result: CellsResult
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.result.sources
+
+    @property
+    def remaining_diagnostics(self) -> list[Diagnostic]:
+        return list(self.result.remaining)
+
+
+def fix_notebook_file(
+    path: str | os.PathLike[str], *, unsafe: bool = False, write: bool = True
+) -> NotebookFixResult:
+    """Fix a notebook's code cells and (with ``write``) save it, replacing only the
+    ``source`` of the cells that changed."""
+    nb = _read(path)
+    before = _sources(nb)
+    result = fix_cells(before, path=os.fspath(path), unsafe=unsafe)
+    outcome = NotebookFixResult(tuple(before), result)
+    if write and outcome.changed:
+        _write_sources(os.fspath(path), nb, before, result.sources)
+    return outcome
+
+
+def _write_sources(path: str, nb: Any, before: Sequence[str | None], after: Sequence[str | None]) -> None:
+    """Save new cell sources.  A version 4 file is edited as JSON, so every other byte stays
+    as the tool that wrote it left it (key order, indentation, cells without ids); an
+    older one is converted and written by nbformat."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    data = json.loads(text)
+    if data.get("nbformat") != 4 or len(data.get("cells", ())) != len(before):
+        import nbformat
+
+        for cell, old, new in zip(nb.cells, before, after):
+            if new is not None and new != old:
+                cell.source = new
+        nbformat.write(nb, path)
+        return
+    for cell, old, new in zip(data["cells"], before, after):
+        if new is not None and new != old:
+            cell["source"] = new.splitlines(keepends=True) if isinstance(cell["source"], list) else new
+    indent = re.match(r"\{\r?\n([ \t]*)", text)
+    out = json.dumps(
+        data, indent=len(indent.group(1)) if indent else 1, ensure_ascii="\\u" in text and text.isascii()
+    )
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(out + ("\n" if text.endswith("\n") else ""))
