@@ -54,6 +54,7 @@ def child_main(request: dict[str, Any], rank: int, port: int, alive_fd: int, clo
             signal.signal(signum, signal.SIG_DFL)
         _die_with_parent()
         atexit._clear()  # the helper's exit hooks are not the rank's
+        _register_process_exit_hooks()
         _redirect_output(request["log_paths"][rank])
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
@@ -79,6 +80,37 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
+
+
+def _register_process_exit_hooks() -> None:
+    """Give back the exit hooks that act on this process's own state, as a fresh
+    Python process that imported the same modules would have them.
+
+    They were registered in the helper (when it imported torch) and cleared with the
+    helper's other hooks: multiprocessing's (stops the rank's daemonic children,
+    such as persistent DataLoader workers, and joins the others), torch's DataLoader
+    exit flag, ``weakref.finalize``'s (``TemporaryDirectory`` cleanup) and logging's
+    (flushes file handlers).  Same order as at import, so they run in the usual one.
+    """
+    import logging
+    import multiprocessing.util
+    import weakref
+
+    atexit.register(logging.shutdown)
+    data_utils = sys.modules.get("torch.utils.data._utils")
+    if data_utils is not None and hasattr(data_utils, "_set_python_exit_flag"):
+        atexit.register(data_utils._set_python_exit_flag)
+    atexit.register(multiprocessing.util._exit_function)
+    registry = getattr(weakref.finalize, "_registry", {})
+    for info in list(registry.values()):
+        info.atexit = False  # the helper's objects (torch's op libraries): not this rank's to finalize
+    if getattr(weakref.finalize, "_registered_with_atexit", False):
+        atexit.register(weakref.finalize._exitfunc)
+    # The legacy global NumPy generator is not reseeded at fork as `random` is: with
+    # numpy.random preloaded, every rank would draw the same numbers.
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
 
 
 def _redirect_output(log_path: str) -> None:
@@ -125,6 +157,11 @@ def _apply_environment(request: dict[str, Any], rank: int, port: int) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",
+        # What DeepSpeed's own launcher adds: its CPU accelerator counts the local
+        # devices by LOCAL_SIZE (else by NUMA nodes, 1 on most machines).
+        LOCAL_SIZE=str(world_size),
+        CROSS_RANK="0",
+        CROSS_SIZE="1",
     )
     os.environ.clear()
     os.environ.update(env)

@@ -257,7 +257,16 @@ class Launch:
         return True
 
     def __repr__(self) -> str:
-        return f"<Launch {self.id} {self.label} ranks={self.world_size} status={self.status}>"
+        took = (self.ended_at or time.time()) - self.started_at
+        where = f"{self.world_size} {'GPU' if self.placement.device == 'cuda' else 'CPU'} rank{'s' * (self.world_size != 1)}"
+        run = f", MLflow run {self.run_id}" if self.run_id else ""
+        return f"<Launch {self.id} {self.label}: {self.status} after {took:.1f} s on {where}{run}>"
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        """In a notebook a launch shows as its live panel (a summary once it has ended)."""
+        from .panel import launch_mimebundle
+
+        return launch_mimebundle(self)
 
     # -- blocking wait, from the main thread ------------------------------------------------
 
@@ -674,7 +683,11 @@ class Launcher:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.world_size)))
         env["AIR_MAGIC_LAUNCH_ID"] = launch.id
         if launch.placement.device == "cpu":
+            # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU
+            # is what `accelerate launch --cpu` sets: without it the Hugging Face Trainer
+            # runs every CPU rank on its own instead of joining them with gloo.
             env.setdefault("DS_ACCELERATOR", "cpu")
+            env.setdefault("ACCELERATE_USE_CPU", "true")
             if launch.placement.hardware.gpu_count:
                 env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks asked for on a GPU machine
         return env
@@ -740,7 +753,15 @@ def tracking(launch: Launch) -> LaunchObserver | None:
     return tracking_observer(launch)
 
 
+def panel(launch: Launch) -> LaunchObserver | None:
+    """The live panel (ipywidgets imported only where widgets are shown)."""
+    from .panel import panel_observer
+
+    return panel_observer(launch)
+
+
 Launcher.add_observer(tracking)
+Launcher.add_observer(panel)
 
 _launcher: Launcher | None = None
 _launcher_lock = threading.Lock()

@@ -58,6 +58,9 @@ class DistributedMagics(Magics):
     capture_warn_mb = CFloat(100.0, help="Warn when a captured object pickles to more MB than this.").tag(
         config=True
     )
+    panel = Bool(
+        True, help="Show each launch's live panel (decorator launches too); env AIR_MAGIC_PANEL=0 also turns it off."
+    ).tag(config=True)
 
     @magic_arguments()
     @argument("-n", "--num-accelerators", type=int, default=None, metavar="N",
@@ -127,6 +130,11 @@ class DistributedMagics(Magics):
         return values if _ends_with_expression(cell) else None
 
     def _spec(self, args: Any) -> LaunchSpec:
+        # IPython splits magic lines without removing quotes: --run-name "my run".
+        for name in ("accelerator_type", "timeout", "experiment", "run_name", "backend"):
+            value = getattr(args, name, None)
+            if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                setattr(args, name, value[1:-1])
         timeout: float | None = self.timeout
         if args.timeout is not None:
             timeout = _timeout_arg(args.timeout)
