@@ -112,7 +112,9 @@ _MONO = "font-family:var(--jp-code-font-family,monospace);font-size:11px"
 _CELL = "padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:nowrap"
 _MUTED = "opacity:0.7"
 
-STOP_NOTE_BLOCKING = "interrupt the kernel to stop (■ in the toolbar): a click cannot reach a kernel busy with this cell"
+STOP_NOTE_BLOCKING = (
+    "interrupt the kernel to stop (■ in the toolbar): a click cannot reach a kernel busy with this cell"
+)
 STOP_NOTE_SUBSHELL = "Stop works during this cell: the front end sends clicks on a kernel subshell"
 
 
@@ -514,6 +516,12 @@ def _metrics_text(latest: dict[str, tuple[int, float]], limit: int = 3) -> str:
     return " ".join(f"{key}={_fmt_value(value)}" for key, (_, value) in items)
 
 
+def _where(launch: "Launch") -> str:
+    """``2 CPU ranks``, ``8 GPU ranks``, ``1 GPU rank``."""
+    kind = "GPU" if launch.placement.device == "cuda" else "CPU"
+    return f"{launch.world_size} {kind} rank{'s' if launch.world_size != 1 else ''}"
+
+
 def _clip(text: str, limit: int = _LINE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -613,7 +621,7 @@ def _lint_texts(launch: "Launch") -> _Lint:
     payload = getattr(launch, "_payload", None)
     sources = getattr(payload, "sources", {}) or {}
     result = _Lint(available=True)
-    for _, (display, source) in sources.items():
+    for display, source in sources.values():
         with _LINT_LOCK:
             cached = _LINT_CACHE.get(source)
         if cached is None:
@@ -703,9 +711,8 @@ class LaunchState:
     def refresh(self, tick: int, final: bool = False) -> None:
         for log in self.logs:
             log.refresh()
-        if self.tracking:
-            if any([m.refresh() for m in self.metrics]):
-                self.chart_version += 1
+        if self.tracking and sum(m.refresh() for m in self.metrics):  # every reader, no short cut
+            self.chart_version += 1
         if not final and tick % _USAGE_EVERY == 1:
             try:
                 self.usage.sample(self.launch.ranks)
@@ -766,16 +773,18 @@ class LaunchState:
 def _title_html(state: LaunchState) -> str:
     launch = state.launch
     icon, color = _STATUS_STYLE.get(launch.status, ("●", "#6b7280"))
-    where = f"{launch.world_size} {'GPU' if launch.placement.device == 'cuda' else 'CPU'} rank{'s' if launch.world_size != 1 else ''}"
+    where = _where(launch)
+    elapsed = _fmt_elapsed(state.elapsed()) if launch.ended_at else _fmt_clock(state.elapsed())
     parts = [
         f"<b>{_esc(launch.label)}</b> on {where}",
-        f'<span style="color:{color};font-weight:bold" data-air-magic-status-label="1">{icon} {_esc(launch.status)}</span>',
-        f'<span title="elapsed">{_fmt_elapsed(state.elapsed()) if launch.ended_at else _fmt_clock(state.elapsed())}</span>',
+        f'<span style="color:{color};font-weight:bold">{icon} {_esc(launch.status)}</span>',
+        f'<span title="elapsed">{elapsed}</span>',
         f'<span style="{_MUTED}">launch {_esc(launch.id)}</span>',
     ]
     if launch.run_id:
         if launch.run_url:
-            parts.append(f'MLflow run <a href="{_esc(launch.run_url)}" target="_blank" rel="noopener">{_esc(launch.run_id[:12])}</a>')
+            link = f'<a href="{_esc(launch.run_url)}" target="_blank" rel="noopener">{_esc(launch.run_id[:12])}</a>'
+            parts.append(f"MLflow run {link}")
         else:
             parts.append(f'<span title="{_esc(launch.run_id)}">MLflow run {_esc(launch.run_id[:12])}</span>')
     if state.lint is not None and state.lint.findings:
@@ -801,7 +810,10 @@ def _table_html(state: LaunchState) -> str:
         progress = log.progress
         bar = ""
         if progress is not None and progress["pct"] is not None:
-            bar = f'<progress max="100" value="{progress["pct"]:.0f}" style="width:80px;height:10px;vertical-align:middle"></progress> '
+            bar = (
+                f'<progress max="100" value="{progress["pct"]:.0f}" '
+                'style="width:80px;height:10px;vertical-align:middle"></progress> '
+            )
         returncode = launch.ranks[rank].returncode
         exit_note = f" (exit {returncode})" if returncode not in (None, 0) else ""
         rows.append(
@@ -929,7 +941,7 @@ class LaunchSummary:
     @staticmethod
     def _text(state: LaunchState) -> str:
         launch = state.launch
-        where = f"{launch.world_size} {'GPU' if launch.placement.device == 'cuda' else 'CPU'} rank{'s' if launch.world_size != 1 else ''}"
+        where = _where(launch)
         lines = [f"[air_magic] {launch.label} on {where} (launch {launch.id}): {state.outcome() or launch.status}"]
         for rank, log in enumerate(state.logs):
             bits = [state.rank_state(rank)]
@@ -962,7 +974,8 @@ class LaunchSummary:
             details.append(
                 f"<details><summary>rank {rank} log (last {len(tail)} lines)</summary>"
                 f'<div style="{_MUTED}">{_log_where(state, rank)}</div>'
-                f'<pre style="margin:0;{_MONO};white-space:pre-wrap;max-height:300px;overflow:auto">{body}</pre></details>'
+                f'<pre style="margin:0;{_MONO};white-space:pre-wrap;max-height:300px;overflow:auto">{body}</pre>'
+                "</details>"
             )
         chart = ""
         if any(m.series for m in state.metrics):
@@ -1081,6 +1094,7 @@ class PanelObserver:
             if self.mode == "widget":
                 self._build_widgets()
                 self._show(self._widget_bundle(), update=False)
+                PanelObserver._close_retired()
             else:
                 self._show({"text/plain": self._start_line()}, update=False)
         except BaseException:  # the launcher goes on without this panel: leave nothing behind
@@ -1117,7 +1131,7 @@ class PanelObserver:
             else:
                 self._show(summary, update=True)
             if self.mode == "widget":
-                self._run(self._close_widgets)
+                self._retire()
         elif self.mode == "widget":
             self._keep_open()
         else:
@@ -1191,7 +1205,7 @@ class PanelObserver:
 
     def _start_line(self) -> str:
         launch = self.launch
-        where = f"{launch.world_size} {'GPU' if launch.placement.device == 'cuda' else 'CPU'} rank{'s' if launch.world_size != 1 else ''}"
+        where = _where(launch)
         return f"[air_magic] {launch.label} on {where} (launch {launch.id}): started"
 
     def _maybe_print(self) -> None:
@@ -1333,7 +1347,8 @@ class PanelObserver:
         elif changed and tick % 2 == 0:
             # One log tab a second: the one on screen first, then the others in turn.
             selected = (self.widgets["tabs"].selected_index or 0) - 1
-            rank = selected if selected in changed else min(changed, key=lambda r: (r - self._log_next) % len(state.logs))
+            n = len(state.logs)
+            rank = selected if selected in changed else min(changed, key=lambda r: (r - self._log_next) % n)
             self._log_next = rank + 1
             self._send_log(rank)
         if state.lint is not None and state.lint.findings and "lint" not in self._sent:
@@ -1388,6 +1403,31 @@ class PanelObserver:
             except Exception:
                 pass
         self.widgets = {}
+
+    #: Blocking panels that gave way to their summary, whose widgets are not closed yet.
+    _retired: collections.deque["PanelObserver"] = collections.deque()
+
+    def _retire(self) -> None:
+        """Close this panel's widgets once the next panel's are open.
+
+        JupyterLab shares one subshell among the comms of a target and deletes it when the
+        last one closes; comms opened at that very moment can be given the subshell being
+        deleted, and their clicks are lost.  Closing a finished panel only after the next
+        one is open keeps the count above zero between launches.
+        """
+        with PanelObserver._finished_lock:
+            PanelObserver._retired.append(self)
+            while len(PanelObserver._retired) > 2:
+                old = PanelObserver._retired.popleft()
+                old._run(old._close_widgets)
+
+    @classmethod
+    def _close_retired(cls) -> None:
+        with cls._finished_lock:
+            retired = list(cls._retired)
+            cls._retired.clear()
+        for old in retired:
+            old._run(old._close_widgets)
 
     def _keep_open(self) -> None:
         with PanelObserver._finished_lock:

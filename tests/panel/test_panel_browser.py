@@ -159,11 +159,11 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTER_DATA_DIR=str(tmp_path / "data"))
     env.pop("AIR_MAGIC_PANEL", None)  # the page is a widget front end: found by itself
-    log = open(tmp_path / "lab.log", "wb")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", f"--config={config}"],
-        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    with open(tmp_path / "lab.log", "wb") as log:  # the server keeps its own descriptor
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", f"--config={config}"],
+            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -190,7 +190,6 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
-        log.close()
 
 
 @pytest.fixture
@@ -199,10 +198,11 @@ def browser(lab: dict[str, Any]) -> Iterator[DevTools]:
     if chromium is None:
         _missing("Chromium (apt-get install chromium)")
     profile = lab["tmp"] / "chromium"
-    proc = subprocess.Popen(
-        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=open(lab["tmp"] / "chromium.log", "wb"), start_new_session=True,
-    )
+    with open(lab["tmp"] / "chromium.log", "wb") as log:
+        proc = subprocess.Popen(
+            [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+        )
     try:
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 30
@@ -233,7 +233,9 @@ def _poll(tools: DevTools, seen: list[dict[str, Any]], until: Any, timeout: floa
         if until(state):
             return state
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(state)[:3000]}")
+            cells = state.get("cells", [])
+            shown = "\n".join(json.dumps(cell)[:2000] for cell in cells)
+            raise AssertionError(f"timed out waiting for {what}; kernel {state.get('kernel')}, cells:\n{shown}")
         time.sleep(0.25)
 
 

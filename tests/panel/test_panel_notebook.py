@@ -9,7 +9,6 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-
 from panel_support import WIDGET_MIME, status_of
 
 pytestmark = pytest.mark.kernel
@@ -55,7 +54,7 @@ def test_headless_run_prints_status_lines_and_saves_a_summary(tmp_path: Path) ->
     assert re.match(r"\[air_magic\] Cell In\[2\] on 2 CPU ranks \(launch \S+\): finished in \d+\.\d s", text), text
     assert "rank 0: finished · epoch 1 · 100% 80/80" in text and "'rank 1 done'" in text
     stdout = "".join(o.text for o in launch if o.output_type == "stream")
-    lines = [l for l in stdout.replace("\r", "\n").splitlines() if l.startswith("[air_magic] Cell In[2]")]
+    lines = [ln for ln in stdout.replace("\r", "\n").splitlines() if ln.startswith("[air_magic] Cell In[2]")]
     assert lines, stdout[-1500:]
     assert any(re.search(r"\[air_magic\] Cell In\[2\] 0:\d\d running · r0 epoch 1 \d+% \d+/80 · r1 ", line)
                for line in lines), lines

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -12,9 +11,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from harness import wait_until
 
 from air_magic import panel
-from harness import wait_until
 from air_magic.launcher import RankState
 from air_magic.panel import LaunchState, LaunchSummary, LogTail, MetricsReader, Series, chart_svg, parse_tqdm
 
@@ -84,7 +83,7 @@ def test_log_tail_reads_progress_and_last_line(tmp_path: Path) -> None:
 def test_log_tail_is_bounded_on_a_flood(tmp_path: Path) -> None:
     path = tmp_path / "rank-0.log"
     with path.open("w") as handle:
-        handle.write(f"train: 7%|#  | 7/100 [00:01<00:02, 5.00it/s]\n")
+        handle.write("train: 7%|#  | 7/100 [00:01<00:02, 5.00it/s]\n")
         for i in range(400_000):
             handle.write(f"line {i:06d} {'x' * 20}\n")
     tail = LogTail(str(path))
@@ -93,7 +92,7 @@ def test_log_tail_is_bounded_on_a_flood(tmp_path: Path) -> None:
     took = time.perf_counter() - start
     assert took < 0.2, took
     assert tail.last_line.startswith("line 399999")
-    assert len(tail.lines) <= 100 and sum(len(l) + 1 for l in tail.lines) <= 8 * 1024
+    assert len(tail.lines) <= 100 and sum(len(line) + 1 for line in tail.lines) <= 8 * 1024
     assert tail.progress is None  # the bar is far above the tail that was read
 
 
@@ -105,7 +104,7 @@ def test_series_keeps_at_most_its_limit_and_the_latest_point() -> None:
     points = series.all()
     assert points[0] == (0, 0.0) and points[-1] == (99_999, 99_999.0)
     steps = [s for s, _ in points[:-1]]
-    assert steps == sorted(steps) and len(set(b - a for a, b in zip(steps, steps[1:]))) == 1  # evenly spaced
+    assert steps == sorted(steps) and len({b - a for a, b in zip(steps, steps[1:])}) == 1  # evenly spaced
 
 
 def test_metrics_reader_reads_whole_lines_and_skips_a_backlog(tmp_path: Path) -> None:
@@ -304,8 +303,8 @@ def test_gpu_numbers_come_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
         pass
 
     devices = {
-        0: dict(util=91, used=30e9, total=80e9, procs=[SimpleNamespace(pid=1000, usedGpuMemory=12e9)]),
-        1: dict(util=45, used=20e9, total=80e9, procs=[SimpleNamespace(pid=2001, usedGpuMemory=5e9)]),
+        0: {"util": 91, "used": 30e9, "total": 80e9, "procs": [SimpleNamespace(pid=1000, usedGpuMemory=12e9)]},
+        1: {"util": 45, "used": 20e9, "total": 80e9, "procs": [SimpleNamespace(pid=2001, usedGpuMemory=5e9)]},
     }
     nv.NVMLError = NVMLError  # type: ignore[attr-defined]
     nv.nvmlInit = lambda: calls.append("init")  # type: ignore[attr-defined]
