@@ -33,11 +33,11 @@ PROBE = (
 def _split_db(targets: list[str]) -> tuple[list[str], int]:
     """Descriptors of the MLflow sqlite file are MLflow's own connection pool: SQLAlchemy
     opens one per thread that overlaps (kernel, writer, system-metrics monitor), up to its
-    pool size, whenever that first happens. IPython's history database (and its journal,
-    open while its saving thread writes) comes and goes with the cells themselves.
+    pool size, whenever that first happens. IPython's profile folder and history database (and its journal,
+    open while its saving thread writes) come and go with the cells themselves.
     Everything else must not change at all."""
     db = [t for t in targets if t.endswith("mlflow.db")]
-    ours = [t for t in targets if not t.endswith("mlflow.db") and "/history.sqlite" not in t]
+    ours = [t for t in targets if not t.endswith("mlflow.db") and "/.ipython/profile_default" not in t]
     return ours, len(db)
 
 ALL_REDUCE = (
