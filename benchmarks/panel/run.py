@@ -16,9 +16,11 @@ panel has metrics to chart):
     training   STEPS steps of torch matmuls (SIZE x SIZE, 6 a step) per rank, a tqdm bar, an
                mlflow.log_metric per step, a print every 100 steps; each rank times its
                own loop (perf_counter) and returns it.  The modes take turns, REPEATS
-               launches each; slowdown = median over rounds of (loop time with the
-               panel / loop time without it in the same round) - 1; and the kernel's
-               extra CPU time with the panel, as a share of the ranks' two cores.
+               launches each.  Reported: slowdown = median over rounds of (loop time
+               with the panel / without it, same round) - 1; each rank's CPU time
+               and its waiting for a core (wall - CPU), the only time a panel in
+               another process can add; and the kernel's extra CPU time with the
+               panel, as a share of the ranks' two cores.
     flood      each rank prints LINES lines as fast as it can (rank 0's output is also
                streamed into the cell, bounded by AIR_MAGIC_OUTPUT_LIMIT, 1 MiB).
 
@@ -57,7 +59,7 @@ from tqdm import tqdm
 torch.manual_seed(0)
 rank = int(os.environ["RANK"])
 a = torch.randn({size}, {size}) / {size} ** 0.5
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 for step in tqdm(range({steps}), desc="train"):
     b = a
     for _ in range(6):
@@ -66,7 +68,7 @@ for step in tqdm(range({steps}), desc="train"):
     mlflow.log_metric("loss", loss, step=step)
     if step % 100 == 0:
         print(f"step {{step}} loss {{loss:.4f}}", flush=True)
-time.perf_counter() - start
+(time.perf_counter() - start, time.process_time() - cpu)
 """
 
 FLOOD = """%%distributed -n 2
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in (MODES if repeat % 2 == 0 else MODES[::-1]):  # take turns, both orders
                 run = kernels[mode].run(TRAINING.format(steps=args.steps, size=args.size))
                 training[mode].append(run)
-                print(f"training {mode:6s} #{repeat}: ranks {[round(v, 2) for v in run['result']]} s, "
+                print(f"training {mode:6s} #{repeat}: ranks {[[round(x, 2) for x in v] for v in run['result']]} s, "
                       f"{sum(run['messages'].values())} messages", file=sys.stderr)
         flood: dict[str, dict[str, Any]] = {}
         for mode in MODES:
@@ -206,29 +208,41 @@ def main(argv: list[str] | None = None) -> int:
         for kernel in kernels.values():
             kernel.close()
 
+    # Each rank returns (wall, CPU) seconds of its loop. On a shared machine the CPU time
+    # of the same work varies too (other work on the same cores makes each step slower);
+    # what the panel could add is time spent waiting for a core: wall - CPU.
+    def wall(run: dict[str, Any]) -> float:
+        return statistics.mean(w for w, _ in run["result"])
+
+    def waiting(run: dict[str, Any]) -> float:
+        return statistics.mean(w - c for w, c in run["result"])
+
     def loop_time(runs: list[dict[str, Any]]) -> float:
-        return statistics.median(statistics.mean(run["result"]) for run in runs)
+        return statistics.median(wall(run) for run in runs)
 
     base = loop_time(training["off"])
     base_cpu = statistics.median(r["kernel_cpu_s"] for r in training["off"])
     summary: dict[str, Any] = {"training": {}, "flood": {}}
     for mode in MODES:
         runs = training[mode]
-        wall = statistics.median(run["wall_s"] for run in runs)
+        cell = statistics.median(run["wall_s"] for run in runs)
         # The machine's load drifts: each launch is compared with the "off" launch of the
         # same round (they ran one after the other), and the median of those ratios is kept.
-        paired = [
-            statistics.mean(run["result"]) / statistics.mean(off["result"]) - 1
-            for run, off in zip(runs, training["off"])
-        ]
+        paired = [wall(run) / wall(off) - 1 for run, off in zip(runs, training["off"])]
+        off_wait = statistics.median(waiting(r) for r in training["off"])
+        extra_wait = statistics.median(waiting(r) for r in runs) - off_wait
         extra_cpu = statistics.median(r["kernel_cpu_s"] for r in runs) - base_cpu
         summary["training"][mode] = {
             "rank_loop_s": loop_time(runs),
             "slowdown": statistics.median(paired),
             "slowdown_of_medians": loop_time(runs) / base - 1,
+            "rank_cpu_s": statistics.median(statistics.mean(c for _, c in r["result"]) for r in runs),
+            "rank_wait_s": statistics.median(waiting(r) for r in runs),
+            # extra waiting for a core, over the loop time without the panel
+            "wait_slowdown": extra_wait / base,
             # what the panel took of the 2 cores the ranks share, while they ran
             "panel_cpu_share": max(0.0, extra_cpu) / (2 * loop_time(runs)),
-            "cell_s": wall,
+            "cell_s": cell,
             "messages": statistics.median(sum(r["messages"].values()) for r in runs),
             "widget_updates": statistics.median(r["messages"].get("widget updates", 0) for r in runs),
             "widget_updates_per_s": statistics.median(
@@ -269,13 +283,15 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         f"### Training loop (2 CPU ranks, {args.steps} steps, tqdm + log_metric per step; median of {args.repeats})",
         "",
-        "| panel | rank loop (s) | slowdown (paired median) | kernel CPU (s) | panel's share of the ranks' 2 cores "
-        "| cell (s) | messages to front end | widget updates/s | bytes | widget bytes | kernel RSS peak growth (MB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| panel | rank loop wall (s) | rank CPU (s) | rank waiting (s) | slowdown: wall, paired | slowdown: waiting "
+        "| kernel CPU (s) | panel's share of 2 cores | cell (s) | messages to front end | widget updates/s | bytes "
+        "| widget bytes | kernel RSS peak growth (MB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, row in summary["training"].items():
         lines.append(
-            f"| {mode} | {row['rank_loop_s']:.2f} | {row['slowdown'] * 100:+.1f}% | {row['kernel_cpu_s']:.2f} | "
+            f"| {mode} | {row['rank_loop_s']:.2f} | {row['rank_cpu_s']:.2f} | {row['rank_wait_s']:.3f} | "
+            f"{row['slowdown'] * 100:+.1f}% | {row['wait_slowdown'] * 100:+.1f}% | {row['kernel_cpu_s']:.2f} | "
             f"{row['panel_cpu_share'] * 100:.1f}% | {row['cell_s']:.2f} | "
             f"{row['messages']:.0f} | {row['widget_updates_per_s']:.1f} | "
             f"{row['bytes'] / 1e3:.0f} kB | {row['widget_bytes'] / 1e3:.0f} kB | {row['rss_peak_growth_mb']:.1f} |"

@@ -103,12 +103,15 @@ def test_unknown_target_is_a_usage_error(shell: Any) -> None:
 def test_air_lint_in_a_kernel(kernel_factory: Any) -> None:
     notebook = FIXTURES / "seeds" / "seeds.ipynb"
     kernel = kernel_factory(extra_env={"JPY_SESSION_NAME": str(notebook)})
-    res = kernel.run("from serverless_gpu import distributed\ntrain = distributed(gpus=2)(print)")
-    assert res.error is not None and res.error["ename"] == "ModuleNotFoundError"
-    out = kernel.ok("%air_lint").stdout
-    assert out.startswith(f"{notebook}:cell 3:1:28: AM101 [*]")
-    out = kernel.ok("%air_lint --history").stdout
-    assert re.search(r"^In \[\d+\]:1:28: AM101 \[\*\] `serverless_gpu.distributed`", out, flags=re.M), out
-    assert re.search(r"^In \[\d+\]:2:21: AM201 \[\*\] `gpus`", out, flags=re.M), out
-    kernel.ok("%unload_ext air_magic")
-    assert "UsageError: Line magic function `%air_lint` not found" in kernel.run("%air_lint").stderr
+    try:
+        res = kernel.run("from serverless_gpu import distributed\ntrain = distributed(gpus=2)(print)")
+        assert res.error is not None and res.error["ename"] == "ModuleNotFoundError"
+        out = kernel.ok("%air_lint").stdout
+        assert out.startswith(f"{notebook}:cell 3:1:28: AM101 [*]")
+        out = kernel.ok("%air_lint --history").stdout
+        assert re.search(r"^In \[\d+\]:1:28: AM101 \[\*\] `serverless_gpu.distributed`", out, flags=re.M), out
+        assert re.search(r"^In \[\d+\]:2:21: AM201 \[\*\] `gpus`", out, flags=re.M), out
+        kernel.ok("%unload_ext air_magic")
+        assert "UsageError: Line magic function `%air_lint` not found" in kernel.run("%air_lint").stderr
+    finally:
+        kernel.shutdown()  # its helper must not outlive the test

@@ -501,7 +501,6 @@ def only_current_helper(current: Any) -> list[Any]:
     return [h for h in helper_processes() if h.pid == own]
 
 
-@pytest.mark.xfail(strict=False, reason="in the full suite, after tests/lint and tests/panel run in this process, a second helper whose parent is the test process stays alive; both tests pass alone and in tests/process; the leak is not found yet")
 def test_session_files_are_private_and_the_helper_listens_nowhere_between_launches() -> None:
     launch = chatty.submit(1)
     assert launch.result(timeout=60) == [0, 1]
@@ -516,7 +515,6 @@ def test_session_files_are_private_and_the_helper_listens_nowhere_between_launch
     assert [c for c in sockets if c.status == "LISTEN"] == []
 
 
-@pytest.mark.xfail(strict=False, reason="in the full suite, after tests/lint and tests/panel run in this process, a second helper whose parent is the test process stays alive; both tests pass alone and in tests/process; the leak is not found yet")
 def test_launcher_shutdown_takes_the_helper_and_its_files() -> None:
     assert rank_info.distributed(0) == [(0, 2, 0), (1, 2, 0)]
     current = launcher()
