@@ -32,6 +32,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 LAUNCHERS = ("torchrun", "air_magic", "air_magic (tracking off)")
+# About 20 s of steady-state training per run on the 2-core development machine: short runs
+# (a few seconds) leave the number at the mercy of whatever else the machine does meanwhile.
+DEFAULT_STEPS = {"cpu": {"ddp": 3000, "fsdp2": 600}, "cuda": {"ddp": 3000, "fsdp2": 3000}}
 
 
 def run_torchrun(kind: str, args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
@@ -127,12 +130,22 @@ class Kernel:
         self.km.shutdown_kernel(now=False)
 
 
+def _spread(values: list[float]) -> float:
+    """Half the range between the quartiles, relative to the median: how much one run of a
+    launcher differs from the next on this machine."""
+    if len(values) < 2:
+        return 0.0
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return (quartiles[2] - quartiles[0]) / 2 / statistics.median(values)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--kinds", nargs="+", choices=("ddp", "fsdp2"), default=["ddp", "fsdp2"])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per run (default: about 20 s of training each: ddp 3000, fsdp2 600 on CPU)")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
@@ -141,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats = 40, 10, 1
+    steps = {kind: args.steps or DEFAULT_STEPS[args.device][kind] for kind in args.kinds}
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
@@ -153,15 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The kernel's first launch starts MLflow's store and system-metrics monitor: not timed.
         kernel.launch(args.kinds[0], argparse.Namespace(**{**vars(args), "steps": 20, "warmup": 5}), tracking=True)
+        per_kind = {kind: argparse.Namespace(**{**vars(args), "steps": steps[kind]}) for kind in args.kinds}
         for repeat in range(args.repeats):
             order = LAUNCHERS if repeat % 2 == 0 else tuple(reversed(LAUNCHERS))
             for kind in args.kinds:
                 for launcher in order:
                     usage: dict[str, float] = {}
                     if launcher == "torchrun":
-                        ranks = run_torchrun(kind, args, env)
+                        ranks = run_torchrun(kind, per_kind[kind], env)
                     else:
-                        ranks, usage = kernel.launch(kind, args, tracking=launcher == "air_magic")
+                        ranks, usage = kernel.launch(kind, per_kind[kind], tracking=launcher == "air_magic")
                     value = statistics.fmean(r["steps_per_s"] for r in ranks)
                     runs.append({"repeat": repeat, "kind": kind, "launcher": launcher, "steps_per_s": value,
                                  "threads": sorted({r["threads"] for r in ranks}), "cpu_percent_of_a_core": usage,
@@ -177,11 +192,20 @@ def main(argv: list[str] | None = None) -> int:
             launcher: statistics.median(r["steps_per_s"] for r in runs if r["kind"] == kind and r["launcher"] == launcher)
             for launcher in LAUNCHERS
         }
+        reference = {r["repeat"]: r["steps_per_s"] for r in runs if r["kind"] == kind and r["launcher"] == "torchrun"}
         for launcher in LAUNCHERS:
+            # Each repeat's run against the torchrun run of the same repeat (they ran minutes apart
+            # at most): the spread of these ratios is the noise the comparison has to beat.
+            paired = sorted(r["steps_per_s"] / reference[r["repeat"]]
+                            for r in runs if r["kind"] == kind and r["launcher"] == launcher)
             kernel_cpu = [r["cpu_percent_of_a_core"].get("kernel", 0.0) + r["cpu_percent_of_a_core"].get("helper", 0.0)
                           for r in runs if r["kind"] == kind and r["launcher"] == launcher]
             table.append({"kind": kind, "launcher": launcher, "median_steps_per_s": medians[launcher],
                           "ratio_to_torchrun": medians[launcher] / medians["torchrun"],
+                          "paired_ratio_median": statistics.median(paired),
+                          "paired_ratio_range": [paired[0], paired[-1]],
+                          "spread_of_own_runs": _spread([r["steps_per_s"] for r in runs
+                                                         if r["kind"] == kind and r["launcher"] == launcher]),
                           "kernel_and_helper_cpu_percent": statistics.median(kernel_cpu)})
     import torch
 
@@ -189,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "steps/s of the same training script after warm-up, measured inside the ranks",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average_at_end": os.getloadavg()},
-        "config": {"nproc": args.nproc, "device": args.device, "steps": args.steps, "warmup": args.warmup,
+        "config": {"nproc": args.nproc, "device": args.device, "steps": steps, "warmup": args.warmup,
                    "repeats": args.repeats, "omp_num_threads": env["OMP_NUM_THREADS"],
                    "model": "MLP 4 x (Linear(256, 256) + ReLU) + Linear(256, 1), batch 64 per rank, AdamW"},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -197,14 +221,19 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n{args.nproc} ranks on {args.device}, {args.steps} steps ({args.warmup} warm-up), "
+    shown = ", ".join(f"{kind} {n}" for kind, n in steps.items())
+    print(f"\n{args.nproc} ranks on {args.device}, steps timed: {shown} ({args.warmup} warm-up first), "
           f"median of {args.repeats}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}\n")
-    print("| script | launcher | steps/s | vs torchrun | kernel + helper CPU |")
-    print("|---|---|---:|---:|---:|")
+    print("| script | launcher | steps/s (median) | vs torchrun (medians) | vs torchrun, paired by repeat: median [min, max] "
+          "| own runs' spread | kernel + helper CPU |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for row in table:
         cpu = "" if row["launcher"] == "torchrun" else f"{row['kernel_and_helper_cpu_percent']:.1f}% of a core"
+        low, high = row["paired_ratio_range"]
+        paired = "" if row["launcher"] == "torchrun" else (
+            f"{(row['paired_ratio_median'] - 1) * 100:+.1f}% [{(low - 1) * 100:+.1f}%, {(high - 1) * 100:+.1f}%]")
         print(f"| {row['kind']} | {row['launcher']} | {row['median_steps_per_s']:.2f} | "
-              f"{(row['ratio_to_torchrun'] - 1) * 100:+.1f}% | {cpu} |")
+              f"{(row['ratio_to_torchrun'] - 1) * 100:+.1f}% | {paired} | ±{row['spread_of_own_runs'] * 100:.1f}% | {cpu} |")
     print(f"\nwritten to {args.out}")
     return 0
 
