@@ -78,12 +78,7 @@ def load_checkpoint(state_dict: dict[str, Any], url: str, **kwargs: Any) -> dict
 def save_training_state(url: str, model: Any, optimizer: Any = None, dataloader: Any = None,
                         *, asynchronous: bool = False) -> Any:
     """Save model, optimizer and data-loader position together (call it on every rank)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        state["optimizer"] = optim_state
+    state = _training_state(model, optimizer)
     save = async_save_checkpoint if asynchronous else save_checkpoint
     result = save(state, url)
     if dataloader is not None:
@@ -93,17 +88,30 @@ def save_training_state(url: str, model: Any, optimizer: Any = None, dataloader:
 
 def load_training_state(url: str, model: Any, optimizer: Any = None, dataloader: Any = None) -> None:
     """Restore what :func:`save_training_state` wrote into ``model`` / ``optimizer`` / ``dataloader``."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        state["optimizer"] = optim_state
+    state = _training_state(model, optimizer)
     load_checkpoint(state, url)
-    set_state_dict(model, optimizer if optimizer is not None else [],
+    set_state_dict(model, _optimizers(optimizer),
                    model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
     if dataloader is not None:
         _load_loader_state(url, dataloader)
+
+
+def _optimizers(optimizer: Any) -> Any:
+    """``optimizer`` as torch's state-dict helpers take it: ``[]`` for none."""
+    return optimizer if optimizer is not None else []
+
+
+def _training_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The state dict :func:`save_training_state` writes: ``model``, and ``optimizer`` when given."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = optim_state
+    return state
 
 
 def _loader_path(url: str) -> str:

@@ -178,7 +178,7 @@ _HEAVY_TYPES = (
 def _heavy(value: Any) -> str | None:
     for klass in type(value).__mro__:
         name = f"{klass.__module__}.{klass.__qualname__}"
-        if name in _HEAVY_TYPES or (klass.__module__ == "torch" and klass.__qualname__ == "Tensor"):
+        if name in _HEAVY_TYPES:
             return type(value).__name__
     return None
 
@@ -186,8 +186,6 @@ def _heavy(value: Any) -> str | None:
 def _captured_at_runtime(func: Any, source: str, filename: str, offset: int) -> list[Diagnostic]:
     """``AM303`` for module-level data or models the function reads (found by value)."""
     import ast
-
-    from .rules import rule
 
     try:
         names = inspect.getclosurevars(func)
@@ -207,21 +205,14 @@ def _captured_at_runtime(func: Any, source: str, filename: str, offset: int) -> 
             seen = first.get(node.id)
             if seen is None or (node.lineno, node.col_offset) < (seen.lineno, seen.col_offset):
                 first[node.id] = node
-    r = rule("AM303")
     label = getattr(func, "__name__", "the function")
     out = []
     for name, node in first.items():
         fields = {"name": name, "func": label, "where": f"a {heavy[name]} in the notebook or module"}
         out.append(
-            Diagnostic(
-                code="AM303",
-                message=r.format_message(**fields),
-                path=filename,
-                cell=None,
-                line=node.lineno + offset,
-                col=node.col_offset + 1,
-                applicability=Applicability.DISPLAY_ONLY,
-                fix_title=r.format_fix_title(**fields),
+            Diagnostic.from_rule(
+                "AM303", fields, path=filename,
+                line=node.lineno + offset, col=node.col_offset + 1,
                 end_line=(node.end_lineno or node.lineno) + offset,
                 end_col=(node.end_col_offset or node.col_offset) + 1,
             )

@@ -139,7 +139,7 @@ def check_imports(src: Source) -> None:
             if alias not in legacy:
                 continue
             if alias.is_module:
-                _check_module_uses(src, stmt, alias, aliases)
+                _check_module_uses(src, alias, plans[Applicability.SAFE])
                 continue
             move = MOVES.get(alias.qualified)
             if move is None:
@@ -267,12 +267,11 @@ def _all_uses_air_magic(src: Source, alias: _Alias) -> bool:
     return True
 
 
-def _check_module_uses(
-    src: Source, stmt: cst.Import | cst.ImportFrom, alias: _Alias, aliases: list[_Alias]
-) -> None:
+def _check_module_uses(src: Source, alias: _Alias, safe_plan: list[Edit]) -> None:
     """Uses of a legacy module (``sg.distributed``): one finding each; the import is pointed
-    at air_magic when every use exists there, else each use is rewritten."""
-    plan = _plan_statement(src, stmt, aliases, Applicability.SAFE) if _all_uses_air_magic(src, alias) else None
+    at air_magic (``safe_plan``, the statement's safe edits) when every use exists there,
+    else each use is rewritten."""
+    plan = safe_plan if _all_uses_air_magic(src, alias) else None
     for ref in alias.references:
         use = _use_move(src, ref)
         if use is None:

@@ -9,7 +9,7 @@ from libcst.metadata import Assignment, BaseAssignment, Scope
 
 from ._source import EMPTY, Region, Source, bool_value, is_distributed, string_value
 from .diagnostics import Edit
-from .rules import DEEPSPEED_DISTRIBUTOR_NAMES, DISTRIBUTED_NAMES, TORCH_DISTRIBUTOR_NAMES
+from .rules import DEEPSPEED_DISTRIBUTOR_MATCHES, TORCH_DISTRIBUTOR_MATCHES
 
 __all__ = ["check_torch_distributor", "check_launched_code", "check_rendezvous", "check_direct_calls"]
 
@@ -51,7 +51,7 @@ def _simple(node: cst.CSTNode) -> bool:
 
 def check_torch_distributor(src: Source) -> None:
     for ctor in src.nodes.calls:
-        deepspeed = src.matches(ctor.func, DEEPSPEED_DISTRIBUTOR_NAMES | {"DeepspeedTorchDistributor"})
+        deepspeed = src.matches(ctor.func, DEEPSPEED_DISTRIBUTOR_MATCHES)
         if deepspeed:
             src.report(
                 "AM302", ctor, what="DeepspeedTorchDistributor(...)",
@@ -59,7 +59,7 @@ def check_torch_distributor(src: Source) -> None:
                 "decorated function instead",
             )
             continue
-        if not src.matches(ctor.func, TORCH_DISTRIBUTOR_NAMES | {"TorchDistributor"}):
+        if not src.matches(ctor.func, TORCH_DISTRIBUTOR_MATCHES):
             continue
         runs, removal, problem = _distributor_runs(src, ctor)
         if problem is not None:
@@ -183,7 +183,7 @@ def _launched(src: Source) -> list[tuple[cst.FunctionDef, str]]:
             wrapped = call.args[0].value if call.args else None
         elif isinstance(call.func, cst.Attribute) and call.func.attr.value == "run" and call.args:
             owner = call.func.value
-            if isinstance(owner, cst.Call) and src.matches(owner.func, TORCH_DISTRIBUTOR_NAMES | {"TorchDistributor"}):
+            if isinstance(owner, cst.Call) and src.matches(owner.func, TORCH_DISTRIBUTOR_MATCHES):
                 wrapped = call.args[0].value
         if isinstance(wrapped, cst.Name) and wrapped.value in by_name:
             fn = by_name[wrapped.value]
@@ -232,8 +232,7 @@ def _is_light(src: Source, call: cst.Call) -> bool:
     if not names:
         return False
     return all(
-        n in _LIGHT_CALLS or n.startswith(_LIGHT_PREFIXES) or n in DISTRIBUTED_NAMES or n == "distributed"
-        or n.startswith("builtins.")
+        n in _LIGHT_CALLS or n.startswith(_LIGHT_PREFIXES) or n == "distributed" or n.startswith("builtins.")
         for n in names
     )
 

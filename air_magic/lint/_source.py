@@ -35,7 +35,7 @@ from libcst.metadata import (
 
 from ..accelerators import GPUType
 from .diagnostics import Diagnostic, Edit, Fix
-from .rules import DISTRIBUTED_NAMES, LEGACY_PACKAGES, MOVES, NO_EQUIVALENT, Applicability, rule
+from .rules import DISTRIBUTED_MATCHES, LEGACY_PACKAGES, MOVES, NO_EQUIVALENT, Applicability, rule
 
 __all__ = [
     "EMPTY",
@@ -125,7 +125,6 @@ class Source:
     """A module parsed once, with the metadata every checker uses."""
 
     def __init__(self, code: str, describe_line: Callable[[int], str], launched_names: Sequence[str] = ()) -> None:
-        self.code = code
         self.launched_names = frozenset(launched_names)
         self.data = code.encode("utf-8")
         self.module = cst.parse_module(code)
@@ -309,8 +308,7 @@ class Source:
         import_edits = {key: self._import_edit(need) for key, need in self.needs.items()}
         out = []
         for f in self.findings:
-            r = rule(f.code)
-            applicability = f.applicability or r.fix
+            applicability = f.applicability or rule(f.code).fix
             fix = None
             if f.edits and applicability is not Applicability.DISPLAY_ONLY:
                 edits = set(f.edits) | {import_edits[k] for k in f.needs}
@@ -319,18 +317,11 @@ class Source:
                 applicability = Applicability.DISPLAY_ONLY
             pos = self.positions[f.node]
             out.append(
-                Diagnostic(
-                    code=f.code,
-                    message=r.format_message(**f.fields),
-                    path=path,
-                    cell=None,
-                    line=pos.start.line,
-                    col=pos.start.column + 1,
-                    applicability=applicability,
-                    fix_title=r.format_fix_title(**f.fields),
-                    end_line=pos.end.line,
-                    end_col=pos.end.column + 1,
-                    fix=fix,
+                Diagnostic.from_rule(
+                    f.code, f.fields, path=path,
+                    line=pos.start.line, col=pos.start.column + 1,
+                    end_line=pos.end.line, end_col=pos.end.column + 1,
+                    applicability=applicability, fix=fix,
                 )
             )
         out.sort(key=lambda d: (d.line, d.col, d.code))
@@ -428,4 +419,4 @@ class Collector(cst.CSTVisitor):
 
 
 def is_distributed(src: Source, node: cst.CSTNode) -> bool:
-    return src.matches(node, DISTRIBUTED_NAMES | {"distributed"})
+    return src.matches(node, DISTRIBUTED_MATCHES)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence, TextIO
 
 from .._version import __version__
+from ._files import UnreadableFile, finding_text, lines, lint_file, plural, summary
 from .diagnostics import ConvergenceError, Diagnostic
-from .rules import Applicability
 
 __all__ = ["main"]
 
@@ -77,67 +77,23 @@ class _Outcome:
 
 
 def _process(path: str, fix: bool, diff: bool, unsafe: bool) -> _Outcome:
-    if path.endswith(".ipynb"):
-        return _process_notebook(path, fix, diff, unsafe)
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            source = fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _UsageError(f"{path}: cannot read it ({exc})") from None
-    from .engine import check
-    from .fixes import fix_until_stable
-
-    if not (fix or diff):
-        return _Outcome(path, check(source, path=path))
-    result = fix_until_stable(source, lambda s: check(s, path=path), unsafe=unsafe, path=path)
-    outcome = _Outcome(path, list(result.remaining), fixed=len(result.fixed))
-    if result.source != source:
-        if diff:
-            outcome.diff = list(
-                difflib.unified_diff(
-                    source.splitlines(keepends=True), result.source.splitlines(keepends=True),
-                    fromfile=path, tofile=path,
-                )
-            )
-        if fix:
-            with open(path, "w", encoding="utf-8", newline="") as fh:
-                fh.write(result.source)
-    if diff and not fix:
-        outcome.diagnostics = check(source, path=path)
-    return outcome
-
-
-def _process_notebook(path: str, fix: bool, diff: bool, unsafe: bool) -> _Outcome:
-    from .notebook import fix_notebook_file, lint_notebook_file
-
-    try:
-        if not (fix or diff):
-            return _Outcome(path, lint_notebook_file(path))
-        result = fix_notebook_file(path, unsafe=unsafe, write=fix)
-    except ConvergenceError:
-        raise
-    except Exception as exc:  # not JSON, not a notebook, unreadable
-        raise _UsageError(f"{path}: cannot read it as a notebook ({type(exc).__name__}: {exc})") from None
-    outcome = _Outcome(path, result.remaining_diagnostics, fixed=len(result.result.fixed))
+        result = lint_file(path, fix=fix or diff, unsafe=unsafe, write=fix)
+    except UnreadableFile as exc:
+        raise _UsageError(str(exc)) from None
+    outcome = _Outcome(path, result.found if diff and not fix else result.remaining, fixed=result.fixed)
     if diff:
-        for index, (old, new) in enumerate(zip(result.before, result.result.sources)):
-            if old is not None and new is not None and old != new:
-                name = f"{path}:cell {index + 1}"
+        for cell, old, new in result.changes:
+            if cell is None:
                 outcome.diff.extend(
                     difflib.unified_diff(
-                        _lines(old), _lines(new), fromfile=name, tofile=name,
+                        old.splitlines(keepends=True), new.splitlines(keepends=True), fromfile=path, tofile=path,
                     )
                 )
-        if not fix:
-            outcome.diagnostics = lint_notebook_file(path)
+            else:
+                name = f"{path}:cell {cell}"
+                outcome.diff.extend(difflib.unified_diff(lines(old), lines(new), fromfile=name, tofile=name))
     return outcome
-
-
-def _lines(text: str) -> list[str]:
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
-    return lines
 
 
 def _print_text(outcomes: list[_Outcome], args: argparse.Namespace, out: TextIO) -> None:
@@ -148,32 +104,20 @@ def _print_text(outcomes: list[_Outcome], args: argparse.Namespace, out: TextIO)
     if args.diff:
         if not args.quiet:
             changed = sum(1 for o in outcomes if o.diff)
-            sys.stderr.write(f"{changed} file{'s' if changed != 1 else ''} would be changed by --fix.\n")
+            sys.stderr.write(f"{plural(changed, 'file')} would be changed by --fix.\n")
         return
     for d in diagnostics:
-        out.write(f"{d}\n")
-        if d.fix_title:
-            out.write(f"    fix: {d.fix_title}\n")
+        out.write(finding_text(d))
     if args.quiet:
         return
     fixed = sum(o.fixed for o in outcomes)
     if args.fix and fixed:
-        out.write(f"Fixed {fixed} finding{'s' if fixed != 1 else ''}.\n")
+        out.write(f"Fixed {plural(fixed, 'finding')}.\n")
     if not diagnostics:
         if not (args.fix and fixed):
             out.write("No findings.\n")
         return
-    safe = sum(1 for d in diagnostics if d.fixable and d.applicability is Applicability.SAFE)
-    unsafe = sum(1 for d in diagnostics if d.fixable and d.applicability is Applicability.UNSAFE)
-    summary = f"Found {len(diagnostics)} finding{'s' if len(diagnostics) != 1 else ''}"
-    if args.fix:
-        summary = f"{len(diagnostics)} finding{'s' if len(diagnostics) != 1 else ''} left to fix by hand"
-    notes = []
-    if safe and not args.fix:
-        notes.append(f"{safe} fixable with --fix")
-    if unsafe and not args.unsafe_fixes:
-        notes.append(f"{unsafe} more with --fix --unsafe-fixes")
-    out.write(summary + (f" ({'; '.join(notes)})" if notes else "") + ".\n")
+    out.write(summary(diagnostics, fixing=args.fix, unsafe_hint=not args.unsafe_fixes) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from .rules import Applicability, rule
 
@@ -48,6 +48,39 @@ class Diagnostic:
     end_line: int = 0
     end_col: int = 0
     fix: Fix | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_rule(
+        cls,
+        code: str,
+        fields: Mapping[str, Any],
+        *,
+        path: str,
+        line: int,
+        col: int,
+        end_line: int,
+        end_col: int,
+        cell: int | None = None,
+        applicability: Applicability = Applicability.DISPLAY_ONLY,
+        fix: Fix | None = None,
+        fix_title: str | None = None,
+    ) -> Diagnostic:
+        """A finding of rule ``code``, its message and fix title filled with ``fields``
+        (``fix_title`` replaces the rule's)."""
+        r = rule(code)
+        return cls(
+            code=code,
+            message=r.format_message(**fields),
+            path=path,
+            cell=cell,
+            line=line,
+            col=col,
+            applicability=applicability,
+            fix_title=r.format_fix_title(**fields) if fix_title is None else fix_title,
+            end_line=end_line,
+            end_col=end_col,
+            fix=fix,
+        )
 
     @property
     def name(self) -> str:

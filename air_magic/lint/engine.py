@@ -20,7 +20,6 @@ import libcst as cst
 from . import _arguments, _imports, _patterns
 from ._source import Region, Source, accelerator_replacement
 from .diagnostics import Diagnostic
-from .rules import Applicability, rule
 
 __all__ = ["Region", "check", "accelerator_replacement", "syntax_error"]
 
@@ -71,16 +70,7 @@ def syntax_error(source: str, exc: Exception, path: str, what: str = "this code"
         line, col, message = err.lineno or line, err.offset or col, err.msg
     except (ValueError, RecursionError):
         pass
-    r = rule("AM001")
-    return Diagnostic(
-        code="AM001",
-        message=r.format_message(what=what, error=f"syntax error: {message}"),
-        path=path,
-        cell=None,
-        line=line,
-        col=col,
-        applicability=Applicability.DISPLAY_ONLY,
-        fix_title=r.fix_title,
-        end_line=line,
-        end_col=col,
+    return Diagnostic.from_rule(
+        "AM001", {"what": what, "error": f"syntax error: {message}"},
+        path=path, line=line, col=col, end_line=line, end_col=col,
     )

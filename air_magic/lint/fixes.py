@@ -23,15 +23,13 @@ MAX_PASSES = 10
 
 @dataclass(frozen=True)
 class FixResult:
-    """The fixed text, what was fixed (codes, in the order fixed) and what is left."""
+    """The fixed text, what was fixed (codes, in the order fixed), what is left and what
+    the text given had (``found``)."""
 
     source: str
     fixed: tuple[str, ...]
     remaining: tuple[Diagnostic, ...]
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.fixed)
+    found: tuple[Diagnostic, ...] = ()
 
 
 def allowed(diagnostic: Diagnostic, unsafe: bool) -> bool:
@@ -86,18 +84,21 @@ def fix_until_stable(
 ) -> FixResult:
     """Lint and fix ``source`` until no allowed fix is left (at most :data:`MAX_PASSES` passes)."""
     fixed: list[str] = []
+    found: tuple[Diagnostic, ...] | None = None
     for _ in range(MAX_PASSES):
         diagnostics = lint(source)
+        if found is None:
+            found = tuple(diagnostics)
         todo = [d for d in diagnostics if allowed(d, unsafe)]
         if not todo:
-            return FixResult(source, tuple(fixed), tuple(diagnostics))
+            return FixResult(source, tuple(fixed), tuple(diagnostics), found)
         new, applied = apply_fixes(source, [d.fix for d in todo if d.fix is not None])
         if new == source:
-            return FixResult(source, tuple(fixed), tuple(diagnostics))
+            return FixResult(source, tuple(fixed), tuple(diagnostics), found)
         fixed.extend(todo[i].code for i in applied)
         source = new
     diagnostics = lint(source)
     codes = sorted({d.code for d in diagnostics if allowed(d, unsafe)})
     if not codes:
-        return FixResult(source, tuple(fixed), tuple(diagnostics))
+        return FixResult(source, tuple(fixed), tuple(diagnostics), found or ())
     raise ConvergenceError(path, MAX_PASSES, codes)

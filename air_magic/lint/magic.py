@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ._files import UnreadableFile, finding_text, lines, lint_file, summary
 from .diagnostics import Diagnostic
 
 __all__ = ["LintMagics"]
@@ -73,7 +74,7 @@ class LintMagics(Magics):
                 self._lint_file(notebook, fix, args)
                 return
         sources, numbers = self._history(int(target) if target is not None else None)
-        self._lint_cells(sources, numbers, "In", fix, args)
+        self._lint_cells(sources, numbers, fix, args)
 
     # -- what to lint ----------------------------------------------------------------------------
 
@@ -116,44 +117,32 @@ class LintMagics(Magics):
         self._report(diagnostics, label=None)
 
     def _lint_file(self, path: str, fix: bool, args: Any) -> None:
-        if path.endswith(".ipynb"):
-            import nbformat
-
-            from .notebook import _sources
-
-            nb = nbformat.read(path, as_version=4)
-            sources = _sources(nb)
-            self._lint_cells(sources, list(range(1, len(sources) + 1)), path, fix, args)
-            return
-        from .engine import check
-        from .fixes import fix_until_stable
-
-        with open(path, encoding="utf-8") as fh:
-            source = fh.read()
+        try:
+            result = lint_file(path, fix=fix, unsafe=args.unsafe_fixes)
+        except UnreadableFile as exc:
+            raise UsageError(f"%air_lint: {exc}") from None
         if not fix:
-            self._report(check(source, path=path), label=None)
+            self._report(result.remaining, label=None)
             return
-        result = fix_until_stable(source, lambda s: check(s, path=path), unsafe=args.unsafe_fixes, path=path)
-        self._show_fixed([(path, source, result.source)], args.diff)
-        self._report(list(result.remaining), label=None, fixing=True)
+        changed = [(path if cell is None else f"{path}:cell {cell}", old, new) for cell, old, new in result.changes]
+        self._show_fixed(changed, args.diff)
+        self._report(result.remaining, label=None, fixing=True)
 
-    def _lint_cells(
-        self, sources: list[str | None], numbers: list[int], label: str, fix: bool, args: Any
-    ) -> None:
+    def _lint_cells(self, sources: list[str | None], numbers: list[int], fix: bool, args: Any) -> None:
+        """Cells of this session's history, named ``In [N]``."""
         from .notebook import fix_cells, lint_cells
 
-        path = "In" if label == "In" else label
         if not fix:
-            self._report(lint_cells(sources, path=path, numbers=numbers), label=label)
+            self._report(lint_cells(sources, path="In", numbers=numbers), label="In")
             return
-        result = fix_cells(sources, path=path, numbers=numbers, unsafe=args.unsafe_fixes)
-        changed = []
-        for number, old, new in zip(numbers, sources, result.sources):
-            if old is not None and new is not None and old != new:
-                name = f"In [{number}]" if label == "In" else f"{label}:cell {number}"
-                changed.append((name, old, new))
+        result = fix_cells(sources, path="In", numbers=numbers, unsafe=args.unsafe_fixes)
+        changed = [
+            (f"In [{number}]", old, new)
+            for number, old, new in zip(numbers, sources, result.sources)
+            if old is not None and new is not None and old != new
+        ]
         self._show_fixed(changed, args.diff)
-        self._report(list(result.remaining), label=label, fixing=True)
+        self._report(list(result.remaining), label="In", fixing=True)
 
     # -- output ------------------------------------------------------------------------------------
 
@@ -165,7 +154,7 @@ class LintMagics(Magics):
         for name, old, new in changed:
             if as_diff:
                 print("".join(difflib.unified_diff(
-                    _lines(old), _lines(new), fromfile=name, tofile=name + " (fixed)",
+                    lines(old), lines(new), fromfile=name, tofile=name + " (fixed)",
                 )), end="")
             else:
                 print(f"# {name}, fixed:")
@@ -175,25 +164,9 @@ class LintMagics(Magics):
     @staticmethod
     def _report(diagnostics: list[Diagnostic], label: str | None, fixing: bool = False) -> None:
         for d in diagnostics:
-            where = f"In [{d.cell}]:{d.line}:{d.col}" if label == "In" else d.location
-            mark = " [*]" if d.fixable and str(d.applicability) == "safe" and not fixing else ""
-            print(f"{where}: {d.code}{mark} {d.message}")
-            if d.fix_title:
-                print(f"    fix: {d.fix_title}")
+            where = f"In [{d.cell}]:{d.line}:{d.col}" if label == "In" else None
+            print(finding_text(d, where, mark=not fixing), end="")
         if not diagnostics:
             print("No findings." if not fixing else "Nothing left to fix by hand.")
             return
-        fixable = sum(1 for d in diagnostics if d.fixable and str(d.applicability) == "safe")
-        note = f" ({fixable} fixable with --fix)" if fixable and not fixing else ""
-        s = "s" if len(diagnostics) != 1 else ""
-        if fixing:
-            print(f"{len(diagnostics)} finding{s} left to fix by hand.")
-        else:
-            print(f"Found {len(diagnostics)} finding{s}{note}.")
-
-
-def _lines(text: str) -> list[str]:
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
-    return lines
+        print(summary(diagnostics, fixing=fixing, unsafe_hint=False))

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from .diagnostics import ConvergenceError, Diagnostic, Edit, Fix
 from .fixes import MAX_PASSES, allowed, apply_fixes
-from .rules import Applicability, rule
+from .rules import Applicability
 
 __all__ = [
     "CellsResult",
@@ -173,15 +173,12 @@ class _Joined:
         except ImportError:
             return
         except (Exception, SystemExit) as exc:
-            r = rule("AM001")
             self.early.append(
-                Diagnostic(
-                    code="AM001",
-                    message=r.format_message(what="the %%distributed line", error=str(exc)),
-                    path=self.path, cell=self.numbers[cell.index], line=1, col=1,
-                    applicability=Applicability.DISPLAY_ONLY,
+                Diagnostic.from_rule(
+                    "AM001", {"what": "the %%distributed line", "error": str(exc)},
+                    path=self.path, cell=self.numbers[cell.index],
+                    line=1, col=1, end_line=1, end_col=len(cell.header) + 1,
                     fix_title="Fix the options (%%distributed? lists them)",
-                    end_line=1, end_col=len(cell.header) + 1,
                 )
             )
             return
@@ -199,25 +196,20 @@ class _Joined:
         replacement = accelerator_replacement(legacy, args.num_accelerators)
         number = self.numbers[cell.index]
         if replacement is None:
-            r = rule("AM204")
-            fields = {"old": value}
             self.early.append(
-                Diagnostic(
-                    code="AM204", message=r.format_message(**fields), path=self.path, cell=number,
-                    line=1, col=col, applicability=Applicability.DISPLAY_ONLY,
-                    fix_title=r.format_fix_title(**fields), end_line=1, end_col=match.end(3) + 1,
+                Diagnostic.from_rule(
+                    "AM204", {"old": value}, path=self.path, cell=number,
+                    line=1, col=col, end_line=1, end_col=match.end(3) + 1,
                 )
             )
             return
         new, reason = replacement
-        r = rule("AM207")
-        fields = {"old": value, "new": new, "reason": reason}
         start = len(cell.header[: match.start(3)].encode("utf-8"))
         edit = Edit(start, start + len(match.group(3).encode("utf-8")), new)
-        diagnostic = Diagnostic(
-            code="AM207", message=r.format_message(**fields), path=self.path, cell=number,
-            line=1, col=col, applicability=Applicability.SAFE, fix_title=r.format_fix_title(**fields),
-            end_line=1, end_col=match.end(3) + 1, fix=Fix(Applicability.SAFE, (edit,)),
+        diagnostic = Diagnostic.from_rule(
+            "AM207", {"old": value, "new": new, "reason": reason}, path=self.path, cell=number,
+            line=1, col=col, end_line=1, end_col=match.end(3) + 1,
+            applicability=Applicability.SAFE, fix=Fix(Applicability.SAFE, (edit,)),
         )
         self.early.append(diagnostic)
         self.header_fixes.setdefault(cell.index, []).append((diagnostic, edit))
@@ -272,14 +264,12 @@ class _Joined:
 @dataclass(frozen=True)
 class CellsResult:
     """Cell sources after fixing (``None`` for cells that are not code), what was fixed,
-    and what is left."""
+    what is left and what the cells given had (``found``)."""
 
     sources: tuple[str | None, ...]
     fixed: tuple[str, ...]
     remaining: tuple[Diagnostic, ...]
-
-    def changed_cells(self, before: Sequence[str | None]) -> list[int]:
-        return [i for i, (a, b) in enumerate(zip(before, self.sources)) if a != b]
+    found: tuple[Diagnostic, ...] = ()
 
 
 def _numbers(sources: Sequence[str | None], numbers: Sequence[int] | None) -> list[int]:
@@ -305,14 +295,17 @@ def fix_cells(
     labels = _numbers(sources, numbers)
     current = list(sources)
     fixed: list[str] = []
+    found: tuple[Diagnostic, ...] | None = None
     for passes in range(MAX_PASSES + 1):
         joined = _Joined(current, path, labels)
         diagnostics = joined.lint()
+        if found is None:
+            found = tuple(diagnostics)
         # Header fixes (AM207) edit the cell's first line, which the joined module masks.
         todo = [d for d in diagnostics if allowed(d, unsafe) and d.code != "AM207"]
         headers = joined.header_fixes
         if not todo and not headers:
-            return CellsResult(tuple(current), tuple(fixed), tuple(diagnostics))
+            return CellsResult(tuple(current), tuple(fixed), tuple(diagnostics), found)
         if passes == MAX_PASSES:
             codes = {d.code for d in todo} | ({"AM207"} if headers else set())
             raise ConvergenceError(path, MAX_PASSES, sorted(codes))
@@ -330,7 +323,7 @@ def fix_cells(
             new[index] = header + newline + rest
             fixed.extend(d.code for d, _ in pairs)
         if new == current:
-            return CellsResult(tuple(current), tuple(fixed), tuple(diagnostics))
+            return CellsResult(tuple(current), tuple(fixed), tuple(diagnostics), found)
         current = new
     raise AssertionError("unreachable")
 

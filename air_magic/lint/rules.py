@@ -373,7 +373,7 @@ _DATASET_DIFFERENCE = (
 _STATEFUL_DIFFERENCE = "is torch's protocol for objects with state_dict() and load_state_dict()"
 
 MOVES: dict[str, Move] = {}
-for _pkg in ("serverless_gpu", "databricks.air"):
+for _pkg in LEGACY_PACKAGES:
     MOVES.update(
         {
             f"{_pkg}.distributed": _air("distributed"),
@@ -402,7 +402,7 @@ _RANK_HINT = (
 #: Legacy names (or name prefixes) without an open equivalent, and what to do instead.
 #: The longest matching prefix wins.
 NO_EQUIVALENT: dict[str, str] = {}
-for _pkg in ("serverless_gpu", "databricks.air"):
+for _pkg in LEGACY_PACKAGES:
     NO_EQUIVALENT.update(
         {
             _pkg: "this name is Databricks-only",
@@ -457,3 +457,8 @@ DEEPSPEED_DISTRIBUTOR_NAMES: frozenset[str] = frozenset(
         "pyspark.ml.deepspeed.DeepspeedTorchDistributor",
     }
 )
+
+#: The names above plus the bare name of the decorator or class, as it is spelled.
+DISTRIBUTED_MATCHES: frozenset[str] = DISTRIBUTED_NAMES | {"distributed"}
+TORCH_DISTRIBUTOR_MATCHES: frozenset[str] = TORCH_DISTRIBUTOR_NAMES | {"TorchDistributor"}
+DEEPSPEED_DISTRIBUTOR_MATCHES: frozenset[str] = DEEPSPEED_DISTRIBUTOR_NAMES | {"DeepspeedTorchDistributor"}
