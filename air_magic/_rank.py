@@ -185,7 +185,7 @@ def _run(request: dict[str, Any], rank: int) -> int:
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
-    result_path = os.path.join(request["work_dir"], f"result-{rank}.pkl")
+    result_path = _results.result_path(request["work_dir"], rank)
     shm_dir = request.get("shm_dir")
     sources: dict[str, tuple[str, str]] = request.get("sources", {})
     _install_sources(sources)

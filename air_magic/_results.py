@@ -28,6 +28,11 @@ import cloudpickle
 SHM_THRESHOLD = 1 << 20
 
 
+def result_path(work_dir: str, rank: int) -> str:
+    """Where ``rank`` of the launch with this work folder leaves its record."""
+    return os.path.join(work_dir, f"result-{rank}.pkl")
+
+
 class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
     def __init__(self, file: io.BufferedWriter, shm_dir: str | None, prefix: str) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)

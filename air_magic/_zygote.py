@@ -22,7 +22,7 @@ one else can connect and nothing unauthenticated is ever unpickled).  It watches
   stops the other ranks of that launch (fail fast);
 * timers: a launch's timeout, and the SIGINT -> SIGTERM -> SIGKILL escalation.
 
-Messages to the kernel: ``("ready", info)``, ``("started", id, {rank: pid}, port)``,
+Messages to the kernel: ``("started", id, {rank: pid})``,
 ``("exit", id, rank, returncode)``, ``("stopping", id, reason)``, ``("done", id)``,
 ``("error", id, text)``.  From the kernel: ``("launch", request)``,
 ``("stop", id, reason)``, ``("shutdown",)``.
@@ -58,8 +58,6 @@ _ESCALATION: dict[str, list[tuple[float, signal.Signals]]] = {
 @dataclass
 class _Launch:
     launch_id: str
-    request: dict[str, Any]
-    pids: dict[int, int] = field(default_factory=dict)
     running: dict[int, int] = field(default_factory=dict)  # rank -> pid
     pidfds: dict[int, int] = field(default_factory=dict)  # rank -> pidfd
     listener: socket.socket | None = None
@@ -77,21 +75,19 @@ class Zygote:
         self.selector = selectors.DefaultSelector()
         self.launches: dict[str, _Launch] = {}
         self.timers: list[tuple[float, str, Callable[[], None]]] = []
-        self.use_pidfd = hasattr(os, "pidfd_open")
+        self.use_pidfd = _pidfds_work()
         self.torch_dist: Any = None
 
     # -- start-up -------------------------------------------------------------------
 
-    def preload(self) -> dict[str, Any]:
-        started = time.perf_counter()
-        loaded, failed = [], {}
+    def preload(self) -> None:
         names = os.environ.get("AIR_MAGIC_PRELOAD", _DEFAULT_PRELOAD)
         for name in filter(None, (n.strip() for n in names.split(","))):
             try:
                 importlib.import_module(name)
-                loaded.append(name)
             except Exception as exc:  # a missing optional module must not stop the helper
-                failed[name] = f"{type(exc).__name__}: {exc}"
+                print(f"[air_magic] helper: could not preload {name}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
         # Import what every rank needs before it runs user code.
         from . import _rank, _results  # noqa: F401
 
@@ -101,13 +97,6 @@ class Zygote:
             self.torch_dist = dist if dist.is_available() else None
         except Exception:
             self.torch_dist = None
-        return {
-            "pid": os.getpid(),
-            "preloaded": loaded,
-            "preload_failed": failed,
-            "preload_seconds": time.perf_counter() - started,
-            "torch": str(getattr(sys.modules.get("torch"), "__version__", "")) or None,
-        }
 
     # -- main loop --------------------------------------------------------------------
 
@@ -151,7 +140,19 @@ class Zygote:
     # -- launches -----------------------------------------------------------------------
 
     def _start(self, request: dict[str, Any]) -> None:
-        launch = _Launch(request["launch_id"], request)
+        launch = _Launch(request["launch_id"])
+        self.launches[launch.launch_id] = launch
+        try:
+            self._fork_ranks(launch, request)
+        except BaseException:
+            self._abort(launch)
+            raise
+        self._send("started", launch.launch_id, dict(launch.running))
+        timeout = request.get("timeout")
+        if timeout is not None:
+            self._after(timeout, launch.launch_id, lambda: self._stop(launch, "timeout"))
+
+    def _fork_ranks(self, launch: _Launch, request: dict[str, Any]) -> None:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         listener.listen(max(128, 2 * request["world_size"]))
@@ -160,6 +161,8 @@ class Zygote:
         port = listener.getsockname()[1]
         close_in_child = [self.conn.fileno(), listener.fileno(), self.selector_fd()]
         for other in self.launches.values():
+            if other is launch:
+                continue
             close_in_child.extend(other.pidfds.values())
             if other.listen_fd >= 0:
                 close_in_child.append(other.listen_fd)
@@ -169,14 +172,12 @@ class Zygote:
             pid = os.fork()
             if pid == 0:  # the rank; child_main never returns
                 _rank.child_main(request, rank, port, self.alive_fd, close_in_child)
-            launch.pids[rank] = pid
             launch.running[rank] = pid
             if self.use_pidfd:
                 fd = os.pidfd_open(pid)
                 launch.pidfds[rank] = fd
                 close_in_child.append(fd)
                 self.selector.register(fd, selectors.EVENT_READ, (launch.launch_id, rank))
-        self.launches[launch.launch_id] = launch
         # Host the rendezvous store only now: its server thread must not exist while forking.
         if self.torch_dist is not None:
             # The store takes ownership of the socket and closes it when it is deleted.
@@ -185,10 +186,26 @@ class Zygote:
                 "127.0.0.1", port, request["world_size"], True,
                 wait_for_workers=False, master_listen_fd=listener.detach(),
             )
-        self._send("started", launch.launch_id, dict(launch.pids), port)
-        timeout = request.get("timeout")
-        if timeout is not None:
-            self._after(timeout, launch.launch_id, lambda: self._stop(launch, "timeout"))
+
+    def _abort(self, launch: _Launch) -> None:
+        """A launch that failed to start: take back whatever of it was started, silently
+        (the kernel is told of the failure as one error)."""
+        self.launches.pop(launch.launch_id, None)
+        for pid in launch.running.values():
+            _killpg(pid, signal.SIGKILL)
+            try:  # a rank forked just now may not lead its own group yet
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        for fd in launch.pidfds.values():
+            self.selector.unregister(fd)
+            os.close(fd)
+        launch.running.clear()
+        launch.pidfds.clear()
+        launch.store = None
+        if launch.listener is not None:
+            launch.listener.close()
 
     def selector_fd(self) -> int:
         fileno = getattr(self.selector, "fileno", None)
@@ -206,12 +223,12 @@ class Zygote:
         self._reaped(launch, rank, os.waitstatus_to_exitcode(status))
 
     def _poll_exits(self) -> None:
+        """Without pidfds: find ranks that have exited, leaving them unreaped (WNOWAIT) so
+        that ``_on_rank_exit`` kills their group before its id can be reused."""
         for launch in list(self.launches.values()):
             for rank, pid in list(launch.running.items()):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    _killpg(pid, signal.SIGKILL)
-                    self._reaped(launch, rank, os.waitstatus_to_exitcode(status))
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    self._on_rank_exit(launch.launch_id, rank)
 
     def _reaped(self, launch: _Launch, rank: int, returncode: int) -> None:
         del launch.running[rank]
@@ -284,6 +301,16 @@ class Zygote:
             pass  # the kernel is gone; the next recv() ends the loop
 
 
+def _pidfds_work() -> bool:
+    """Linux >= 5.3 tells a process's exit through a pidfd; elsewhere exits are polled."""
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return False
+    os.close(fd)
+    return True
+
+
 def _killpg(pgid: int, signum: int) -> None:
     try:
         os.killpg(pgid, signum)
@@ -335,9 +362,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (zygote.shutdown(), os._exit(0)))
     try:
         stop_watch = _watch_kernel_while_preloading(alive_fd, session_dir, shm_dir)
-        info = zygote.preload()
+        zygote.preload()
         stop_watch()  # single-threaded again before the first fork
-        zygote._send("ready", info)
         zygote.serve()
     finally:
         zygote.shutdown()

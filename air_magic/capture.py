@@ -63,7 +63,6 @@ class Payload:
     data: dict[str, Any]
     #: filename -> (display name, source) so rank tracebacks show the notebook's lines.
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)
-    size: int = 0
 
     def dumps(self) -> bytes:
         return dumps({"kind": self.kind, **self.data})
@@ -352,13 +351,8 @@ def _global_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _code_objects(func: Callable[..., Any]) -> list[types.CodeType]:
-    codes = []
-    for _, value in [("", func), *_referenced_globals(func)]:
-        code = getattr(value, "__code__", None)
-        if isinstance(code, types.CodeType):
-            codes.append(code)
-    return codes
+def _code_objects(values: Iterable[Any]) -> list[types.CodeType]:
+    return [v.__code__ for v in values if isinstance(getattr(v, "__code__", None), types.CodeType)]
 
 
 def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:
@@ -368,14 +362,14 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     arguments = [(f"argument {i}", a) for i, a in enumerate(args)] + [
         (f"argument '{k}'", v) for k, v in kwargs.items()
     ]
+    refs = _referenced_globals(func)  # one walk of the function's code, used four times
     arg_blobs, problems = _pickle_each(arguments)
     try:
         func_blob = dumps(func)
     except Exception as exc:
         # Find which globals / closure variables are to blame, to name every one of them.
         _, culprits = _pickle_each(
-            (name, value) for name, value in _referenced_globals(func)
-            if not isinstance(value, types.ModuleType)
+            (name, value) for name, value in refs if not isinstance(value, types.ModuleType)
         )
         problems = culprits + problems
         if not culprits:
@@ -387,19 +381,18 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if len(func_blob) > settings.warn_mb * 1e6:
         sizes.update(
             (name, len(dumps(value)))
-            for name, value in _referenced_globals(func)
+            for name, value in refs
             if not isinstance(value, (types.ModuleType, types.FunctionType, type))
         )
     _warn_sizes(sizes, where)
-    _warn_cuda([*_referenced_globals(func), *arguments])
+    _warn_cuda([*refs, *arguments])
     positional = [arg_blobs[f"argument {i}"] for i in range(len(args))]
     keywords = {k: arg_blobs[f"argument '{k}'"] for k in kwargs}
     payload = Payload(
         kind="function",
         label=label,
         data={"func": func_blob, "args": positional, "kwargs": keywords},
-        sources=_notebook_sources(_code_objects(func)),
-        size=len(func_blob) + sum(len(b) for b in arg_blobs.values()),
+        sources=_notebook_sources(_code_objects([func, *(value for _, value in refs)])),
     )
     return payload
 
@@ -447,13 +440,11 @@ def cell_payload(
         _raise_problems(problems, "the cell")
     _warn_sizes({name: len(blob) for name, blob in blobs.items()}, "the cell")
     _warn_cuda(items)
-    codes = [v.__code__ for _, v in items if isinstance(getattr(v, "__code__", None), types.CodeType)]
-    sources = _notebook_sources(codes)
+    sources = _notebook_sources(_code_objects(value for _, value in items))
     sources[filename] = (display, header + "\n" + body)
     return Payload(
         kind="cell",
         label=display,
         data={"code": code, "names": blobs},
         sources=sources,
-        size=sum(len(b) for b in blobs.values()),
     )

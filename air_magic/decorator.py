@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from typing import Any, Callable, Generic, TypeVar, overload
 
 from .accelerators import AcceleratorType, GPUType
@@ -226,8 +225,6 @@ def distributed(
 def _warm_launcher() -> None:
     # Start the helper (which imports torch) as early as possible: by the time the
     # user calls .distributed(), the first launch is warm.
-    if os.environ.get("AIR_MAGIC_WARM", "1") == "0":
-        return
     try:
         from .launcher import get_launcher
 

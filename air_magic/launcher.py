@@ -214,7 +214,9 @@ class Launch:
         self.started_at = time.time()
         self.ended_at: float | None = None
         self.status = "starting"
-        self._payload = payload
+        # Only the cell/function sources stay (for the panel's linter): the pickled
+        # arguments and globals are not pinned in the kernel by `last_launch`.
+        self.sources = payload.sources
         self._stop_reason: str | None = None
         self._failures: list[int] = []
         self._late_failures: list[int] = []  # failed after the fail-fast stop had begun
@@ -375,9 +377,8 @@ class Launch:
             return False, self._rank_error(self._root_failure())
         values = []
         for state in self.ranks:
-            path = os.path.join(self.work_dir, f"result-{state.rank}.pkl")
             try:
-                record = _results.read_record(path)
+                record = _results.read_record(_results.result_path(self.work_dir, state.rank))
             except FileNotFoundError:
                 self.status = "failed"
                 return False, RankCrashedError(
@@ -427,8 +428,8 @@ class Launch:
 
     def _error_record(self, rank: int) -> tuple[Any, ...] | None:
         try:
-            record = _results.read_record(os.path.join(self.work_dir, f"result-{rank}.pkl"))
-        except (OSError, EOFError, Exception):
+            record = _results.read_record(_results.result_path(self.work_dir, rank))
+        except Exception:  # missing, cut short by a kill, or unreadable: no record
             return None
         return record if record[0] == "error" else None
 
@@ -533,8 +534,6 @@ class _Helper:
             os.close(alive_r)
         self.conn = Connection(parent_sock.detach())
         self.send_lock = threading.Lock()
-        self.ready = threading.Event()
-        self.info: dict[str, Any] = {}
         self.alive = True
         self.launcher = launcher
         self.thread = threading.Thread(target=self._read, name="air_magic-helper-reader", daemon=True)
@@ -606,8 +605,12 @@ class Launcher:
             cls._observer_factories.append(factory)
 
     def warm(self) -> None:
-        """Start the helper now (it imports torch in the background) so launches start fast."""
-        self._ensure_helper()
+        """Start the helper now (it imports torch in the background) so launches start fast.
+
+        ``AIR_MAGIC_WARM=0`` leaves it to the first launch (tests of code that never launches).
+        """
+        if os.environ.get("AIR_MAGIC_WARM", "1") != "0":
+            self._ensure_helper()
 
     def _ensure_helper(self) -> _Helper:
         with self._lock:
@@ -696,10 +699,6 @@ class Launcher:
 
     def _dispatch(self, helper: _Helper, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == "ready":
-            helper.info = message[1]
-            helper.ready.set()
-            return
         launch = self.launches.get(message[1])
         if launch is None:
             return

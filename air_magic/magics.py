@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import traceback
 import uuid
 from typing import Any
@@ -10,9 +9,10 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, CFloat, CInt, Unicode
+from traitlets import Bool, CFloat, CInt, Unicode, default, observe
 
 from . import capture
+from ._rank import RESULT_NAME
 from .errors import ConfigurationError
 from .spec import DEFAULT_TIMEOUT, LaunchSpec, make_spec
 
@@ -55,12 +55,21 @@ class DistributedMagics(Magics):
     )
     tracking = Bool(True, help="Record each launch as an MLflow run.").tag(config=True)
     experiment = Unicode(None, allow_none=True, help="Default MLflow experiment.").tag(config=True)
-    capture_warn_mb = CFloat(100.0, help="Warn when a captured object pickles to more MB than this.").tag(
-        config=True
-    )
+    capture_warn_mb = CFloat(
+        help="Warn when a captured object pickles to more MB than this (default: env AIR_MAGIC_CAPTURE_WARN_MB or 100)."
+    ).tag(config=True)
     panel = Bool(
         True, help="Show each launch's live panel (decorator launches too); env AIR_MAGIC_PANEL=0 also turns it off."
     ).tag(config=True)
+
+    @default("capture_warn_mb")
+    def _capture_warn_mb_default(self) -> float:
+        return capture.settings.warn_mb
+
+    @observe("capture_warn_mb")
+    def _capture_warn_mb_changed(self, change: Any) -> None:
+        # One setting for every launch of the kernel, decorator launches included.
+        capture.settings.warn_mb = change["new"]
 
     @magic_arguments()
     @argument("-n", "--num-accelerators", type=int, default=None, metavar="N",
@@ -107,7 +116,6 @@ class DistributedMagics(Magics):
         number = _cell_number(self.shell)
         display = f"Cell In[{number}]"
         filename = f"<air_magic cell {number} {uuid.uuid4().hex[:8]}>"
-        capture.settings.warn_mb = self.capture_warn_mb
         namespace = self.shell.user_ns if self.shell is not None else {}
         try:
             payload = capture.cell_payload(
@@ -127,7 +135,8 @@ class DistributedMagics(Magics):
         if args.run_async:
             return launch
         values = launch.wait_streaming()
-        return values if _ends_with_expression(cell) else None
+        # compile_cell stored a last expression's value under RESULT_NAME.
+        return values if RESULT_NAME in payload.data["code"].co_names else None
 
     def _spec(self, args: Any) -> LaunchSpec:
         # IPython splits magic lines without removing quotes: --run-name "my run".
@@ -159,10 +168,3 @@ def _cell_number(shell: Any) -> int:
         return max(numbers.values())
     return int(getattr(shell, "execution_count", 0) or 0)
 
-
-def _ends_with_expression(cell: str) -> bool:
-    try:
-        tree = ast.parse(cell)
-    except SyntaxError:
-        return False
-    return bool(tree.body) and isinstance(tree.body[-1], ast.Expr)

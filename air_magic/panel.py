@@ -618,8 +618,7 @@ def _lint_texts(launch: "Launch") -> _Lint:
     check_source = getattr(lint, "lint_source", None)
     if check_cell is None and check_source is None:
         return _Lint()
-    payload = getattr(launch, "_payload", None)
-    sources = getattr(payload, "sources", {}) or {}
+    sources = getattr(launch, "sources", {}) or {}
     result = _Lint(available=True)
     for display, source in sources.values():
         with _LINT_LOCK:

@@ -27,7 +27,7 @@ def fake_launch(tmp_path: Path, n: int = 2, status: str = "running", tracking: b
         work_dir=str(tmp_path), log_paths=[r.log_path for r in ranks], status=status,
         spec=SimpleNamespace(tracking=tracking), placement=SimpleNamespace(device="cpu"),
         run_id=None, run_url=None, started_at=time.time() - 12.5, ended_at=None, _outcome=None,
-        _payload=SimpleNamespace(sources={}), launcher=SimpleNamespace(launches={}),
+        sources={}, launcher=SimpleNamespace(launches={}),
     )
     launch.done = lambda: launch.ended_at is not None
     return launch
@@ -181,7 +181,7 @@ def test_lint_findings_are_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "air_magic.lint", fake)
     monkeypatch.setattr("air_magic.lint", fake, raising=False)
     launch = fake_launch(tmp_path)
-    launch._payload.sources = {"<cell>": ("Cell In[4]", "%%distributed -n 2\n%time x = 1\nimport serverless_gpu")}
+    launch.sources = {"<cell>": ("Cell In[4]", "%%distributed -n 2\n%time x = 1\nimport serverless_gpu")}
     state = LaunchState(launch)
     state.start_lint()
     state.join_lint(10)
@@ -200,7 +200,7 @@ def test_the_real_linter_is_shown(tmp_path: Path) -> None:
         pytest.skip("this linter has no lint_cell")
     launch = fake_launch(tmp_path)
     source = "%%distributed -n 2\nfrom serverless_gpu import distributed\nimport time\ntime.sleep(1)"
-    launch._payload.sources = {"<cell 9>": ("Cell In[9]", source)}
+    launch.sources = {"<cell 9>": ("Cell In[9]", source)}
     state = LaunchState(launch)
     state.start_lint()
     state.join_lint(30)
