@@ -64,15 +64,16 @@ def _check_run_id(run_id: str | None) -> None:
 def log_metric(key: str, value: float, step: int | None = None, timestamp: int | None = None,
                run_id: str | None = None, **_: Any) -> None:
     _check_run_id(run_id)
-    _emit("m", key, float(value), step or 0, timestamp or int(time.time() * 1000))
+    # Whole numbers in the file, as MLflow stores them (a step may come as 1.0 or a tensor).
+    _emit("m", key, float(value), int(step or 0), int(timestamp or time.time() * 1000))
 
 
 def log_metrics(metrics: dict[str, float], step: int | None = None, timestamp: int | None = None,
                 run_id: str | None = None, **_: Any) -> None:
     _check_run_id(run_id)
-    now = timestamp or int(time.time() * 1000)
+    now, step = int(timestamp or time.time() * 1000), int(step or 0)
     for key, value in metrics.items():
-        _emit("m", key, float(value), step or 0, now)
+        _emit("m", key, float(value), step, now)
 
 
 def log_param(key: str, value: Any, **_: Any) -> Any:

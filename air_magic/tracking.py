@@ -205,7 +205,10 @@ class TrackingObserver:
             for fields in self._new_lines(rank):
                 kind = fields[0]
                 if kind == "m" and len(fields) == 5:
-                    metrics.append(Metric(fields[1], float(fields[2]), int(fields[4]), int(fields[3])))
+                    try:
+                        metrics.append(Metric(fields[1], float(fields[2]), int(fields[4]), int(fields[3])))
+                    except ValueError:  # one bad line must not take the others along
+                        continue
                 elif kind == "p" and len(fields) == 3:
                     # The same parameter from several ranks: the first value is kept.
                     if fields[1] not in self.params:

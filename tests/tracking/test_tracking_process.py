@@ -69,6 +69,26 @@ def test_a_launch_is_one_finished_run_with_its_configuration(store: Store, capsy
 
 
 @distributed(num_accelerators=2)
+def steps_of_every_number_type() -> None:
+    import os
+
+    import mlflow
+    import torch
+
+    rank = int(os.environ["RANK"])
+    mlflow.log_metric("loss", 1 + rank / 10, step=1.0)  # a float step, as MLflow itself accepts
+    mlflow.log_metric("loss", 2 + rank / 10, step=torch.tensor(2))  # a counter kept as a tensor
+    mlflow.log_metrics({"loss": 3 + rank / 10}, step=3.0, timestamp=1.7e12)
+    mlflow.log_metric("loss", 4 + rank / 10, step=4)
+
+
+def test_steps_and_timestamps_of_any_number_type_are_stored(store: Store, capsys: Any) -> None:
+    steps_of_every_number_type.distributed()
+    run_id = one_run_id(capsys.readouterr().out)
+    assert metric_points(store, run_id, "loss") == [(s, s + rank / 10) for s in (1, 2, 3, 4) for rank in (0, 1)]
+
+
+@distributed(num_accelerators=2)
 def run_ids_seen_by_the_rank() -> tuple[str, str, str, str]:
     import mlflow
 
