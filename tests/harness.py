@@ -135,6 +135,25 @@ class CellResult:
     def error_text(self) -> str:
         return self.error["text"] if self.error else ""
 
+    def record(self, msg: dict[str, Any]) -> bool:
+        """Add one iopub message of the cell; True at the cell's end (the kernel is idle)."""
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            self.streams.append((content["name"], content["text"]))
+            if content["name"] == "stdout":
+                self.stdout += content["text"]
+            else:
+                self.stderr += content["text"]
+        elif kind in ("execute_result", "execute_input"):
+            if kind == "execute_result":
+                self.result = content["data"].get("text/plain")
+            self.execution_count = content.get("execution_count")
+        elif kind == "error":
+            tb = [strip_ansi(line) for line in content["traceback"]]
+            self.error = {"ename": content["ename"], "evalue": strip_ansi(content["evalue"]),
+                          "traceback": tb, "text": "\n".join(tb)}
+        return kind == "status" and content["execution_state"] == "idle"
+
 
 class Kernel:
     """A real IPython kernel in its own temp folder, driven like a notebook front end."""
@@ -180,28 +199,7 @@ class Kernel:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                res.streams.append((content["name"], content["text"]))
-                if content["name"] == "stdout":
-                    res.stdout += content["text"]
-                else:
-                    res.stderr += content["text"]
-            elif kind == "execute_result":
-                res.result = content["data"].get("text/plain")
-                res.execution_count = content.get("execution_count")
-            elif kind == "execute_input":
-                res.execution_count = content.get("execution_count")
-            elif kind == "error":
-                tb = [strip_ansi(line) for line in content["traceback"]]
-                res.error = {
-                    "ename": content["ename"],
-                    "evalue": strip_ansi(content["evalue"]),
-                    "traceback": tb,
-                    "text": "\n".join(tb),
-                }
-            elif kind == "status" and content["execution_state"] == "idle":
-                idle = True
+            idle = res.record(msg)
             if until is not None and until(res):
                 return res
         res.reply = self._shell_reply(msg_id, max(1.0, deadline - time.monotonic()))

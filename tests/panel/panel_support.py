@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from harness import CellResult, Kernel, strip_ansi
+from harness import CellResult, Kernel
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -110,7 +110,7 @@ class Wire:
         res = CellResult()
         for msg in self.messages[first:]:
             if msg["parent_header"].get("msg_id") == msg_id:
-                if self._record(res, msg):
+                if res.record(msg):
                     break
         else:
             self._wait_idle(res, msg_id, timeout)
@@ -127,28 +127,8 @@ class Wire:
             except queue.Empty:
                 continue
             self._take(msg)
-            if msg["parent_header"].get("msg_id") == msg_id and self._record(res, msg):
+            if msg["parent_header"].get("msg_id") == msg_id and res.record(msg):
                 return
-
-    @staticmethod
-    def _record(res: CellResult, msg: dict[str, Any]) -> bool:
-        """Add one message of the cell to ``res``; True at the cell's end (idle)."""
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            res.streams.append((content["name"], content["text"]))
-            if content["name"] == "stdout":
-                res.stdout += content["text"]
-            else:
-                res.stderr += content["text"]
-        elif kind == "execute_result":
-            res.result = content["data"].get("text/plain")
-        elif kind == "error":
-            tb = [strip_ansi(line) for line in content["traceback"]]
-            res.error = {"ename": content["ename"], "evalue": strip_ansi(content["evalue"]),
-                         "traceback": tb, "text": "\n".join(tb)}
-        elif kind == "status" and content["execution_state"] == "idle":
-            return True
-        return False
 
     def ok(self, code: str, timeout: float = 90.0) -> tuple[CellResult, list[dict[str, Any]]]:
         res, msgs = self.run(code, timeout)
