@@ -128,7 +128,8 @@ def parse_tqdm(segment: str) -> dict[str, Any] | None:
     45.0
     """
     text = segment.strip()
-    if not text or len(text) > 1000:
+    # Every bar ends in "[elapsed...]": most lines of a log are rejected here, before a regex.
+    if not text or len(text) > 1000 or "]" not in text or "[" not in text:
         return None
     match = _TQDM_TOTAL.match(text)
     if match is not None:
@@ -465,20 +466,15 @@ def _fmt_bytes(n: int | float | None) -> str:
     if n is None:
         return "?"
     value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit in ("B", "KB", "MB") else f"{value:.1f} {unit}"
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit != "GB" else f"{value:.1f} {unit}"
         value /= 1000
     return f"{value:.1f} TB"
 
 
 def _fmt_elapsed(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, sec = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{sec:02d}" if hours else f"{minutes}:{sec:02d}"
+    return f"{max(0.0, seconds):.1f} s" if seconds < 60 else _fmt_clock(seconds)
 
 
 def _fmt_clock(seconds: float) -> str:
@@ -931,9 +927,6 @@ class LaunchSummary:
     """What stays in the notebook after a launch: HTML for Jupyter, text for everything else."""
 
     def __init__(self, state: LaunchState) -> None:
-        launch = state.launch
-        self.status = launch.status
-        self.launch_id = launch.id
         self.text = self._text(state)
         self.html = self._html(state)
 
