@@ -83,7 +83,7 @@ class DistributedMagics(Magics):
     @argument("--run-name", default=None, help="MLflow run name of the launch.")
     @argument("--async", dest="run_async", action="store_true",
               help="Return a Launch handle at once instead of waiting for the ranks.")
-    @argument("--backend", default=None, choices=["local", "ray"], help="Where the ranks run (default local).")
+    @argument("--backend", default=None, help="Where the ranks run: local (the default; ray is not available yet).")
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
         """Run this cell on every rank; its last expression becomes a list, one value per rank.

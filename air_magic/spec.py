@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Union
 
 from .accelerators import AcceleratorType, GPUType, Hardware
@@ -57,16 +57,8 @@ class LaunchSpec:
     run_name: str | None = None
     backend: str = "local"
 
-    def with_changes(self, **changes: Any) -> "LaunchSpec":
-        return replace(self, **changes)
-
     def resolve(self, hardware: Hardware) -> Placement:
         """Check the spec against ``hardware``; raise ``AcceleratorMismatchError`` naming both."""
-        if self.backend != "local":
-            raise ConfigurationError(
-                f"backend={self.backend!r} is not available in this version of air_magic; "
-                "use backend='local' (every accelerator of this machine)."
-            )
         wanted = self.accelerator_type
         if isinstance(wanted, AcceleratorType) and wanted.is_cpu:
             return Placement(self.num_accelerators or 1, "cpu", AcceleratorType.CPU, hardware)
@@ -239,7 +231,7 @@ def make_spec(
     if remote is not False:
         raise ConfigurationError(
             "remote=True has no meaning in air_magic: ranks always run on this machine. "
-            "Remove remote=..., or use backend='ray' to run on a cluster."
+            "Remove remote=...."
         )
     if gpus is not None and num_accelerators is not None:
         raise ConfigurationError(
@@ -257,6 +249,11 @@ def make_spec(
     if backend not in BACKENDS:
         raise ConfigurationError(
             f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}."
+        )
+    if backend != "local":  # known, not built yet: said at decoration, not at every launch
+        raise ConfigurationError(
+            f"backend={backend!r} is not available in this version of air_magic; "
+            "use backend='local' (every accelerator of this machine)."
         )
     return LaunchSpec(
         num_accelerators=count,

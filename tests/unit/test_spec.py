@@ -127,6 +127,19 @@ def test_remote_true_is_explained() -> None:
         distributed(remote=True)
 
 
+def test_backends_are_checked_at_decoration() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        distributed(backend="ray")
+    assert str(info.value) == (
+        "backend='ray' is not available in this version of air_magic; "
+        "use backend='local' (every accelerator of this machine)."
+    )
+    with pytest.raises(ConfigurationError) as info:
+        distributed(backend="slurm")
+    assert str(info.value) == "backend must be one of 'local', 'ray', got 'slurm'."
+    assert distributed(backend="local")(lambda: None).func() is None
+
+
 def test_decoration_on_cpu_machine_does_not_check_hardware() -> None:
     @distributed(num_accelerators=8, accelerator_type="GPU_8xH100")
     def train() -> None:
