@@ -169,6 +169,7 @@ class Kernel:
             PYTHONDONTWRITEBYTECODE="1",
         )
         env.pop("PYTEST_CURRENT_TEST", None)
+        env.pop("AIR_MAGIC_WARM", None)  # set for the unit and lint tests; a kernel warms as a user's does
         env.update(extra_env or {})
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(cwd=workdir, env=env)
