@@ -69,11 +69,6 @@ class LaunchError(AirMagicError):
     world_size: int | None = None
     log_path: str | None = None
 
-    def _render_traceback_(self) -> list[str]:
-        # IPython calls this instead of formatting the launcher's own frames: the
-        # user cares about the rank, not about air_magic's wait loop.
-        return render_lines(self)
-
 
 class RankFailedError(LaunchError):
     """A rank raised an exception whose class could not be rebuilt in the kernel."""

@@ -1,44 +1,37 @@
 """One-line hints for failure signatures found in a failing rank's traceback and log.
 
-A data table: (substring to look for, hint).  The first matching row of each hint
-is used once.
+A data table: (substrings to look for, hint); a row's hint is given once when any
+of its substrings occurs.
 """
 
 from __future__ import annotations
 
 __all__ = ["HINTS", "hints_for"]
 
-HINTS: tuple[tuple[str, str], ...] = (
-    ("CUDA out of memory",
+HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("CUDA out of memory", "OutOfMemoryError"),
      "hint: the GPU ran out of memory. Lower the batch size, use mixed precision or "
      "activation checkpointing, or shard the model (FSDP, DeepSpeed ZeRO)."),
-    ("OutOfMemoryError",
-     "hint: the GPU ran out of memory. Lower the batch size, use mixed precision or "
-     "activation checkpointing, or shard the model (FSDP, DeepSpeed ZeRO)."),
-    ("Watchdog caught collective operation timeout",
+    (("Watchdog caught collective operation timeout",),
      "hint: an NCCL collective timed out: one rank stopped calling collectives (an exception, "
      "an uneven number of batches, a rank-dependent branch). Check that every rank runs the "
      "same collectives in the same order."),
-    ("NCCL timeout",
+    (("NCCL timeout",),
      "hint: an NCCL collective timed out: check that every rank runs the same collectives."),
-    ("Xid",
+    (("Xid",),
      "hint: the log mentions an NVIDIA Xid error: a GPU or driver fault. Check `nvidia-smi` and "
      "the system log (dmesg) before retrying."),
-    ("does not match environment run ID",
+    (("does not match environment run ID",),
      "hint: mlflow.set_experiment() (or a run id) was used inside the distributed code. Call "
      "mlflow.set_experiment() in the notebook before launching; the ranks log to the launch's run."),
-    ("Duplicate GPU detected",
+    (("Duplicate GPU detected",),
      "hint: two ranks use the same GPU. Select the device with "
      "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group()."),
-    ("Address already in use",
+    (("Address already in use",),
      "hint: a port is taken. Do not set MASTER_PORT yourself: each launch gets its own free port."),
 )
 
 
 def hints_for(text: str) -> list[str]:
-    """The hints whose signature occurs in ``text`` (each hint once, in table order)."""
-    found: list[str] = []
-    for needle, hint in HINTS:
-        if needle in text and hint not in found:
-            found.append(hint)
-    return found
+    """The hints whose signature occurs in ``text``, in table order."""
+    return [hint for needles, hint in HINTS if any(needle in text for needle in needles)]
