@@ -1,4 +1,5 @@
-"""Migration linter: move ``serverless_gpu`` / ``databricks.air`` / TorchDistributor code to air_magic.
+"""Migration linter: move ``serverless_gpu`` / ``databricks.air`` / TorchDistributor code to air_magic,
+and make GPU-only code (NCCL, ``cuda:N`` devices) run on CPU ranks too.
 
 >>> from air_magic.lint import lint_source, fix_source
 >>> code = "from serverless_gpu import distributed\\n@distributed(gpus=8, gpu_type='H100')\\ndef f(): ...\\n"
@@ -9,8 +10,9 @@ from air_magic import distributed
 @distributed(num_accelerators=8, accelerator_type='GPU_8xH100')
 def f(): ...
 
-The rules are in :mod:`air_magic.lint.rules` (and the README's table).  ``.py`` files and
-notebooks are linted the same way; the command line is ``air-magic lint [--fix] PATH...``
+The rules are in :mod:`air_magic.lint.rules` (and the README's table); ``# noqa: CODE`` at
+the end of a line hides that finding there, as in ruff.  ``.py`` files and notebooks are
+linted the same way; the command line is ``air-magic lint [--fix] PATH...``
 and the notebook magic ``%air_lint``.  Importing this package does not import libcst:
 the functions below do, when they are called.
 """
@@ -120,9 +122,11 @@ def lint_function(func: Callable[..., Any]) -> list[Diagnostic]:
 
     Lines are those of the file or notebook cell the function was defined in.  Besides
     its source, the values the function reads from its module are looked at: data or a
-    model built outside it is reported (``AM303``).  Returns ``[]`` when the source is
-    not available (a function built with ``exec``, a builtin).
+    model built outside it is reported (``AM303``).  ``# noqa`` comments in the function
+    hide findings as in a file.  Returns ``[]`` when the source is not available (a
+    function built with ``exec``, a builtin).
     """
+    from ._noqa import noqa_lines, unsuppressed
     from .engine import check
 
     target = getattr(func, "func", func)
@@ -143,7 +147,7 @@ def lint_function(func: Callable[..., Any]) -> list[Diagnostic]:
         )
         if d.code != "AM306"  # a call elsewhere cannot be seen from here
     ]
-    found.extend(_captured_at_runtime(target, source, filename, offset))
+    found.extend(unsuppressed(_captured_at_runtime(target, source, filename, offset), noqa_lines(source), offset))
     found.sort(key=lambda d: (d.line, d.col, d.code))
     return found
 

@@ -8,8 +8,8 @@ through ``QualifiedNameProvider``, so aliases are followed:
 without its imports) is matched by its spelling.
 
 Checks add :class:`Finding`s with byte edits; an import a fix needs is asked for with
-:meth:`Source.import_ref` and inserted once, after the last top-level import that
-precedes its first use.
+:meth:`Source.import_ref` (a name) or :meth:`Source.module_ref` (a module) and inserted
+once, after the last top-level import that precedes its first use.
 """
 
 from __future__ import annotations
@@ -223,6 +223,40 @@ class Source:
         if self._binding(scope, root) == root:
             return f"{module}.{name}", (self._need(module, None, offset) if "." in module else None)
         return f"{module}.{name}", self._need(module, None, offset)
+
+    def module_ref(self, module: str, at: cst.CSTNode) -> tuple[str, tuple[str, str | None] | None] | None:
+        """How a fix refers to the top-level module ``module`` at ``at`` (``torch``, or ``th``
+        after ``import torch as th``) and the ``import module`` it needs, if any.
+
+        ``None`` when ``module``'s name means something else there and no alias of it is
+        in scope: a fix would have to rename code it does not own.
+        """
+        scope = self.scopes.get(at) or self.global_scope
+        aliases = sorted(
+            {
+                alias.evaluated_alias
+                for stmt in self.nodes.imports
+                if isinstance(stmt, cst.Import)
+                for alias in stmt.names
+                if alias.evaluated_alias is not None and alias.evaluated_name == module
+            }
+        )
+        for name in (module, *aliases):
+            if self._names_module(scope, name, module):
+                return name, None
+        if self._binding(scope, module) is None:
+            return module, self._need(module, None, self.span(at)[0])
+        return None
+
+    def _names_module(self, scope: Scope | None, name: str, module: str) -> bool:
+        """``name`` is bound in ``scope`` only by imports of the module ``module``."""
+        if scope is None or name not in scope:
+            return False
+        assignments = list(scope[name])
+        return bool(assignments) and all(
+            isinstance(a, ImportAssignment) and module in {q.name for q in a.get_qualified_names_for(name)}
+            for a in assignments
+        )
 
     def _imports(self, scope: Scope | None, name: str, module: str, dropped: bool = False) -> bool:
         """``name`` is bound only by imports of ``module.name`` (or legacy imports that AM101

@@ -3,12 +3,14 @@
 ::
 
     source ──libcst parse + metadata (_source.Source)──> checks by kind ──> Diagnostics with byte-edit fixes
-                                                         _imports    AM1xx
-                                                         _arguments  AM2xx
-                                                         _patterns   AM3xx
+                                                         _imports     AM1xx
+                                                         _arguments   AM2xx
+                                                         _patterns    AM3xx
+                                                         _portability AM4xx
 
 Fixes are byte edits of the source (never a re-printed tree), so every line a fix does
-not touch keeps its exact text; :mod:`air_magic.lint.fixes` applies them.
+not touch keeps its exact text; :mod:`air_magic.lint.fixes` applies them.  A finding on a
+line with a ``# noqa`` comment that names its code (or no code) is dropped, fix and all.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Callable, Sequence
 
 import libcst as cst
 
-from . import _arguments, _imports, _patterns
+from . import _arguments, _imports, _patterns, _portability
+from ._noqa import noqa_lines, unsuppressed
 from ._source import Region, Source, accelerator_replacement
 from .diagnostics import Diagnostic
 
@@ -30,6 +33,7 @@ _CHECKS: tuple[Callable[[Source], None], ...] = (
     _patterns.check_torch_distributor,
     _patterns.check_rendezvous,
     _patterns.check_direct_calls,
+    _portability.check_portability,
 )
 
 
@@ -54,7 +58,7 @@ def check(
     for checker in _CHECKS:
         checker(src)
     _patterns.check_launched_code(src, regions)
-    return src.diagnostics(path)
+    return unsuppressed(src.diagnostics(path), noqa_lines(source))
 
 
 def syntax_error(source: str, exc: Exception, path: str, what: str = "this code") -> Diagnostic:

@@ -10,7 +10,9 @@
   afterwards, as nbQA does.
 * A ``%%distributed`` cell: its header is parsed with the magic's own parser (a legacy
   ``--accelerator-type`` value is fixed there, ``AM207``) and its body is linted as Python
-  that runs on every rank.  ``%%time`` and ``%%capture`` bodies are plain Python too;
+  that runs on every rank.  ``$name`` and ``{expr}`` in the header, which IPython expands
+  before the magic sees the line, are values the linter cannot know: an option given one
+  is unknown, not an error.  ``%%time`` and ``%%capture`` bodies are plain Python too;
   cells of any other cell magic (``%%bash``, ``%%writefile`` ...) are skipped.
 * A cell that does not parse is reported (``AM001``) and left out; the others are still
   linted.
@@ -23,6 +25,7 @@ changed is replaced, outputs and metadata are left as they are.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -165,11 +168,7 @@ class _Joined:
         assert cell.header is not None
         line = cell.header[len("%%distributed"):]
         try:
-            from IPython.core.magic_arguments import parse_argstring
-
-            from ..magics import DistributedMagics
-
-            args = parse_argstring(DistributedMagics.distributed, line)
+            args = _parse_header(line)
         except ImportError:
             return
         except (Exception, SystemExit) as exc:
@@ -193,7 +192,8 @@ class _Joined:
         if legacy is None or match is None:
             return
         col = match.start(3) + 1
-        replacement = accelerator_replacement(legacy, args.num_accelerators)
+        count = args.num_accelerators if isinstance(args.num_accelerators, int) else None
+        replacement = accelerator_replacement(legacy, count)
         number = self.numbers[cell.index]
         if replacement is None:
             self.early.append(
@@ -259,6 +259,80 @@ class _Joined:
                 body = body[:-1]
             out[cell.index] = unmask(body, cell.masks)
         return out
+
+
+#: Stands, while a ``%%distributed`` line is parsed, for what IPython expands there.
+_EXPANSION = "air_magic_expansion_" + uuid.uuid4().hex[:12]
+
+
+class _Unknown:
+    """An option value that IPython computes when the cell runs (``-n $N``)."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN = _Unknown()
+
+
+def _expanded(line: str) -> str:
+    """``line`` as IPython passes it to the magic, each ``$name`` / ``{expr}`` replaced by
+    :data:`_EXPANSION` (``$$`` and ``{{`` become ``$`` and ``{``, as IPython makes them).
+
+    Found with IPython's own formatter (``InteractiveShell.var_expand``); a line it
+    cannot parse, IPython leaves as it is, and so does this.
+    """
+    from IPython.utils.text import DollarFormatter
+
+    parts = []
+    try:
+        for literal, field_name, _spec, _conversion in DollarFormatter().parse(line):
+            parts.append(literal)
+            if field_name is not None:
+                parts.append(_EXPANSION)
+    except ValueError:
+        return line
+    return "".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _header_parser() -> Any:
+    """The magic's own parser, whose typed options take an expansion as :data:`UNKNOWN`."""
+    import copy
+
+    from ..magics import DistributedMagics
+
+    parser = copy.deepcopy(DistributedMagics.distributed.parser)  # the magic's stays as it is
+    for action in parser._actions:  # argparse has no public way to reach an option's type
+        if action.type is not None:
+            action.type = _accepting_expansion(action.type)
+    return parser
+
+
+def _accepting_expansion(convert: Any) -> Any:
+    def parse(text: str) -> Any:
+        return UNKNOWN if _EXPANSION in text else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", repr(convert))  # argparse names it in errors
+    return parse
+
+
+def _parse_header(line: str) -> Any:
+    """The options of a ``%%distributed`` line (what follows the magic's name), split like
+    a shell as the magic does; what follows ``--`` is the ranks' ``sys.argv``, not
+    options.  An option whose value IPython would expand is :data:`UNKNOWN`.  Raises
+    ``ValueError`` (unbalanced quotes) or, as the magic's parser does, IPython's
+    ``UsageError`` for anything else it refuses."""
+    import shlex
+
+    words = shlex.split(_expanded(line))
+    if "--" in words:
+        words = words[: words.index("--")]
+    args = _header_parser().parse_args(words)
+    for name, value in vars(args).items():
+        if isinstance(value, str) and _EXPANSION in value:
+            setattr(args, name, UNKNOWN)
+    return args
 
 
 @dataclass(frozen=True)

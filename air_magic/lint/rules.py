@@ -4,7 +4,8 @@ Each :class:`Rule` is one row: its code, what it finds (a message template fille
 the engine), what to do (``fix_title``), how safe its fix is, an example, and the
 name of its fixture under ``tests/lint/fixtures/``.  Codes are grouped by kind:
 ``AM0xx`` the linter itself, ``AM1xx`` imports and names, ``AM2xx`` arguments,
-``AM3xx`` patterns.  The tables after the rules say which legacy names move where.
+``AM3xx`` patterns, ``AM4xx`` portability (GPU-only code made to run on CPU ranks too).
+The tables after the rules say which legacy names move where.
 
 Nothing here imports libcst: the table is read by the CLI's help, the README test and
 the notebook panel without parsing any code.
@@ -58,7 +59,7 @@ class Rule:
 
     code: str
     name: str
-    kind: str  # "linter", "imports", "arguments" or "patterns"
+    kind: str  # "linter", "imports", "arguments", "patterns" or "portability"
     message: str
     fix_title: str
     fix: Applicability
@@ -326,6 +327,60 @@ RULES: tuple[Rule, ...] = (
         after="from air_magic import distributed\n\n\n@distributed(num_accelerators=2)\ndef train(epochs):\n"
         "    return epochs\n\n\ntrain.distributed(3)\n",
         fixture="AM306",
+    ),
+    # -- AM4xx: portability ----------------------------------------------------------------------
+    # Each fix puts the GPU choice behind `torch.cuda.is_available()`. They are safe: where
+    # CUDA is available every rewritten expression has the value it had, so a GPU run is
+    # unchanged; where it is not, the original cannot train (NCCL and set_device raise, DDP
+    # refuses device ids for a CPU model, the first tensor moved to a CUDA device fails) and
+    # the fixed code runs on CPU ranks with gloo instead.
+    Rule(
+        code="AM401",
+        name="nccl-backend",
+        kind="portability",
+        message="`{what}` asks for NCCL, which needs a GPU: on CPU ranks the process group cannot start",
+        fix_title="Use `{new}`",
+        fix=SAFE,
+        before='import torch\nimport torch.distributed as dist\n\ndist.init_process_group("nccl")\n',
+        after='import torch\nimport torch.distributed as dist\n\n'
+        'dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")\n',
+        fixture="AM401",
+    ),
+    Rule(
+        code="AM402",
+        name="unguarded-set-device",
+        kind="portability",
+        message="`{call}` raises where there is no GPU, so CPU ranks stop before training",
+        fix_title="Call it only where CUDA is available: `if {check}:`",
+        fix=SAFE,
+        before='import os\nimport torch\n\ntorch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n',
+        after='import os\nimport torch\n\nif torch.cuda.is_available():\n'
+        '    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n',
+        fixture="AM402",
+    ),
+    Rule(
+        code="AM403",
+        name="cuda-device",
+        kind="portability",
+        message="`{call}` is a GPU: where there is none, the first model or tensor moved to it fails",
+        fix_title="Fall back to the CPU: `{new}`",
+        fix=SAFE,
+        before='import torch\n\ndevice = torch.device(f"cuda:{rank}")\n',
+        after='import torch\n\ndevice = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")\n',
+        fixture="AM403",
+    ),
+    Rule(
+        code="AM404",
+        name="ddp-device-ids",
+        kind="portability",
+        message="`{arg}` names GPU devices; DistributedDataParallel refuses it for a model on the CPU",
+        fix_title="Pass `None` where there is no GPU: `{new}`",
+        fix=SAFE,
+        before="from torch.nn.parallel import DistributedDataParallel as DDP\nimport torch\n\n"
+        "model = DDP(model, device_ids=[rank])\n",
+        after="from torch.nn.parallel import DistributedDataParallel as DDP\nimport torch\n\n"
+        "model = DDP(model, device_ids=[rank] if torch.cuda.is_available() else None)\n",
+        fixture="AM404",
     ),
 )
 

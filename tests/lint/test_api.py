@@ -85,7 +85,7 @@ def test_lint_path_and_diagnostic_shape(tmp_path: Path) -> None:
 def test_rule_table_is_well_formed() -> None:
     codes = [r.code for r in RULES]
     assert codes == sorted(codes) and len(set(codes)) == len(codes)
-    kinds = {"0": "linter", "1": "imports", "2": "arguments", "3": "patterns"}
+    kinds = {"0": "linter", "1": "imports", "2": "arguments", "3": "patterns", "4": "portability"}
     assert all(r.kind == kinds[r.code[2]] for r in RULES)
     assert len({r.name for r in RULES}) == len(RULES)
 
@@ -120,3 +120,42 @@ def test_lint_cell_reads_ipython_syntax() -> None:
 
     cell = "%%distributed -n 2 --accelerator-type a10\n%time import mlflow\nmlflow.set_experiment('/x')\n!ls"
     assert [(d.cell, d.line, d.code) for d in lint_cell(cell)] == [(None, 1, "AM207"), (None, 3, "AM304")]
+
+
+def test_noqa_comments_hide_findings_and_their_fixes_as_in_ruff() -> None:
+    from air_magic.lint import fix_source
+
+    source = (
+        "import torch\n"
+        "torch.cuda.set_device(0)  # noqa\n"
+        "torch.cuda.set_device(1)  # noqa: AM402 -- pinned on purpose\n"
+        "torch.cuda.set_device(2)  # NOQA:AM401,AM303\n"
+        "text = '# noqa'; torch.cuda.set_device(3)\n"
+    )
+    assert [(d.line, d.code) for d in lint_source(source)] == [(4, "AM402"), (5, "AM402")]
+    lines = fix_source(source).splitlines()
+    assert lines[1:3] == source.splitlines()[1:3]  # hidden: not fixed either
+    assert lines[3:5] == ["if torch.cuda.is_available():", "    torch.cuda.set_device(2)  # NOQA:AM401,AM303"]
+
+
+def test_noqa_hides_what_lint_function_finds_by_value(tmp_path: Path) -> None:
+    def train_of(name: str, comment: str) -> object:
+        path = tmp_path / f"{name}.py"
+        path.write_text(
+            "import torch\n\nPROBE = torch.zeros(4, 32)\nbatch = torch.ones(4, 32)\n\n\n"
+            "def train():\n"
+            f"    probe = PROBE.sum(){comment}\n"
+            "    return probe + batch.sum()\n"
+        )
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.train
+
+    def found(train: object) -> list[tuple[int, str, str]]:
+        return [(d.line, d.code, d.message.split("`")[1]) for d in lint_function(train)]  # type: ignore[arg-type]
+
+    assert found(train_of("plain", "")) == [(8, "AM303", "PROBE"), (9, "AM303", "batch")]
+    hidden = train_of("hidden", "  # noqa: AM303 -- 512 bytes, sent on purpose")
+    assert found(hidden) == [(9, "AM303", "batch")]

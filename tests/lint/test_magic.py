@@ -82,7 +82,7 @@ def test_the_notebook_file_when_known(shell: Any, capsys: pytest.CaptureFixture[
         run(shell, "%air_lint")
         out = capsys.readouterr().out
         assert out.startswith(f"{notebook}:cell 3:1:28: AM101 [*]")
-        assert "Found 10 findings (9 fixable with --fix)." in out
+        assert "Found 18 findings (17 fixable with --fix)." in out
         run(shell, "%air_lint --fix")
         out = capsys.readouterr().out
         assert f"# {notebook}:cell 5, fixed:\nfrom air_magic import distributed\n" in out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from air_magic.lint import fix_notebook
 from air_magic.lint.notebook import PYTHON_BODY_MAGICS, fix_cells, lint_cells, mask_magics, unmask
 
@@ -91,6 +93,33 @@ def test_header_errors_are_reported_with_the_magic_parser_message() -> None:
     assert found[0].message == (
         "cannot lint the %%distributed line: argument -n/--num-accelerators: invalid int value: 'two'"
     )
+
+
+def test_header_values_that_ipython_expands_are_unknown_not_errors() -> None:
+    for header in (
+        "%%distributed -n $NUM_ACCELERATORS --no-tracking",
+        "%%distributed -n {2 * half}",
+        "%%distributed -n 2 --accelerator-type $TYPE",
+        "%%distributed -n 2 --run-name run-{i}",
+        "%%distributed -n 2 -- --lr 0.01",  # after --: the ranks' sys.argv
+    ):
+        assert lint_cells([f"{header}\nprint(1)"]) == [], header
+    # An unknown count leaves a legacy type without its exact replacement.
+    found = lint_cells(["%%distributed -n $N --accelerator-type H100\nprint(1)"])
+    assert [(d.code, d.col) for d in found] == [("AM204", 40)]
+    # Only what IPython expands: `$$N` is the text `$N`.
+    found = lint_cells(["%%distributed -n $$N\nprint(1)"])
+    assert [d.message for d in found] == [
+        "cannot lint the %%distributed line: argument -n/--num-accelerators: invalid int value: '$N'"
+    ]
+    # The magic's own parser is left as it was.
+    from IPython.core.error import UsageError
+    from IPython.core.magic_arguments import parse_argstring
+
+    from air_magic.magics import DistributedMagics
+
+    with pytest.raises(UsageError, match="invalid int value"):
+        parse_argstring(DistributedMagics.distributed, "-n $N")
 
 
 def test_fixes_keep_masked_lines_and_cell_ends() -> None:

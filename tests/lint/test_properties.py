@@ -26,6 +26,7 @@ EXTRA_IMPORTS = [
     "import databricks.air.data as air_data",
     "import os",
     "from air_magic import GPUType",
+    "import torch.distributed as dist",
 ]
 COUNTS = ["", "gpus=8", "gpus=1", "num_accelerators=2", "gpus=2, num_accelerators=2", "4"]
 TYPES = ["", "gpu_type='H100'", 'gpu_type="a10g"', "gpu_type=GPUType.B300", 'accelerator_type="H100"',
@@ -45,6 +46,8 @@ BODIES = [
     "    w = UCVolumeWriter('/Volumes/a')\n    return w",
     "    ds = UCVolumeDataset('/Volumes/a')\n    return DataLoader(ds)",
     "    return air_data.UCVolumeReader('/Volumes/a')",
+    "    import torch\n    torch.cuda.set_device(0)\n    return torch.device('cuda', 0)",
+    "    dist.init_process_group(backend='nccl')\n    return len(data)",
 ]
 LAUNCHES = [
     "train.distributed()",

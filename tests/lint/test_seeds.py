@@ -21,7 +21,8 @@ PAGES = ["serverless_gpu_page", "databricks_air_page"]
 
 #: What each finding's column must point at.
 TOKENS = {"AM101": "distributed", "AM106": "serverless_gpu", "AM201": "gpus", "AM202": "gpu_type",
-          "AM207": "H100"}
+          "AM207": "H100", "AM401": '"nccl"', "AM402": "torch.cuda.set_device", "AM403": "torch.device",
+          "AM404": "device_ids"}
 
 
 def _source(page: str) -> str:
@@ -38,7 +39,9 @@ def test_serverless_gpu_page_findings_point_at_the_right_lines() -> None:
     findings = lint_source(source, filename="serverless_gpu_page.py")
     assert [(d.line, d.code) for d in findings] == [
         (6, "AM101"), (10, "AM201"), (10, "AM202"),                 # quickstart
-        (47, "AM106"), (48, "AM101"), (51, "AM201"), (51, "AM202"),  # complete example
+        (24, "AM402"), (25, "AM401"),                               # complete example: setup()
+        (47, "AM106"), (48, "AM101"), (51, "AM201"), (51, "AM202"),  # its imports and decorator
+        (60, "AM403"), (64, "AM404"),                               # its device and DDP
         (102, "AM101"), (106, "AM201"), (106, "AM202"),             # FAQ
     ]
     assert all(_points_at_its_token(source, d) for d in findings)
@@ -48,7 +51,12 @@ def test_serverless_gpu_page_findings_point_at_the_right_lines() -> None:
 def test_databricks_air_page_findings_point_at_the_right_lines() -> None:
     source = _source("databricks_air_page")
     findings = lint_source(source, filename="databricks_air_page.py")
-    assert [(d.line, d.code) for d in findings] == [(5, "AM101"), (56, "AM101"), (110, "AM101")]
+    assert [(d.line, d.code) for d in findings] == [
+        (5, "AM101"), (17, "AM402"), (18, "AM403"), (19, "AM401"),  # quickstart
+        (33, "AM402"), (34, "AM401"),                               # setup()
+        (56, "AM101"), (68, "AM403"), (72, "AM404"),                # the training function
+        (110, "AM101"),                                             # FAQ
+    ]
     assert all(_points_at_its_token(source, d) for d in findings)
 
 
@@ -119,11 +127,15 @@ def test_seeds_notebook_findings_point_at_cells_and_lines() -> None:
     findings = lint_notebook(path)
     assert [(d.cell, d.line, d.code) for d in findings] == [
         (3, 1, "AM101"), (3, 5, "AM201"), (3, 5, "AM202"),   # quickstart
+        (4, 8, "AM402"), (4, 9, "AM401"),                    # setup()
         (5, 1, "AM106"), (5, 2, "AM101"),                    # imports
         (6, 1, "AM201"), (6, 1, "AM202"),                    # the training function
+        (6, 10, "AM403"), (6, 14, "AM404"),                  # its device and DDP
         (8, 9, "AM001"),                                     # the FAQ's "...." as printed
         (10, 1, "AM101"),                                    # databricks.air quickstart
+        (10, 13, "AM402"), (10, 14, "AM403"), (10, 15, "AM401"),
         (11, 1, "AM207"),                                    # %%distributed --accelerator-type H100
+        (11, 3, "AM403"),                                    # its device
     ]
     nb = nbformat.read(path, as_version=4)
     for d in findings:
@@ -150,10 +162,13 @@ def test_seeds_notebook_fix_keeps_magics_outputs_and_metadata(tmp_path: Path) ->
     assert sources[1] == before.cells[1].source  # %pip and ! lines survive
     assert sources[11] == before.cells[11].source  # %%bash is not touched
     assert sources[4] == "from air_magic import distributed"
-    assert sources[10].startswith("%%distributed -n 8 --accelerator-type GPU_8xH100\nsetup()\n")
+    assert sources[10].startswith(
+        "%%distributed -n 8 --accelerator-type GPU_8xH100\nsetup()\n"
+        "device = torch.device(f\"cuda:{int(os.environ['LOCAL_RANK'])}\" if torch.cuda.is_available() else \"cpu\")\n"
+    )
     assert "@distributed(num_accelerators=8, accelerator_type='GPU_8xH100')" in sources[5]
     # Unchanged cells keep their exact text, and fixing again changes nothing.
-    changed = {2, 4, 5, 9, 10}
+    changed = {2, 3, 4, 5, 9, 10}
     assert all(sources[i] == before.cells[i].source for i in range(len(sources)) if i not in changed)
     text = path.read_text()
     fix_notebook(path)
