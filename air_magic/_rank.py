@@ -7,8 +7,16 @@ they were at this launch*, runs the user's function or cell, writes its result
 record, and leaves with ``os._exit``.
 
 It dies with the kernel even when nobody tells it to: it holds the read end of a
-pipe whose only write end is in the kernel, and a thread waits for EOF on it
-(Linux also sends SIGKILL when the helper it was forked from dies).
+pipe whose only write end is in the kernel, opened for signal-driven I/O, so the
+kernel's death (EOF) makes Linux send SIGIO, whose default action ends the process,
+to the rank's whole process group -- no thread, no handler (Linux also sends
+SIGKILL when the helper it was forked from dies).
+
+Apart from what the notebook is for (captured globals, results, the kernel's
+cwd/env/``sys.path``), a rank looks like a fresh process that ``torchrun`` started:
+``sys.argv``, fresh random state, signal dispositions, umask and resource limits,
+one thread, ``__name__ == "__main__"``; ``tests/process/test_process_torchrun_parity.py``
+compares the two and lists every difference that remains, with its reason.
 """
 
 from __future__ import annotations
@@ -16,11 +24,15 @@ from __future__ import annotations
 import atexit
 import builtins
 import ctypes
+import fcntl
+import io
 import linecache
 import os
+import random
+import resource
 import signal
 import sys
-import threading
+import time
 import traceback
 import types
 from typing import Any
@@ -48,16 +60,16 @@ def child_main(request: dict[str, Any], rank: int, port: int, alive_fd: int, clo
                 os.close(fd)
             except OSError:
                 pass
-        for signum in (signal.SIGINT,):
-            signal.signal(signum, signal.default_int_handler)
-        for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(signum, signal.SIG_DFL)
+        _fresh_signal_state()
         _die_with_parent()
         atexit._clear()  # the helper's exit hooks are not the rank's
         _register_process_exit_hooks()
+        _fresh_random_state()
         _redirect_output(request["log_paths"][rank])
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
+        _apply_process_limits(request)
+        _install_notebook_builtins()
         code = _run(request, rank)
     except BaseException:
         try:
@@ -70,6 +82,45 @@ def child_main(request: dict[str, Any], rank: int, port: int, alive_fd: int, clo
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _fresh_signal_state() -> None:
+    """Signal dispositions and mask as a new Python process has them (torchrun's workers
+    are such processes): SIGINT raises KeyboardInterrupt, SIGPIPE and SIGXFSZ are ignored
+    (Python's start-up does that), every other signal has its default action."""
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        if signum == signal.SIGINT:
+            handler: Any = signal.default_int_handler
+        elif signum in (signal.SIGPIPE, signal.SIGXFSZ):
+            handler = signal.SIG_IGN
+        else:
+            handler = signal.SIG_DFL
+        try:
+            if signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
+        except (OSError, ValueError):  # signals the C library reserves
+            pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _fresh_random_state() -> None:
+    """Random state as fresh as a new process's, different on every rank and launch.
+
+    A fork copies the helper's generators: without this every rank of every launch
+    would draw the same numbers (dropout masks, shuffles, initial weights).  torch's CPU
+    generator and the CUDA ones (applied when CUDA is first used) get a seed from the
+    OS, as at torch's import; NumPy's legacy global generator and ``random`` are
+    reseeded from the OS too, whether or not the helper preloaded them.
+    """
+    random.seed()
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
 
 
 def _die_with_parent() -> None:
@@ -106,11 +157,6 @@ def _register_process_exit_hooks() -> None:
         info.atexit = False  # the helper's objects (torch's op libraries): not this rank's to finalize
     if getattr(weakref.finalize, "_registered_with_atexit", False):
         atexit.register(weakref.finalize._exitfunc)
-    # The legacy global NumPy generator is not reseeded at fork as `random` is: with
-    # numpy.random preloaded, every rank would draw the same numbers.
-    np_random = sys.modules.get("numpy.random")
-    if np_random is not None:
-        np_random.seed()
 
 
 def _redirect_output(log_path: str) -> None:
@@ -121,42 +167,109 @@ def _redirect_output(log_path: str) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    # Line-buffered text streams on the new descriptors (PYTHONUNBUFFERED semantics
-    # for what the user prints; tqdm flushes its own carriage-return updates).
-    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    # Text streams as Python makes them with PYTHONUNBUFFERED=1 (what torchrun's
+    # workers get): written through at once, with the encoding and error handlers the
+    # helper's own start-up chose for its streams (a file, like the rank's log).
+    sys.stdout = _text_stream(1, sys.__stdout__)
+    sys.stderr = _text_stream(2, sys.__stderr__)
     sys.stdin = open(0, "r", closefd=False)
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
 
 
-def _watch_kernel(alive_fd: int) -> None:
-    def watch() -> None:
-        try:
-            while os.read(alive_fd, 1):
-                pass
-        except OSError:
-            pass
-        # EOF: the kernel died (even by SIGKILL). Take the whole process group along.
-        os.killpg(0, signal.SIGKILL)
+def _text_stream(fd: int, like: Any) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, "w", closefd=False)
+    encoding = getattr(like, "encoding", None) or "utf-8"
+    errors = getattr(like, "errors", None) or "backslashreplace"
+    return io.TextIOWrapper(raw, encoding=encoding, errors=errors, write_through=True)
 
-    threading.Thread(target=watch, name="air_magic-kernel-watch", daemon=True).start()
+
+def _watch_kernel(alive_fd: int) -> None:
+    """Die with the kernel, without a thread: the kernel holds the only write end of the
+    alive pipe, and closing it (even by SIGKILL) sends SIGIO -- default action: end the
+    process -- to every process of this rank's group (DataLoader workers included).
+
+    Every rank inherited the same open file of the pipe, and a file has one SIGIO
+    owner, so each rank opens the pipe anew through ``/proc`` and owns that one.
+    """
+    fd = os.open(f"/proc/self/fd/{alive_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    os.close(alive_fd)
+    fcntl.fcntl(fd, fcntl.F_SETOWN, -os.getpgrp())
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    try:
+        if os.read(fd, 1) == b"":  # the kernel died before the owner was set
+            os.killpg(0, signal.SIGKILL)
+    except BlockingIOError:
+        pass  # the kernel is alive: nothing to read, and nobody ever writes
+
+
+def _apply_process_limits(request: dict[str, Any]) -> None:
+    """The kernel's umask and soft resource limits *at this launch*, as a process it
+    started now would inherit them (the helper got them when it was started)."""
+    umask = request.get("umask")
+    if umask is not None:
+        os.umask(umask)
+    for name, soft in request.get("rlimits", {}).items():
+        limit = getattr(resource, name, None)
+        if limit is None:
+            continue
+        try:
+            current_soft, hard = resource.getrlimit(limit)
+            if soft != current_soft:
+                resource.setrlimit(limit, (soft, hard))
+        except (OSError, ValueError):  # a limit above this process's hard limit stays as it is
+            pass
+
+
+def _install_notebook_builtins() -> None:
+    """IPython's builtins, as a program outside IPython would want them.
+
+    They are never captured from the notebook (IPython's own objects hold its history
+    database); notebook code that calls them still runs: ``exit``/``quit`` are Python's
+    own (they end the rank like ``sys.exit``), ``display`` prints the text form of its
+    arguments (rank 0's output is shown in the cell), and ``get_ipython()`` returns
+    ``None``, as IPython's ``get_ipython`` does outside IPython.
+    """
+    builtins.display = _display  # type: ignore[attr-defined]
+    builtins.get_ipython = _get_ipython  # type: ignore[attr-defined]
+
+
+def _display(*objs: Any, **_options: Any) -> None:
+    from IPython.lib.pretty import pretty  # the text form IPython itself shows
+
+    for obj in objs:
+        print(pretty(obj), flush=True)
+
+
+def _get_ipython() -> None:
+    return None
 
 
 def _apply_environment(request: dict[str, Any], rank: int, port: int) -> None:
     env = dict(request["env"])
     world_size = request["world_size"]
     env.update(
+        # What torchrun's agent gives each worker (TORCHELASTIC_RUN_ID also makes
+        # torch.distributed.is_torchelastic_launched() true, as code may check).
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         GROUP_RANK="0",
         ROLE_RANK=str(rank),
+        ROLE_NAME="default",
         NODE_RANK="0",
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_WORLD_SIZE="1",
         ROLE_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RUN_ID=request["launch_id"],
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        # Where torch.distributed.elastic's @record writes a failure (read by nobody
+        # here: the rank's own traceback is the error); removed with the launch's files.
+        TORCHELASTIC_ERROR_FILE=os.path.join(request["work_dir"], f"elastic-error-{rank}.json"),
         # What DeepSpeed's own launcher adds: its CPU accelerator counts the local
         # devices by LOCAL_SIZE (else by NUMA nodes, 1 on most machines).
         LOCAL_SIZE=str(world_size),
@@ -185,6 +298,9 @@ def _run(request: dict[str, Any], rank: int) -> int:
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
+    # What a script's argparse/hydra/click parser reads: the cell or function name, then
+    # the arguments given after `--` on the %%distributed line (none by default).
+    sys.argv[:] = list(request.get("argv") or ["air_magic"])
     result_path = _results.result_path(request["work_dir"], rank)
     shm_dir = request.get("shm_dir")
     sources: dict[str, tuple[str, str]] = request.get("sources", {})
@@ -209,14 +325,17 @@ def _run(request: dict[str, Any], rank: int) -> int:
                 main.__dict__[name] = cloudpickle.loads(blob)
             exec(payload["code"], main.__dict__)
             value = main.__dict__.pop(RESULT_NAME, None)
+        _hold_stop_signals()
         record: tuple[Any, ...] = ("ok", value)
     except SystemExit as exc:
+        _hold_stop_signals()
         if exc.code in (None, 0):
             record = ("ok", None)
         else:
             record = _error_record(exc, sources)
             code = 1
     except BaseException as exc:
+        _hold_stop_signals()
         record = _error_record(exc, sources)
         code = 1
     finally:
@@ -241,6 +360,14 @@ def _run(request: dict[str, Any], rank: int) -> int:
     return code
 
 
+def _hold_stop_signals() -> None:
+    """The user's code has ended: a stop (another rank failed, an interrupt) that arrives
+    now must not cut the report of how it ended, or a rank that finished or failed on its
+    own would read as stopped.  SIGINT and SIGTERM wait (for ever: the rank leaves with
+    os._exit); a rank whose exit hooks hang is still killed by the stop's SIGKILL."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _flush_exit_hooks() -> None:
     # Hooks the user's code registered (MLflow's end_run, loggers) run as at a normal exit.
     try:
@@ -250,6 +377,7 @@ def _flush_exit_hooks() -> None:
 
 
 def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> tuple[Any, ...]:
+    failed_at = time.monotonic()  # one clock for every process: tells which rank failed first
     text = format_user_traceback(exc, sources)
     try:
         blob: bytes | None = cloudpickle.dumps(exc)
@@ -260,7 +388,7 @@ def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> tu
     name = exc_type.__qualname__ if exc_type.__module__ in ("builtins", "__main__") else (
         f"{exc_type.__module__}.{exc_type.__qualname__}"
     )
-    return ("error", blob, name, str(exc), text)
+    return ("error", blob, name, str(exc), text, failed_at)
 
 
 def format_user_traceback(exc: BaseException, sources: dict[str, tuple[str, str]]) -> str:

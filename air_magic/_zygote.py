@@ -23,7 +23,8 @@ one else can connect and nothing unauthenticated is ever unpickled).  It watches
 * timers: a launch's timeout, and the SIGINT -> SIGTERM -> SIGKILL escalation.
 
 Messages to the kernel: ``("started", id, {rank: pid})``,
-``("exit", id, rank, returncode)``, ``("stopping", id, reason)``, ``("done", id)``,
+``("exit", id, rank, returncode, at)``, ``("stopping", id, reason, at)`` (``at``:
+``time.monotonic()``, one clock for every process), ``("done", id)``,
 ``("error", id, text)``.  From the kernel: ``("launch", request)``,
 ``("stop", id, reason)``, ``("shutdown",)``.
 """
@@ -236,7 +237,7 @@ class Zygote:
         if fd is not None:
             self.selector.unregister(fd)
             os.close(fd)
-        self._send("exit", launch.launch_id, rank, returncode)
+        self._send("exit", launch.launch_id, rank, returncode, time.monotonic())
         if returncode != 0 and launch.stopping is None:
             self._stop(launch, "failure")
         if not launch.running:
@@ -246,7 +247,7 @@ class Zygote:
         if launch.stopping is not None or not launch.running:
             return
         launch.stopping = reason
-        self._send("stopping", launch.launch_id, reason)
+        self._send("stopping", launch.launch_id, reason, time.monotonic())
         for delay, signum in _ESCALATION.get(reason, _ESCALATION["failure"]):
             self._after(delay, launch.launch_id, lambda s=signum: self._signal(launch, s))
 

@@ -24,6 +24,7 @@ import linecache
 import marshal
 import os
 import pickle
+import re
 import sys
 import types
 import warnings
@@ -50,8 +51,33 @@ class _Settings:
 
 settings = _Settings()
 
-#: Names IPython puts in the user namespace that must never travel.
-_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh", "_i", "_ii", "_iii"}
+#: Names of IPython's history and output caches: never sent to the ranks.
+_IPYTHON_CACHES = re.compile(r"_{1,3}|_[ido]h|In|Out|_i{1,3}|_i?\d+")
+#: The shell's own objects in the user namespace (``exit``/``quit`` hold its history
+#: database).  In a rank ``exit``/``quit`` are Python's own and ``display``/``get_ipython``
+#: are defined by the rank (``_rank._install_notebook_builtins``).
+_IPYTHON_OBJECTS = {"get_ipython", "exit", "quit"}
+
+
+def is_ipython_variable(name: str, value: object, namespace: dict[str, Any]) -> bool:
+    """Whether ``namespace[name]`` is IPython's own (never sent to the ranks).
+
+    In the shell's user namespace, a name a user could reuse (``exit = 3``) counts only
+    while its value is still the one IPython put there (``user_ns_hidden``, which also
+    holds IPython's ``open`` wrapper).
+    """
+    if _IPYTHON_CACHES.fullmatch(name):
+        return True
+    shell = _shell()
+    if shell is None or namespace is not getattr(shell, "user_ns", None):
+        return name in _IPYTHON_OBJECTS  # a namespace of plain Python: by name alone
+    hidden = getattr(shell, "user_ns_hidden", {})
+    return name in hidden and hidden[name] is value
+
+
+def _shell() -> Any:
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
 
 
 @dataclass
@@ -63,6 +89,8 @@ class Payload:
     data: dict[str, Any]
     #: filename -> (display name, source) so rank tracebacks show the notebook's lines.
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: The ranks' ``sys.argv``: the cell or function name, then the script arguments.
+    argv: list[str] = field(default_factory=list)
 
     def dumps(self) -> bytes:
         return dumps({"kind": self.kind, **self.data})
@@ -76,6 +104,19 @@ class _PayloadPickler(cloudpickle.Pickler):  # type: ignore[misc]
         if isinstance(obj, types.CodeType):
             return marshal.loads, (marshal.dumps(obj),)
         return super().reducer_override(obj)
+
+    def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
+        # A notebook function's globals travel with it (cloudpickle takes the names its
+        # code reads); IPython's own variables among them stay behind, so that `exit()`
+        # somewhere in the function does not try to pickle the shell's history database.
+        reduced = super()._dynamic_function_reduce(func)
+        state = reduced[2] if len(reduced) > 2 else None
+        slots = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+        captured = slots.get("__globals__") if isinstance(slots, dict) else None
+        if isinstance(captured, dict):
+            for name in [n for n, v in captured.items() if is_ipython_variable(n, v, func.__globals__)]:
+                del captured[name]
+        return reduced
 
 
 def dumps(obj: Any) -> bytes:
@@ -333,6 +374,8 @@ def _referenced_globals(func: Callable[..., Any]) -> list[tuple[str, Any]]:
         for name in _global_names(fn.__code__):
             if name in fn.__globals__:
                 value = fn.__globals__[name]
+                if is_ipython_variable(name, value, fn.__globals__):
+                    continue
                 found.setdefault(name, value)
                 if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
                     stack.append(value)
@@ -358,6 +401,7 @@ def _code_objects(values: Iterable[Any]) -> list[types.CodeType]:
 def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:
     """Pickle a function call for the ranks; name everything that cannot travel."""
     label = getattr(func, "__qualname__", repr(func))
+    argv = [getattr(func, "__name__", label)]
     where = f"'{label}'"
     arguments = [(f"argument {i}", a) for i, a in enumerate(args)] + [
         (f"argument '{k}'", v) for k, v in kwargs.items()
@@ -393,6 +437,7 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         label=label,
         data={"func": func_blob, "args": positional, "kwargs": keywords},
         sources=_notebook_sources(_code_objects([func, *(value for _, value in refs)])),
+        argv=argv,
     )
     return payload
 
@@ -418,8 +463,11 @@ def cell_payload(
     display: str,
     filename: str,
     header: str = "%%distributed",
+    argv: list[str] | None = None,
 ) -> Payload:
-    """Pickle a ``%%distributed`` cell and the notebook names it reads."""
+    """Pickle a ``%%distributed`` cell and the notebook names it reads.
+
+    ``argv`` is the ranks' ``sys.argv`` (default: ``[display]``, the cell's name)."""
     try:
         code, tree = compile_cell(body, display, filename)
     except SyntaxError as exc:
@@ -429,9 +477,7 @@ def cell_payload(
     wanted = sorted(
         name for name in free_names(tree)
         if name in namespace
-        and name not in _IPYTHON_NAMES
-        and not (name.startswith("_i") and name[2:].isdigit())
-        and not (name.startswith("_") and name[1:].isdigit())
+        and not is_ipython_variable(name, namespace[name], namespace)
         and not (hasattr(builtins, name) and namespace[name] is getattr(builtins, name))
     )
     items = [(name, namespace[name]) for name in wanted]
@@ -447,4 +493,5 @@ def cell_payload(
         label=display,
         data={"code": code, "names": blobs},
         sources=sources,
+        argv=list(argv) if argv is not None else [display],
     )

@@ -140,16 +140,23 @@ class RankTraceback(Exception):
 
 
 def render_lines(exc: BaseException) -> list[str]:
-    """The lines IPython shows for a launch failure: the rank's traceback, then the summary."""
+    """The lines IPython shows for a launch failure: the rank's traceback, then the summary.
+
+    A rank's own exception rebuilt in the kernel is the last line of its traceback
+    already; only air_magic's errors (a summary naming the rank) add a line of their own.
+    """
     lines: list[str] = []
     text = getattr(exc, "traceback_text", None)
     cause = exc.__cause__
-    if text is None and isinstance(cause, RankTraceback):
-        text = cause.text
+    rebuilt = text is None and isinstance(cause, RankTraceback)
+    if rebuilt:
+        text = cause.text  # type: ignore[union-attr]
     if text:
         lines.extend(text.rstrip("\n").splitlines())
-        lines.append("")
-    lines.append(f"{type(exc).__name__}: {exc}")
+    if not rebuilt:
+        if text:
+            lines.append("")
+        lines.append(f"{type(exc).__name__}: {exc}")
     for note in getattr(exc, "__notes__", ()):
         lines.append(str(note))
     return lines

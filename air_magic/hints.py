@@ -1,12 +1,13 @@
 """One-line hints for failure signatures found in a failing rank's traceback and log.
 
 A data table: (substrings to look for, hint); a row's hint is given once when any
-of its substrings occurs.
+of its substrings occurs.  ``CPU_HINTS`` only apply to launches on CPU ranks, where
+code written for GPUs fails in ways that say nothing about CPU ranks.
 """
 
 from __future__ import annotations
 
-__all__ = ["HINTS", "hints_for"]
+__all__ = ["HINTS", "CPU_HINTS", "hints_for"]
 
 HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("CUDA out of memory", "OutOfMemoryError"),
@@ -32,6 +33,22 @@ HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
-def hints_for(text: str) -> list[str]:
-    """The hints whose signature occurs in ``text``, in table order."""
-    return [hint for needles, hint in HINTS if any(needle in text for needle in needles)]
+#: Code that asks for CUDA or NCCL, run on CPU ranks (a CPU build of torch, or no GPU visible).
+CPU_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("_cuda_setDevice", "Torch not compiled with CUDA enabled", "No CUDA GPUs are available",
+      "Found no NVIDIA driver", "doesn't have NCCL built in", "ProcessGroupNCCL is only supported with GPUs",
+      "device_ids and output_device arguments only work"),
+     "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for CUDA or "
+     "NCCL. Write it so that it runs on both: torch.device(f\"cuda:{local_rank}\" if "
+     "torch.cuda.is_available() else \"cpu\"), torch.cuda.set_device(...) only if "
+     "torch.cuda.is_available(), dist.init_process_group() without a backend (it picks NCCL on "
+     "GPUs and gloo on CPU), and DDP(model, device_ids=None) on CPU. `air-magic lint --fix` "
+     "makes these changes (rules AM4xx)."),
+)
+
+
+def hints_for(text: str, device: str = "cuda") -> list[str]:
+    """The hints whose signature occurs in ``text``, in table order (``device``: where the
+    ranks ran, ``"cuda"`` or ``"cpu"``)."""
+    table = HINTS + CPU_HINTS if device == "cpu" else HINTS
+    return [hint for needles, hint in table if any(needle in text for needle in needles)]

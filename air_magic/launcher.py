@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -86,12 +87,16 @@ class RankState:
     log_path: str
     pid: int | None = None
     returncode: int | None = None
+    ended_at: float | None = None  # time.monotonic() when the helper saw it exit
+    stopped: bool = False  # ended by air_magic's stop signal (another rank failed, cancel, timeout)
 
     @property
     def state(self) -> str:
         if self.returncode is None:
             return "starting" if self.pid is None else "running"
-        return "finished" if self.returncode == 0 else "failed"
+        if self.returncode == 0:
+            return "finished"
+        return "stopped" if self.stopped else "failed"
 
 
 _SIGNAL_NOTES = {
@@ -219,7 +224,8 @@ class Launch:
         self.sources = payload.sources
         self._stop_reason: str | None = None
         self._failures: list[int] = []
-        self._late_failures: list[int] = []  # failed after the fail-fast stop had begun
+        self._stop_at: float | None = None  # time.monotonic() when the helper began to stop it
+        self._records: dict[int, tuple[Any, ...] | None] = {}  # error records read so far
         self._cancel_requested = False
         self._done = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
@@ -307,15 +313,21 @@ class Launch:
         if self.status == "starting":
             self.status = "running"
 
-    def _on_exit(self, rank: int, returncode: int) -> None:
-        self.ranks[rank].returncode = returncode
+    def _on_exit(self, rank: int, returncode: int, at: float | None = None) -> None:
+        state = self.ranks[rank]
+        state.returncode = returncode
+        state.ended_at = at
+        # A stop signal after the stop began: air_magic ended it, not its own failure.
+        state.stopped = (
+            returncode in _STOP_EXITS and self._stop_at is not None and (at is None or at >= self._stop_at)
+        )
         if returncode != 0 and self._stop_reason is None:
             self._failures.append(rank)
-        elif returncode != 0 and self._stop_reason == "failure":
-            self._late_failures.append(rank)
 
-    def _on_stopping(self, reason: str) -> None:
+    def _on_stopping(self, reason: str, at: float | None = None) -> None:
         self._stop_reason = self._stop_reason or reason
+        if self._stop_at is None:
+            self._stop_at = at if at is not None else time.monotonic()
         self.status = "stopping"
 
     def _on_error(self, text: str) -> None:
@@ -409,53 +421,106 @@ class Launch:
         error.rank, error.world_size = rank, self.world_size
         return error
 
+    def _failed_at(self, rank: int) -> float:
+        """When ``rank`` failed: the moment its exception was caught, else its exit
+        (``time.monotonic()`` is one clock for every process of the machine)."""
+        record = self._error_record(rank)
+        if record is not None and len(record) > 5:
+            return float(record[5])
+        ended = self.ranks[rank].ended_at
+        return ended if ended is not None else float("inf")
+
+    def _ending(self, rank: int) -> str:
+        """How ``rank`` ended: ``finished``, ``stopped`` (by air_magic, after the stop
+        began) or ``failed`` (on its own)."""
+        state = self.ranks[rank]
+        if state.returncode == 0:
+            return "finished"
+        return "stopped" if state.stopped and self._error_record(rank) is None else "failed"
+
     def _root_failure(self) -> int:
-        # When one rank fails, its peers often fail right after inside a collective
-        # ("connection closed by peer"). The first failure that is not such an echo
-        # is the cause; else simply the first one.
-        early = [(rank, self._error_record(rank)) for rank in self._failures]
-        for rank, record in early:
-            if record is not None and not _is_echo(record[2], record[3]):
-                return rank
-        # Ranks that exit together are reaped in any order: when every failure seen
-        # before the stop is only such an echo, the cause may be one reaped just after.
-        if all(record is not None for _, record in early):
-            for rank in self._late_failures:
-                record = self._error_record(rank)
-                if record is not None and not _is_echo(record[2], record[3]):
-                    return rank
-        return self._failures[0]
+        """The first rank to fail, by when it failed.  A failure that only echoes another
+        one ("connection closed by peer" inside a collective) is never the cause while a
+        rank failed otherwise."""
+        failed = [r for r in range(self.world_size) if self._ending(r) == "failed"]
+        if not failed:  # pragma: no cover - only called after a failure was seen
+            return self._failures[0]
+        causes = [r for r in failed if not self._is_echo_failure(r)]
+        return min(causes or failed, key=lambda r: (self._failed_at(r), r))
+
+    def _is_echo_failure(self, rank: int) -> bool:
+        record = self._error_record(rank)
+        return record is not None and _is_echo(record[2], record[3])
+
+    def _others_ended(self, root: int) -> str:
+        """``'rank 0 finished; ranks 2, 3 were stopped; rank 1 failed too (...)'``."""
+        groups: dict[str, list[int]] = {}
+        for rank in range(self.world_size):
+            if rank == root:
+                continue
+            ending = self._ending(rank)
+            if ending == "failed":
+                ending = f"failed too ({self._short_failure(rank)})"
+            groups.setdefault(ending, []).append(rank)
+        parts = []
+        for ending, ranks in groups.items():
+            many = len(ranks) != 1
+            who = f"{'ranks' if many else 'rank'} {', '.join(map(str, ranks))}"
+            if ending == "stopped":
+                parts.append(f"{who} {'were' if many else 'was'} stopped by air_magic")
+            else:
+                parts.append(f"{who} {ending}")
+        return "; ".join(parts)
+
+    def _short_failure(self, rank: int) -> str:
+        record = self._error_record(rank)
+        if record is not None:
+            first = (str(record[3]).strip().splitlines() or [""])[0]
+            first = _SOURCE_PREFIX.sub("", first)  # gloo's "[.../pair.cc:553] Connection closed..."
+            first = first if len(first) <= 80 else first[:77] + "..."
+            return f"{record[2]}: {first}" if first else str(record[2])
+        code = self.ranks[rank].returncode or 0
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
 
     def _error_record(self, rank: int) -> tuple[Any, ...] | None:
+        if rank in self._records:
+            return self._records[rank]
         try:
             record = _results.read_record(_results.result_path(self.work_dir, rank))
         except Exception:  # missing, cut short by a kill, or unreadable: no record
-            return None
-        return record if record[0] == "error" else None
+            record = None
+        found = record if record is not None and record[0] == "error" else None
+        self._records[rank] = found
+        return found
 
     def _rank_error(self, rank: int) -> BaseException:
         n = self.world_size
         state = self.ranks[rank]
-        others = [r for r in range(n) if r != rank]
-        stopped = (
-            f"; {'rank' if len(others) == 1 else 'ranks'} {', '.join(map(str, others))} "
-            f"{'was' if len(others) == 1 else 'were'} stopped" if others else ""
-        )
+        others = self._others_ended(rank)
+        first = ", the first to fail" if any(
+            self._ending(r) == "failed" for r in range(n) if r != rank
+        ) else ""
+        stopped = f"; {others}" if others else ""
         record = self._error_record(rank)
         log_text = _tail(state.log_path, 200)
         if record is None:
             tail = _tail(state.log_path)
-            message = f"rank {rank} of {n} {describe_exit(state.returncode or 0)}{stopped}."
+            message = f"rank {rank} of {n}{first} {describe_exit(state.returncode or 0)}{stopped}."
             if tail:
                 message += f"\nIts last lines ({state.log_path}):\n{tail}"
             error: BaseException = RankCrashedError(
                 message, rank=rank, world_size=n, returncode=state.returncode or 0, log_path=state.log_path
             )
-            for hint in hints_for(log_text):
+            for hint in hints_for(log_text, device=self.placement.device):
                 error.add_note(hint)
             return error
-        _, blob, type_name, text, traceback_text = record
-        hints = hints_for(traceback_text + "\n" + log_text)
+        blob, type_name, text, traceback_text = record[1:5]
+        hints = hints_for(traceback_text + "\n" + log_text, device=self.placement.device)
         rebuilt: BaseException | None = None
         if blob is not None:
             try:
@@ -464,7 +529,7 @@ class Launch:
                 rebuilt = cloudpickle.loads(blob)
             except Exception:
                 rebuilt = None
-        note = f"[air_magic] raised on rank {rank} of {n}{stopped}. Full log: {state.log_path}"
+        note = f"[air_magic] raised on rank {rank} of {n}{first}{stopped}. Full log: {state.log_path}"
         if isinstance(rebuilt, BaseException) and not isinstance(rebuilt, (KeyboardInterrupt, SystemExit)):
             rebuilt.__cause__ = RankTraceback(traceback_text)
             rebuilt.__suppress_context__ = True
@@ -472,7 +537,7 @@ class Launch:
             rebuilt.__notes__ = [note, *hints]  # replaces notes the rank added (they are in the traceback)
             return attach_rank_rendering(rebuilt)
         error = RankFailedError(
-            f"rank {rank} of {n} raised {type_name}: {text}{stopped}.",
+            f"rank {rank} of {n}{first} raised {type_name}: {text}{stopped}.",
             rank=rank, world_size=n, exc_type=type_name, exc_message=text,
             traceback_text=traceback_text, log_path=state.log_path,
         )
@@ -494,6 +559,10 @@ class Launch:
         if self.shm_dir:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
 
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
+#: Exit codes of a rank that air_magic's own stop ended (SIGINT, SIGTERM, SIGKILL).
+_STOP_EXITS = (-signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL)
 
 _ECHO_MARKERS = (
     "Connection closed by peer",
@@ -665,6 +734,9 @@ class Launcher:
             "log_paths": launch.log_paths,
             "timeout": spec.timeout,
             "sources": payload.sources,
+            "argv": payload.argv,
+            "umask": _current_umask(),
+            "rlimits": _soft_limits(),
         }
         with self._lock:
             self.launches[launch.id] = launch
@@ -683,7 +755,8 @@ class Launcher:
             env["MPLBACKEND"] = "Agg"
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.world_size)))
+        if launch.world_size > 1:  # torchrun's rule: one thread per rank unless set
+            env.setdefault("OMP_NUM_THREADS", "1")
         env["AIR_MAGIC_LAUNCH_ID"] = launch.id
         if launch.placement.device == "cpu":
             # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU
@@ -705,9 +778,9 @@ class Launcher:
         if kind == "started":
             launch._on_started(message[2])
         elif kind == "exit":
-            launch._on_exit(message[2], message[3])
+            launch._on_exit(message[2], message[3], message[4])
         elif kind == "stopping":
-            launch._on_stopping(message[2])
+            launch._on_stopping(message[2], message[3])
         elif kind == "error":
             launch._on_error(message[2])
             self._finish(launch)
@@ -741,6 +814,32 @@ class Launcher:
         for path in (self.session_dir, self.shm_root):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _current_umask() -> int | None:
+    """The kernel's umask, read without changing it (another thread may be creating files)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _soft_limits() -> dict[str, int]:
+    """The kernel's soft resource limits now, by name (a rank takes them as its own)."""
+    import resource
+
+    limits = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            try:
+                limits[name] = resource.getrlimit(getattr(resource, name))[0]
+            except (OSError, ValueError):
+                pass
+    return limits
 
 
 def tracking(launch: Launch) -> LaunchObserver | None:

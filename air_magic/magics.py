@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 import traceback
 import uuid
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from traitlets import Bool, CFloat, CInt, Unicode, default, observe
 
 from . import capture
@@ -94,6 +95,13 @@ class DistributedMagics(Magics):
         defined in the notebook by value, modules by reference). Interrupt the
         kernel to stop the ranks.
 
+        Script arguments: everything after ``--`` on the magic line becomes the
+        ranks' ``sys.argv[1:]`` (split like a shell does), so an argparse, click or
+        hydra program pasted into the cell reads them; without ``--``, ``sys.argv``
+        is ``['Cell In[N]']`` and a parser takes its defaults::
+
+            %%distributed -n 2 -- --lr 0.01 --epochs 3
+
         Examples
         --------
         ::
@@ -109,7 +117,8 @@ class DistributedMagics(Magics):
                ...: x.item()
             Out[2]: [1.0, 1.0]
         """
-        args = parse_argstring(self.distributed, line)
+        options, script_args = _split_line(line)
+        args = self.distributed.parser.parse_args(options)  # type: ignore[attr-defined]
         spec = self._spec(args)
         if not cell.strip():
             raise UsageError("%%distributed: the cell is empty; write the code each rank runs below the magic.")
@@ -119,7 +128,8 @@ class DistributedMagics(Magics):
         namespace = self.shell.user_ns if self.shell is not None else {}
         try:
             payload = capture.cell_payload(
-                cell, namespace, display=display, filename=filename, header=f"%%distributed {line}".rstrip()
+                cell, namespace, display=display, filename=filename, header=f"%%distributed {line}".rstrip(),
+                argv=[display, *script_args],
             )
         except SyntaxError as exc:
             # Shown like any syntax error of a cell: no frames of the magic's machinery.
@@ -139,11 +149,6 @@ class DistributedMagics(Magics):
         return values if RESULT_NAME in payload.data["code"].co_names else None
 
     def _spec(self, args: Any) -> LaunchSpec:
-        # IPython splits magic lines without removing quotes: --run-name "my run".
-        for name in ("accelerator_type", "timeout", "experiment", "run_name", "backend"):
-            value = getattr(args, name, None)
-            if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-                setattr(args, name, value[1:-1])
         timeout: float | None = self.timeout
         if args.timeout is not None:
             timeout = _timeout_arg(args.timeout)
@@ -159,6 +164,18 @@ class DistributedMagics(Magics):
             )
         except ConfigurationError as exc:
             raise UsageError(f"%%distributed: {exc}") from None
+
+
+def _split_line(line: str) -> tuple[list[str], list[str]]:
+    """The magic's own options and the script arguments after ``--``, split like a shell."""
+    try:
+        words = shlex.split(line)
+    except ValueError as exc:  # "No closing quotation"
+        raise UsageError(f"%%distributed: cannot read the options ({exc}): {line.strip()}") from None
+    if "--" in words:
+        cut = words.index("--")
+        return words[:cut], words[cut + 1:]
+    return words, []
 
 
 def _cell_number(shell: Any) -> int:

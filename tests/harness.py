@@ -43,17 +43,27 @@ def user_lines(text: str) -> list[str]:
 
 
 def _is_ours(proc: psutil.Process) -> bool:
+    """A helper of this session (``python -m air_magic._zygote``), a rank or a process a
+    rank started.  Recognised by what they are, never by path text: a clone of the
+    project in a folder named ``air_magic`` puts that name in every command line (an
+    MLflow server started from its virtual environment included)."""
     try:
-        cmdline = " ".join(proc.cmdline())
-        if "air_magic" not in cmdline:
+        if proc.environ().get("AIR_MAGIC_TEST_MARK") != TEST_MARK:
             return False
-        return proc.environ().get("AIR_MAGIC_TEST_MARK") == TEST_MARK
+        if _is_helper_command(proc.cmdline()):
+            return True  # the helper, and the ranks and DataLoader workers forked from it
+        # what a rank executed (a shell, a spawned worker) carries the rank's environment
+        return "AIR_MAGIC_LAUNCH_ID" in proc.environ()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
 
 
+def _is_helper_command(cmdline: list[str]) -> bool:
+    return any(a == "-m" and b == "air_magic._zygote" for a, b in zip(cmdline, cmdline[1:]))
+
+
 def air_magic_processes() -> list[psutil.Process]:
-    """Every live (non-zombie) process of this session with ``air_magic`` in its command line."""
+    """Every live (non-zombie) helper, rank or rank child of this session."""
     found = []
     for proc in psutil.process_iter():
         try:

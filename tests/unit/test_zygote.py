@@ -47,7 +47,7 @@ def test_polled_exits_are_reported_once_and_reaped() -> None:
     while launch.running and time.monotonic() < deadline:
         zygote._poll_exits()
         time.sleep(0.01)
-    exits = sorted(m[2:] for m in conn.sent if m[0] == "exit")
+    exits = sorted(m[2:4] for m in conn.sent if m[0] == "exit")  # (rank, returncode); m[4] is when
     assert exits == [(0, 0), (1, 3)]
     assert ("done", "L") in conn.sent and "L" not in zygote.launches
     for pid in (ok, failing):  # reaped: nothing left to wait for

@@ -1,0 +1,196 @@
+"""Code from anywhere runs unchanged in a rank: script arguments, IPython's builtins,
+``display``, CUDA code on CPU ranks, and how a failure names every rank's end."""
+
+from __future__ import annotations
+
+import ast
+from typing import Any, Iterator
+
+import pytest
+
+from harness import Kernel
+
+pytestmark = pytest.mark.kernel
+
+ARGPARSE = '''
+import argparse, sys
+parser = argparse.ArgumentParser(description="a training script")
+parser.add_argument("--lr", type=float, default=0.1)
+parser.add_argument("--name", default="run")
+parser.add_argument("data", nargs="?")
+args = parser.parse_args()
+(args.lr, args.name, args.data, sys.argv)'''
+
+
+@pytest.fixture(scope="module")
+def k(kernel: Kernel) -> Iterator[Kernel]:
+    kernel.ok("from air_magic import distributed")
+    yield kernel
+
+
+def values(res: Any) -> Any:
+    assert res.error is None, res.error_text
+    assert res.result is not None, f"no Out; stdout={res.stdout!r}"
+    return ast.literal_eval(res.result)
+
+
+# -- sys.argv ---------------------------------------------------------------------------------
+
+
+def test_an_argparse_script_takes_its_defaults_and_argv_is_the_cell_name(k: Kernel) -> None:
+    res = k.run("%%distributed -n 2" + ARGPARSE)
+    n = res.reply["execution_count"]
+    assert values(res) == [(0.1, "run", None, [f"Cell In[{n}]"])] * 2
+
+
+def test_arguments_after_double_dash_reach_the_script_split_like_a_shell(k: Kernel) -> None:
+    res = k.run("%%distributed -n 2 --timeout 60 -- --lr 0.5 --name 'my run' data.csv" + ARGPARSE)
+    n = res.reply["execution_count"]
+    assert values(res) == [(0.5, "my run", "data.csv", [f"Cell In[{n}]", "--lr", "0.5", "--name", "my run", "data.csv"])] * 2
+
+
+def test_a_script_s_own_usage_error_names_the_cell_and_both_ranks(k: Kernel) -> None:
+    res = k.run("%%distributed -n 2 -- --lr fast" + ARGPARSE)
+    n = res.reply["execution_count"]
+    assert f"Cell In[{n}]: error: argument --lr: invalid float value: 'fast'" in res.stdout
+    assert res.error["ename"] == "RankFailedError"
+    summary = res.error["traceback"][-1]
+    assert summary.startswith("RankFailedError: rank ")
+    assert "raised SystemExit: 2; rank " in summary
+    # the other rank failed on its own the same way: said so, not "stopped"
+    assert summary.endswith("failed too (SystemExit: 2).") or summary.endswith("was stopped by air_magic."), summary
+
+
+def test_hydra_reads_its_overrides_from_the_magic_line(k: Kernel) -> None:
+    cell = (
+        "%%distributed -n 2 -- +lr=0.3 +model.depth=4\n"
+        "import hydra\n"
+        "from omegaconf import OmegaConf\n"
+        "seen = {}\n"
+        "@hydra.main(version_base=None, config_path=None, config_name=None)\n"
+        "def main(cfg):\n"
+        "    seen.update(OmegaConf.to_container(cfg))\n"
+        "main()\n"
+        "seen"
+    )
+    assert values(k.run(cell, timeout=120)) == [{"lr": 0.3, "model": {"depth": 4}}] * 2
+
+
+def test_an_unbalanced_quote_on_the_magic_line_is_a_usage_error(k: Kernel) -> None:
+    res = k.run("%%distributed -n 2 -- --name 'oops\n1")
+    assert res.reply["status"] == "error"
+    assert "UsageError: %%distributed: cannot read the options (No closing quotation): -n 2 -- --name 'oops" in res.stderr
+
+
+def test_the_help_says_how_to_pass_script_arguments(k: Kernel) -> None:
+    res = k.ok("print(get_ipython().find_cell_magic('distributed').__doc__)")
+    assert "everything after ``--`` on the magic line becomes the\nranks' ``sys.argv[1:]``" in res.stdout
+    assert "%%distributed -n 2 -- --lr 0.01 --epochs 3" in res.stdout
+
+
+def test_a_decorated_function_sees_its_own_name_as_argv(k: Kernel) -> None:
+    k.ok("@distributed(num_accelerators=2)\ndef trainer():\n    import sys\n    return sys.argv")
+    assert k.value("trainer.distributed()") == [["trainer"], ["trainer"]]
+
+
+# -- IPython's builtins -------------------------------------------------------------------------
+
+
+def test_exit_and_quit_in_a_notebook_function_do_not_stop_it_from_launching(k: Kernel) -> None:
+    k.ok(
+        "def finish(code):\n"
+        "    if code is None:\n"
+        "        return 'done'\n"
+        "    exit(code)\n"
+        "@distributed(num_accelerators=2)\n"
+        "def uses_exit(code=None):\n"
+        "    import os\n"
+        "    if os.environ['RANK'] == '1' and code:\n"
+        "        quit(code)\n"
+        "    return finish(None)\n"
+    )
+    assert k.value("uses_exit.distributed()") == ["done", "done"]
+    res = k.run("uses_exit.distributed(3)")
+    assert res.error["ename"] == "RankFailedError"
+    assert res.error["traceback"][-1] == "RankFailedError: rank 1 of 2 raised SystemExit: 3; rank 0 finished."
+
+
+def test_exit_in_a_cell_ends_the_rank_like_sys_exit(k: Kernel) -> None:
+    assert values(k.run("%%distributed -n 2\nimport os\nif os.environ['RANK'] == '0':\n    exit()\nos.environ['RANK']")) == [None, "1"]
+
+
+def test_in_out_and_get_ipython_are_never_captured(k: Kernel) -> None:
+    k.ok("BIG_OUT = list(range(10))\nBIG_OUT")  # Out holds it too
+    k.ok(
+        "@distributed(num_accelerators=2)\n"
+        "def nosy():\n"
+        "    found = []\n"
+        "    for name in ('In', 'Out', '_ih', '_oh'):\n"
+        "        try:\n"
+        "            eval(name)\n"
+        "            found.append(name)\n"
+        "        except NameError:\n"
+        "            pass\n"
+        "    return found, get_ipython(), len(In) if False else 0\n"
+    )
+    assert k.value("nosy.distributed()") == [([], None, 0), ([], None, 0)]
+
+
+def test_display_in_a_rank_shows_the_text_form_in_the_cell(k: Kernel) -> None:
+    res = k.run(
+        "%%distributed -n 2\n"
+        "import os\n"
+        "display({'rank': int(os.environ['RANK']), 'ok': True}, 'text')\n"
+    )
+    assert res.error is None, res.error_text
+    assert "{'rank': 0, 'ok': True}\n'text'\n" in res.stdout  # rank 0's output, as IPython shows it
+
+
+# -- CUDA code on CPU ranks ----------------------------------------------------------------------
+
+CPU_HINT = (
+    "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for CUDA or NCCL."
+)
+
+
+@pytest.mark.parametrize(
+    "line, signature",
+    [
+        ("torch.cuda.set_device(0)", "no attribute '_cuda_setDevice'"),
+        ("torch.zeros(1).cuda()", "Torch not compiled with CUDA enabled"),
+        ("torch.distributed.init_process_group('nccl')", "Distributed package doesn't have NCCL built in"),
+    ],
+)
+def test_cuda_code_on_cpu_ranks_gets_the_portable_idiom_as_a_hint(k: Kernel, line: str, signature: str) -> None:
+    res = k.run(f"%%distributed -n 2\nimport torch, torch.distributed\n{line}")
+    assert signature in res.error_text
+    assert any(row.startswith(CPU_HINT) for row in res.error["traceback"]), res.error_text
+    hint = next(row for row in res.error["traceback"] if row.startswith(CPU_HINT))
+    assert 'torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")' in hint
+    assert "dist.init_process_group() without a backend" in hint
+    assert "`air-magic lint --fix` makes these changes" in hint
+
+
+# -- failure wording ---------------------------------------------------------------------------
+
+
+def test_a_failure_is_shown_once_and_names_how_every_other_rank_ended(k: Kernel) -> None:
+    res = k.run(
+        "%%distributed -n 3\n"
+        "import os, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "if rank == 1:\n"
+        "    time.sleep(1)\n"
+        "    raise ValueError('bad batch')\n"
+        "if rank == 2:\n"
+        "    time.sleep(60)\n"
+        "rank\n",
+        timeout=60,
+    )
+    lines = res.error["traceback"]
+    assert res.error["ename"] == "ValueError"
+    assert lines.count("ValueError: bad batch") == 1  # the rank's own line, not repeated
+    note = next(row for row in lines if row.startswith("[air_magic] raised on"))
+    assert note.startswith(
+        "[air_magic] raised on rank 1 of 3; rank 0 finished; rank 2 was stopped by air_magic. Full log: "
+    ), note
