@@ -41,6 +41,10 @@ import cloudpickle
 
 from . import _rank_tracking, _results
 
+#: The signal that makes a rank write every thread's Python stack to its stack file
+#: (``faulthandler``; a real-time signal no library is known to use).
+STACK_SIGNAL = signal.SIGRTMAX - 3
+
 #: Name the cell's last expression is stored under in the rank's namespace.
 RESULT_NAME = "__air_magic_result__"
 #: Line written to a rank's log before the traceback of its failure: the cell shows
@@ -49,6 +53,7 @@ TRACEBACK_MARK = "[air_magic] this rank failed; its traceback follows\n"
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _PR_SET_PDEATHSIG = 1
+_MAX_THREADS_PER_CPU = 4
 
 
 def child_main(request: dict[str, Any], rank: int, port: int, alive_fd: int, close_fds: list[int]) -> None:
@@ -66,8 +71,10 @@ def child_main(request: dict[str, Any], rank: int, port: int, alive_fd: int, clo
         _register_process_exit_hooks()
         _fresh_random_state()
         _redirect_output(request["log_paths"][rank])
+        _dump_stacks_on_signal(stack_path(request["work_dir"], rank))
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
+        _private_rendezvous(request["work_dir"], port)
         _apply_process_limits(request)
         _install_notebook_builtins()
         code = _run(request, rank)
@@ -174,6 +181,26 @@ def _redirect_output(log_path: str) -> None:
     sys.stderr = _text_stream(2, sys.__stderr__)
     sys.stdin = open(0, "r", closefd=False)
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
+
+
+def stack_path(work_dir: str, rank: int) -> str:
+    """Where ``rank`` writes its threads' stacks when it gets ``STACK_SIGNAL``."""
+    return os.path.join(work_dir, f"stack-{rank}.txt")
+
+
+_stack_file: Any = None  # kept open for faulthandler, which writes to its descriptor
+
+
+def _dump_stacks_on_signal(path: str) -> None:
+    """``STACK_SIGNAL`` writes every thread's Python stack to ``path`` (by faulthandler,
+    from the signal handler itself: it works while the rank is blocked in C++ code, a
+    collective, or holds the GIL in a loop).  Python's own handler table is untouched."""
+    import faulthandler
+
+    global _stack_file
+    # O_APPEND: the kernel empties the file before each request; writes start at its end.
+    _stack_file = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600), "w")
+    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
 
 
 def _text_stream(fd: int, like: Any) -> io.TextIOWrapper:
@@ -284,8 +311,53 @@ def _apply_environment(request: dict[str, Any], rank: int, port: int) -> None:
     threads = env.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         # The OpenMP runtime read OMP_NUM_THREADS when the helper imported torch;
-        # apply this launch's value explicitly.
-        torch.set_num_threads(int(threads))
+        # apply this launch's value explicitly, within what a machine can run (a pool of
+        # a million threads ends the process with a segmentation fault).
+        wanted = int(threads)
+        bound = _MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+        if wanted > bound:
+            print(f"[air_magic] OMP_NUM_THREADS={wanted} is more than this machine can run; "
+                  f"using {bound} threads ({_MAX_THREADS_PER_CPU} per CPU).", file=sys.stderr, flush=True)
+            wanted = bound
+        torch.set_num_threads(wanted)
+
+
+def _private_rendezvous(work_dir: str, port: int) -> None:
+    """``init_process_group()`` (``env://``) meets in a ``FileStore`` in the launch's private
+    folder (0700) instead of a TCP store: another local user can neither read the ranks'
+    addresses nor write keys they read back.  What the code sees is unchanged (the same
+    environment; torch's own handler is used when MASTER_ADDR/MASTER_PORT were changed,
+    e.g. to a port of the user's choosing)."""
+    try:
+        import importlib
+
+        import torch.distributed as dist
+
+        # the module, not the function torch.distributed exports under the same name
+        rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    except ImportError:
+        return
+    handlers = getattr(rendezvous, "_rendezvous_handlers", None)
+    if not dist.is_available() or not isinstance(handlers, dict) or "env" not in handlers:
+        return
+    torch_handler = handlers["env"]
+    path = os.path.join(work_dir, "rendezvous.store")
+
+    def env_rendezvous(url: str, timeout: Any = None, **kwargs: Any) -> Any:
+        if os.environ.get("MASTER_ADDR") != "127.0.0.1" or os.environ.get("MASTER_PORT") != str(port):
+            yield from (torch_handler(url, timeout, **kwargs) if timeout is not None else torch_handler(url, **kwargs))
+            return
+        query = dict(part.split("=", 1) for part in url.partition("?")[2].split("&") if "=" in part)
+        rank = int(query.get("rank", os.environ["RANK"]))
+        world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
+        store = dist.FileStore(path, -1)
+        if timeout is not None:
+            store.set_timeout(timeout)
+        # The prefix torch puts on its agent's store (restart count 0): keys look the same.
+        yield dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store), rank, world_size
+        raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+    handlers["env"] = env_rendezvous
 
 
 def _install_sources(sources: dict[str, tuple[str, str]]) -> None:
@@ -346,7 +418,9 @@ def _run(request: dict[str, Any], rank: int) -> int:
         sys.stderr.write(TRACEBACK_MARK + record[4])
         sys.stderr.flush()
     try:
-        _results.write_record(result_path, record, shm_dir if code == 0 else None, f"r{rank}")
+        _results.write_record(
+            result_path, record, shm_dir if code == 0 else None, f"r{rank}", fallback_dir=request["work_dir"]
+        )
     except BaseException as exc:  # the return value cannot be pickled
         reason = f"{type(exc).__name__}: {exc}"
         value_type = type(record[1]).__module__ + "." + type(record[1]).__qualname__

@@ -11,11 +11,15 @@ Large CPU tensors in a return value do not travel inside the pickle: their bytes
 are copied once into a file under ``/dev/shm`` and the pickle holds its name.  The
 kernel maps that file (``torch.from_file(shared=True)``) and unlinks it at once, so
 the tensor arrives without a second copy and nothing stays behind in ``/dev/shm``.
+The file's space is reserved first (``posix_fallocate``): where ``/dev/shm`` is too
+small (Docker's 64 MB), the tensor goes to a file in the launch's private folder
+instead, rather than the rank dying of SIGBUS while it writes.
 CUDA tensors arrive as CPU tensors: the kernel never touches CUDA.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -34,9 +38,10 @@ def result_path(work_dir: str, rank: int) -> str:
 
 
 class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
-    def __init__(self, file: io.BufferedWriter, shm_dir: str | None, prefix: str) -> None:
+    def __init__(self, file: io.BufferedWriter, shm_dir: str | None, prefix: str, fallback_dir: str | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._shm_dir = shm_dir
+        self._fallback_dir = fallback_dir
         self._prefix = prefix
         self._count = 0
         self.shm_paths: list[str] = []
@@ -55,13 +60,34 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
             return self._to_shared_memory(torch, obj)
         return super().reducer_override(obj)
 
+    def _reserve(self, name: str, size: int) -> str:
+        """A file of ``size`` bytes whose space is really there: in shared memory if it has
+        room, else in the private folder (an error there is a full disk, said as such)."""
+        for directory in (self._shm_dir, self._fallback_dir):
+            if directory is None:
+                continue
+            path = os.path.join(directory, name)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            self.shm_paths.append(path)
+            try:
+                os.posix_fallocate(fd, 0, size)
+                return path
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or directory == self._fallback_dir:
+                    raise
+                os.unlink(path)
+                self.shm_paths.remove(path)
+            finally:
+                os.close(fd)
+        raise OSError(errno.ENOSPC, f"no room for a {size}-byte result tensor")
+
     def _to_shared_memory(self, torch: Any, tensor: Any) -> Any:
         source = tensor.detach()
         if source.device.type != "cpu":
             source = source.cpu()
-        path = os.path.join(self._shm_dir, f"{self._prefix}-{self._count}")  # type: ignore[arg-type]
+        name = f"{self._prefix}-{self._count}"
         self._count += 1
-        self.shm_paths.append(path)
+        path = self._reserve(name, source.numel() * source.element_size())
         target = torch.from_file(path, shared=True, size=source.numel(), dtype=source.dtype)
         target.copy_(source.reshape(-1))
         return rebuild_shared_tensor, (path, source.dtype, tuple(source.shape), tensor.requires_grad)
@@ -86,13 +112,16 @@ def rebuild_shared_tensor(path: str, dtype: Any, shape: tuple[int, ...], require
     return tensor
 
 
-def write_record(path: str, record: tuple[Any, ...], shm_dir: str | None, prefix: str) -> None:
-    """Pickle ``record`` to ``path`` atomically; large tensors go to ``shm_dir``."""
+def write_record(
+    path: str, record: tuple[Any, ...], shm_dir: str | None, prefix: str, fallback_dir: str | None = None
+) -> None:
+    """Pickle ``record`` to ``path`` atomically; large tensors go to ``shm_dir`` (or to
+    ``fallback_dir`` when shared memory has no room for them)."""
     tmp = f"{path}.tmp"
     pickler_paths: list[str] = []
     try:
         with open(tmp, "wb") as handle:
-            pickler = _ResultPickler(handle, shm_dir, prefix)
+            pickler = _ResultPickler(handle, shm_dir, prefix, fallback_dir)
             pickler_paths = pickler.shm_paths
             pickler.dump(record)
         os.replace(tmp, path)

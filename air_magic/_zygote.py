@@ -1,11 +1,12 @@
 """The helper process that ranks are forked from (``python -m air_magic._zygote``).
 
 One per kernel, started by :mod:`air_magic.launcher` with ``start_new_session=True``.
-It imports torch once, then waits.  For each launch it binds a loopback socket at
-an OS-assigned port, forks one child per rank (each child calls
-:func:`air_magic._rank.child_main` and never returns here), and hosts the launch's
-``TCPStore`` on that socket so the ranks' ``init_process_group()`` connect to it
-(``TORCHELASTIC_USE_AGENT_STORE``) with no port race.
+It imports torch once, then waits.  For each launch it reserves a loopback port
+(bound, never listening: ``MASTER_PORT``, unique on the machine) and forks one child
+per rank (each child calls :func:`air_magic._rank.child_main` and never returns here).
+The ranks' ``init_process_group()`` meets in a ``FileStore`` in the launch's private
+folder (see ``_rank._private_rendezvous``): no socket another local user could
+connect to, read or write.
 
 Why a helper and not ``fork()`` of the kernel: the kernel has threads, ZMQ sockets
 and maybe CUDA state, none of which survive a fork.  This process stays
@@ -21,6 +22,10 @@ one else can connect and nothing unauthenticated is ever unpickled).  It watches
   (DataLoader workers), reap it, report the exit code; the first non-zero exit
   stops the other ranks of that launch (fail fast);
 * timers: a launch's timeout, and the SIGINT -> SIGTERM -> SIGKILL escalation.
+
+It is a child subreaper: a process a rank started in a session of its own
+(``start_new_session=True``), which the rank's group kill cannot reach, becomes the
+helper's child when the rank ends, and is killed with the rank (``_reap_orphans``).
 
 Messages to the kernel: ``("started", id, {rank: pid})``,
 ``("exit", id, rank, returncode, at)``, ``("stopping", id, reason, at)`` (``at``:
@@ -46,6 +51,13 @@ from typing import Any, Callable
 
 _DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
 
+#: The longest single wait of the main loop: selectors refuse waits of ~25 days or more
+#: (OverflowError), and a timer further away is simply waited for in several steps.
+_MAX_WAIT = 3600.0
+_PR_SET_CHILD_SUBREAPER = 36
+#: How long ranks get to write their stacks before a timeout stops them.
+_STACK_GRACE = 0.5
+
 #: Escalation after a stop request, by reason: (delay in seconds, signal).
 _ESCALATION: dict[str, list[tuple[float, signal.Signals]]] = {
     # A user's interrupt first reaches Python code as KeyboardInterrupt (finally blocks run).
@@ -61,9 +73,7 @@ class _Launch:
     launch_id: str
     running: dict[int, int] = field(default_factory=dict)  # rank -> pid
     pidfds: dict[int, int] = field(default_factory=dict)  # rank -> pidfd
-    listener: socket.socket | None = None
-    listen_fd: int = -1
-    store: Any = None
+    port: socket.socket | None = None  # bound, not listening: reserves MASTER_PORT
     stopping: str | None = None
 
 
@@ -77,7 +87,6 @@ class Zygote:
         self.launches: dict[str, _Launch] = {}
         self.timers: list[tuple[float, str, Callable[[], None]]] = []
         self.use_pidfd = _pidfds_work()
-        self.torch_dist: Any = None
 
     # -- start-up -------------------------------------------------------------------
 
@@ -92,19 +101,14 @@ class Zygote:
         # Import what every rank needs before it runs user code.
         from . import _rank, _results  # noqa: F401
 
-        try:
-            import torch.distributed as dist
-
-            self.torch_dist = dist if dist.is_available() else None
-        except Exception:
-            self.torch_dist = None
-
     # -- main loop --------------------------------------------------------------------
 
     def serve(self) -> None:
         self.selector.register(self.conn.fileno(), selectors.EVENT_READ, None)
         while True:
             timeout = self._next_timer_delay()
+            if timeout is not None:
+                timeout = min(timeout, _MAX_WAIT)
             if not self.use_pidfd and self.launches:
                 timeout = 0.05 if timeout is None else min(timeout, 0.05)
             for key, _ in self.selector.select(timeout):
@@ -151,22 +155,20 @@ class Zygote:
         self._send("started", launch.launch_id, dict(launch.running))
         timeout = request.get("timeout")
         if timeout is not None:
-            self._after(timeout, launch.launch_id, lambda: self._stop(launch, "timeout"))
+            self._after(timeout, launch.launch_id, lambda: self._stacks_then_stop(launch, "timeout"))
 
     def _fork_ranks(self, launch: _Launch, request: dict[str, Any]) -> None:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(max(128, 2 * request["world_size"]))
-        launch.listener = listener
-        launch.listen_fd = listener.fileno()
-        port = listener.getsockname()[1]
-        close_in_child = [self.conn.fileno(), listener.fileno(), self.selector_fd()]
+        reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        reserved.bind(("127.0.0.1", 0))
+        launch.port = reserved
+        port = reserved.getsockname()[1]
+        close_in_child = [self.conn.fileno(), reserved.fileno(), self.selector_fd()]
         for other in self.launches.values():
             if other is launch:
                 continue
             close_in_child.extend(other.pidfds.values())
-            if other.listen_fd >= 0:
-                close_in_child.append(other.listen_fd)
+            if other.port is not None:
+                close_in_child.append(other.port.fileno())
         from . import _rank
 
         for rank in range(request["world_size"]):
@@ -179,14 +181,6 @@ class Zygote:
                 launch.pidfds[rank] = fd
                 close_in_child.append(fd)
                 self.selector.register(fd, selectors.EVENT_READ, (launch.launch_id, rank))
-        # Host the rendezvous store only now: its server thread must not exist while forking.
-        if self.torch_dist is not None:
-            # The store takes ownership of the socket and closes it when it is deleted.
-            launch.listener = None
-            launch.store = self.torch_dist.TCPStore(
-                "127.0.0.1", port, request["world_size"], True,
-                wait_for_workers=False, master_listen_fd=listener.detach(),
-            )
 
     def _abort(self, launch: _Launch) -> None:
         """A launch that failed to start: take back whatever of it was started, silently
@@ -204,9 +198,8 @@ class Zygote:
             os.close(fd)
         launch.running.clear()
         launch.pidfds.clear()
-        launch.store = None
-        if launch.listener is not None:
-            launch.listener.close()
+        if launch.port is not None:
+            launch.port.close()
 
     def selector_fd(self) -> int:
         fileno = getattr(self.selector, "fileno", None)
@@ -221,6 +214,7 @@ class Zygote:
         # kill whatever it left behind (DataLoader workers, shells) before reaping it.
         _killpg(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
+        self._reap_orphans()
         self._reaped(launch, rank, os.waitstatus_to_exitcode(status))
 
     def _poll_exits(self) -> None:
@@ -243,6 +237,17 @@ class Zygote:
         if not launch.running:
             self._finish(launch)
 
+    def _stacks_then_stop(self, launch: _Launch, reason: str) -> None:
+        """Ask every rank for its stacks (where was each one?), then stop them a moment later."""
+        from ._rank import STACK_SIGNAL
+
+        for pid in launch.running.values():
+            try:
+                os.kill(pid, STACK_SIGNAL)
+            except ProcessLookupError:
+                pass
+        self._after(_STACK_GRACE, launch.launch_id, lambda: self._stop(launch, reason))
+
     def _stop(self, launch: _Launch, reason: str) -> None:
         if launch.stopping is not None or not launch.running:
             return
@@ -258,10 +263,26 @@ class Zygote:
     def _finish(self, launch: _Launch) -> None:
         self.launches.pop(launch.launch_id, None)
         self.timers = [timer for timer in self.timers if timer[1] != launch.launch_id]
-        launch.store = None  # stops the store's server thread
-        if launch.listener is not None:
-            launch.listener.close()
+        if launch.port is not None:
+            launch.port.close()
         self._send("done", launch.launch_id)
+
+    def _reap_orphans(self) -> None:
+        """Kill and reap the helper's children that are not ranks: processes a rank left
+        in a session of their own, handed to the helper (a subreaper) when their parent
+        ended.  Their own children come next, as they are handed over in turn."""
+        ranks = {pid for launch in self.launches.values() for pid in launch.running.values()}
+        for _ in range(8):
+            orphans = [pid for pid in _children(os.getpid()) if pid not in ranks]
+            if not orphans:
+                return
+            for pid in orphans:
+                _killpg(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
 
     def shutdown(self) -> None:
         for launch in list(self.launches.values()):
@@ -272,8 +293,8 @@ class Zygote:
                     os.waitpid(pid, 0)
                 except ChildProcessError:
                     pass
-            launch.store = None
         self.launches.clear()
+        self._reap_orphans()
         for path in (self.session_dir, self.shm_dir):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
@@ -310,6 +331,33 @@ def _pidfds_work() -> bool:
         return False
     os.close(fd)
     return True
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from ``/proc``; a few hundred entries to read)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            found.append(int(name))
+    return found
+
+
+def _become_subreaper() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
 
 
 def _killpg(pgid: int, signum: int) -> None:
@@ -356,6 +404,7 @@ def main(argv: list[str]) -> int:
     session_dir, shm_dir = argv[2], argv[3]
     # Interrupts are the kernel's to handle: it tells us what to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _become_subreaper()
     os.set_inheritable(alive_fd, True)
     conn = Connection(ctrl_fd)
     zygote = Zygote(conn, alive_fd, session_dir, shm_dir)

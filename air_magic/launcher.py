@@ -45,7 +45,7 @@ from typing import Any, Callable, Protocol
 import socket
 
 from . import _results
-from ._rank import TRACEBACK_MARK
+from ._rank import STACK_SIGNAL, TRACEBACK_MARK, stack_path
 from .accelerators import detect_hardware
 from .capture import Payload
 from .errors import (
@@ -65,6 +65,8 @@ __all__ = ["Launcher", "Launch", "LaunchObserver", "get_launcher", "describe_exi
 
 #: Bytes of rank 0's output copied into the cell per launch; past it the cell says so.
 OUTPUT_LIMIT = int(os.environ.get("AIR_MAGIC_OUTPUT_LIMIT", str(1 << 20)))
+#: Bytes of each rank's log kept once a launch has ended (its beginning and its end).
+LOG_LIMIT = int(os.environ.get("AIR_MAGIC_LOG_LIMIT", str(16 << 20)))
 _POLL = 0.05
 
 
@@ -89,12 +91,13 @@ class RankState:
     returncode: int | None = None
     ended_at: float | None = None  # time.monotonic() when the helper saw it exit
     stopped: bool = False  # ended by air_magic's stop signal (another rank failed, cancel, timeout)
+    left: bool = False  # exited with code 0 but returned nothing (os._exit(0)): a failure
 
     @property
     def state(self) -> str:
         if self.returncode is None:
             return "starting" if self.pid is None else "running"
-        if self.returncode == 0:
+        if self.returncode == 0 and not self.left:
             return "finished"
         return "stopped" if self.stopped else "failed"
 
@@ -103,7 +106,8 @@ _SIGNAL_NOTES = {
     signal.SIGKILL: "possibly out of memory (the kernel's OOM killer sends SIGKILL)",
     signal.SIGSEGV: "a segmentation fault in native code (an extension, a driver, or a bad tensor access)",
     signal.SIGABRT: "aborted by native code (a failed assertion in a C++ library, or a CUDA/NCCL error)",
-    signal.SIGBUS: "a bus error (often /dev/shm too small for DataLoader workers)",
+    signal.SIGBUS: ("a bus error: most often /dev/shm is full (DataLoader workers share batches through "
+                    "it; Docker gives containers 64 MB unless run with --shm-size=8g or --ipc=host)"),
     signal.SIGTERM: "terminated by SIGTERM",
     signal.SIGINT: "interrupted by SIGINT",
 }
@@ -118,7 +122,113 @@ def describe_exit(returncode: int) -> str:
             return f"was killed by signal {-returncode} (exit {returncode})"
         note = _SIGNAL_NOTES.get(sig)
         return f"was killed by {sig.name} (exit {returncode})" + (f": {note}" if note else "")
+    if returncode == 0:
+        return ("exited (code 0) without returning: something ended the process early "
+                "(os._exit(0), or a library that exits), so the other ranks would have waited for it")
     return f"exited with code {returncode} without reporting an exception (os._exit() or a crash in native code)"
+
+
+def _bound_log(path: str, limit: int) -> None:
+    """Cut the middle out of a log longer than ``limit``: its first sixteenth and its end
+    stay, with a line saying how much is gone (a rank that printed 1 GB leaves 16 MB)."""
+    try:
+        size = os.path.getsize(path)
+        if size <= limit:
+            return
+        head_size = limit // 16
+        tail_size = limit - head_size
+        with open(path, "rb") as handle:
+            head = handle.read(head_size)
+            handle.seek(size - tail_size)
+            tail = handle.read()
+        cut = size - head_size - tail_size
+        mark = (f"\n[air_magic] {cut} bytes of this rank's output were cut here: its log keeps the first "
+                f"{_size(head_size)} and the last {_size(tail_size)} (AIR_MAGIC_LOG_LIMIT).\n").encode()
+        tmp = f"{path}.bounded"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(head + mark + tail)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+#: Frames of these files are torch's collectives and rendezvous: a rank in one waits for the others.
+_COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/rendezvous.py",
+                     "torch/distributed/c10d_logger.py")
+_FRAME = re.compile(r'^\s*(?:File "(?P<file>[^"]+)"|(?P<cell>Cell In\[\d+\])), line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def describe_stacks(stacks: dict[int, str], world_size: int) -> str:
+    """``[air_magic] where each rank was:`` and a line per rank; ``''`` with no stacks.
+
+    From each rank's main thread (the one running the launched code): its innermost
+    frame of the user's code, and the torch collective it waits in, if any.  When some
+    ranks wait in a collective and others do not, those others are behind: named.
+    """
+    if not stacks:
+        return ""
+    where: dict[int, tuple[str, str | None]] = {}
+    for rank, text in sorted(stacks.items()):
+        frames = _main_thread_frames(text)
+        collective = next((f["func"] for f in frames if any(f["file"].endswith(c) for c in _COLLECTIVE_FILES)
+                           and f["func"] != "wrapper"), None)
+        user = next((f for f in frames if _is_user_frame(f["file"])), None)
+        at = f"{user['file']}, line {user['line']} in {user['func']}" if user else "(no frame of the launched code)"
+        where[rank] = (at, collective)
+    waiting = sorted(r for r, (_, c) in where.items() if c)
+    lines = ["[air_magic] where each rank was:"]
+    for rank, (at, collective) in sorted(where.items()):
+        line = f"  rank {rank}: " + (f"in {collective} (torch.distributed), called at {at}" if collective else f"at {at}")
+        if not collective and waiting:
+            who = ", ".join(map(str, waiting))
+            line += f"  <- behind: rank{'s' if len(waiting) > 1 else ''} {who} wait{'' if len(waiting) > 1 else 's'} for it"
+        lines.append(line)
+    missing = [r for r in range(world_size) if r not in where]
+    if missing:
+        lines.append(f"  rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}: had ended")
+    return "\n".join(lines)
+
+
+def _main_thread_frames(text: str) -> list[dict[str, str]]:
+    """The frames, most recent first, of the thread that runs the launched code."""
+    threads: list[list[dict[str, str]]] = [[]]
+    for line in text.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            threads.append([])
+            continue
+        match = _FRAME.match(line)
+        if match:
+            frame = match.groupdict()
+            frame["file"] = frame["file"] or frame["cell"]
+            threads[-1].append(frame)
+    threads = [t for t in threads if t]
+    for frames in threads:
+        if any(f["file"].endswith("air_magic/_rank.py") and f["func"] == "_run" for f in frames):
+            return frames
+    return threads[0] if threads else []
+
+
+def _is_user_frame(filename: str) -> bool:
+    if filename.startswith("Cell In["):
+        return True
+    parts = filename.replace(os.sep, "/")
+    return not ("/site-packages/" in parts or "/lib/python" in parts or parts.startswith("<frozen")
+                or "/air_magic/" in parts and os.path.dirname(filename) == _PACKAGE_DIR)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB" if n >= 1 << 20 else f"{n / 1024:g} KiB"
 
 
 def _tail(path: str, lines: int = 20) -> str:
@@ -243,7 +353,8 @@ class Launch:
 
     def result(self, timeout: float | None = None) -> list[Any]:
         """Wait for the launch; the per-rank return values in rank order, or raise its error."""
-        if not self._done.wait(timeout):
+        wait = None if timeout is None else min(max(0.0, timeout), threading.TIMEOUT_MAX)
+        if not self._done.wait(wait):
             raise TimeoutError(f"launch {self.id} is still running after {timeout} s")
         assert self._outcome is not None
         ok, value = self._outcome
@@ -263,6 +374,48 @@ class Launch:
         self._cancel_requested = True
         self.launcher._send(("stop", self.id, "cancel"))
         return True
+
+    def stacks(self, timeout: float = 2.0) -> dict[int, str]:
+        """Every running rank's Python stacks, all threads, by rank (cell names as in the
+        notebook).  The ranks write them from a signal handler, so this works while they
+        are blocked in a collective or in native code.
+
+        >>> print(handle.stacks()[1])     # doctest: +SKIP
+        """
+        running = {state.rank: state.pid for state in self.ranks if state.pid and state.returncode is None}
+        for rank, pid in running.items():
+            try:
+                os.truncate(stack_path(self.work_dir, rank), 0)
+                os.kill(pid, STACK_SIGNAL)
+            except OSError:  # ended meanwhile, or not yet listening
+                pass
+        deadline = time.monotonic() + timeout
+        sizes: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = {rank: _file_size(stack_path(self.work_dir, rank)) for rank in running}
+            if all(now[r] > 0 and now[r] == sizes.get(r) for r in running):
+                break
+            sizes = now
+        return self._read_stacks(running)
+
+    def where(self, stacks: dict[int, str]) -> str:
+        """One line per rank: where it was, and which rank the others wait for."""
+        return describe_stacks(stacks, self.world_size)
+
+    def _read_stacks(self, ranks: Any = None) -> dict[int, str]:
+        found = {}
+        for rank in ranks if ranks is not None else range(self.world_size):
+            try:
+                with open(stack_path(self.work_dir, rank), encoding="utf-8", errors="replace") as handle:
+                    text = handle.read()
+            except OSError:
+                continue
+            if text.strip():
+                for filename, (display, _) in self.sources.items():
+                    text = text.replace(f'File "{filename}"', display)
+                found[rank] = text
+        return found
 
     def __repr__(self) -> str:
         took = (self.ended_at or time.time()) - self.started_at
@@ -285,7 +438,11 @@ class Launch:
             while not self._done.wait(_POLL):
                 pump.pump()
         except KeyboardInterrupt:
+            where = self.where(self.stacks(timeout=1.0))
             self.cancel()
+            if where:
+                sys.stderr.write(where + "\n")
+                sys.stderr.flush()
             try:
                 while not self._done.wait(_POLL):
                     pump.pump()
@@ -295,8 +452,7 @@ class Launch:
                 self._done.wait(10)
             pump.pump(final=True)
             raise KeyboardInterrupt(
-                f"the launch of {self.label} was interrupted; its {self.world_size} "
-                f"rank{'s were' if self.world_size != 1 else ' was'} stopped"
+                f"the launch of {self.label} was interrupted; {_stopped(self.world_size)}"
             ) from None
         pump.pump(final=True)
         values = self.result()
@@ -321,8 +477,13 @@ class Launch:
         state.stopped = (
             returncode in _STOP_EXITS and self._stop_at is not None and (at is None or at >= self._stop_at)
         )
-        if returncode != 0 and self._stop_reason is None:
+        # Exit code 0 without a result (os._exit(0)): its peers would wait for it in
+        # init_process_group or a collective until the timeout. A failure: stop them now.
+        state.left = returncode == 0 and not os.path.exists(_results.result_path(self.work_dir, rank))
+        if (returncode != 0 or state.left) and self._stop_reason is None:
             self._failures.append(rank)
+            if state.left and self.world_size > 1:
+                self.launcher._send(("stop", self.id, "failure"))
 
     def _on_stopping(self, reason: str, at: float | None = None) -> None:
         self._stop_reason = self._stop_reason or reason
@@ -338,6 +499,8 @@ class Launch:
             outcome = self._build_outcome()
         except BaseException as exc:  # never leave a waiter hanging
             outcome = (False, exc)
+        for state in self.ranks:  # before the observers: MLflow keeps the bounded log too
+            _bound_log(state.log_path, LOG_LIMIT)
         self._outcome = outcome
         self.ended_at = time.time()
         for observer in self.observers:
@@ -374,15 +537,19 @@ class Launch:
         if self._stop_reason == "timeout":
             self.status = "timed out"
             timeout = self.spec.timeout
-            return False, LaunchTimeoutError(
-                f"{self.label} ran past its timeout of {timeout:g} s; all {n} rank"
-                f"{'s were' if n != 1 else ' was'} stopped. Pass a larger timeout (seconds) or "
+            error = LaunchTimeoutError(
+                f"{self.label} ran past its timeout of {timeout:g} s; {_stopped(n, 'all')}. "
+                "Pass a larger timeout (seconds) or "
                 "timeout=None for no limit (%%distributed --timeout SECONDS|none)."
             )
+            where = self.where(self._read_stacks())
+            if where:
+                error.add_note(where)
+            return False, error
         if self._stop_reason in ("cancel", "kill") or (self._cancel_requested and not self._failures):
             self.status = "cancelled"
             return False, LaunchCancelledError(
-                f"the launch of {self.label} was cancelled; its {n} rank{'s were' if n != 1 else ' was'} stopped."
+                f"the launch of {self.label} was cancelled; {_stopped(n)}."
             )
         if self._failures:
             self.status = "failed"
@@ -434,7 +601,7 @@ class Launch:
         """How ``rank`` ended: ``finished``, ``stopped`` (by air_magic, after the stop
         began) or ``failed`` (on its own)."""
         state = self.ranks[rank]
-        if state.returncode == 0:
+        if state.returncode == 0 and not state.left:
             return "finished"
         return "stopped" if state.stopped and self._error_record(rank) is None else "failed"
 
@@ -502,7 +669,7 @@ class Launch:
         n = self.world_size
         state = self.ranks[rank]
         others = self._others_ended(rank)
-        first = ", the first to fail" if any(
+        first = ", the first to fail," if any(
             self._ending(r) == "failed" for r in range(n) if r != rank
         ) else ""
         stopped = f"; {others}" if others else ""
@@ -529,7 +696,7 @@ class Launch:
                 rebuilt = cloudpickle.loads(blob)
             except Exception:
                 rebuilt = None
-        note = f"[air_magic] raised on rank {rank} of {n}{first}{stopped}. Full log: {state.log_path}"
+        note = f"[air_magic] raised on rank {rank} of {n}{first.rstrip(',')}{stopped}. Full log: {state.log_path}"
         if isinstance(rebuilt, BaseException) and not isinstance(rebuilt, (KeyboardInterrupt, SystemExit)):
             rebuilt.__cause__ = RankTraceback(traceback_text)
             rebuilt.__suppress_context__ = True
@@ -662,8 +829,9 @@ class Launcher:
         self.launches: dict[str, Launch] = {}
         self.session_dir = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-")
         self.shm_root: str | None = None
-        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-            self.shm_root = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-", dir="/dev/shm")
+        shm = os.environ.get("AIR_MAGIC_SHM_DIR", "/dev/shm")  # where large result tensors travel
+        if os.path.isdir(shm) and os.access(shm, os.W_OK):
+            self.shm_root = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-", dir=shm)
         self._closed = False
         atexit.register(self.shutdown)
 
@@ -700,8 +868,35 @@ class Launcher:
     def start(self, spec: LaunchSpec, payload: Payload) -> Launch:
         """Start ``payload`` on the ranks ``spec`` asks for; returns at once."""
         placement = spec.resolve(detect_hardware())
+        cwd = _working_directory()
+        self._ensure_session_folders()
         helper = self._ensure_helper()
         launch = Launch(self, spec, placement, payload)
+        try:
+            request = self._prepare(launch, payload, cwd)
+            with self._lock:
+                self.launches[launch.id] = launch
+            helper.send(("launch", request))
+        except BaseException as exc:  # an interrupt too: nothing of a launch that never started stays
+            with self._lock:
+                self.launches.pop(launch.id, None)
+            launch.status = "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed"
+            launch.ended_at = time.time()
+            for observer in launch.observers:
+                try:
+                    observer.after_end(launch)
+                except Exception:
+                    pass
+            shutil.rmtree(launch.work_dir, ignore_errors=True)
+            if launch.shm_dir:
+                shutil.rmtree(launch.shm_dir, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise LaunchError(f"could not reach the air_magic helper process: {exc}. Try again.") from exc
+            raise
+        return launch
+
+    def _prepare(self, launch: Launch, payload: Payload, cwd: str) -> dict[str, Any]:
+        """The launch's private folders, its payload file and observers; the helper's request."""
         os.mkdir(launch.work_dir, mode=0o700)  # makedirs' mode applies to the leaf only
         os.mkdir(launch.log_dir, mode=0o700)
         if launch.shm_dir:
@@ -720,33 +915,32 @@ class Launcher:
             except Exception as exc:  # optional pieces never stop a launch
                 print(f"[air_magic] {getattr(factory, '__name__', 'observer')} is off for this launch: "
                       f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        if not spec.tracking:
+        if not launch.spec.tracking:
             print("[air_magic] tracking is off: no MLflow run; mlflow calls in the ranks do nothing.")
-        request = {
+        return {
             "launch_id": launch.id,
             "world_size": launch.world_size,
             "env": env,
-            "cwd": os.getcwd(),
-            "sys_path": [p if p else os.getcwd() for p in sys.path],
+            "cwd": cwd,
+            "sys_path": [p if p else cwd for p in sys.path],
             "payload_path": payload_path,
             "work_dir": launch.work_dir,
             "shm_dir": launch.shm_dir,
             "log_paths": launch.log_paths,
-            "timeout": spec.timeout,
+            "timeout": launch.spec.timeout,
             "sources": payload.sources,
             "argv": payload.argv,
             "umask": _current_umask(),
             "rlimits": _soft_limits(),
         }
+
+    def _ensure_session_folders(self) -> None:
+        """The session's private folders, made again if something deleted them (a temp
+        cleaner; a helper stopped with SIGTERM removes them on its way out)."""
         with self._lock:
-            self.launches[launch.id] = launch
-        try:
-            helper.send(("launch", request))
-        except OSError as exc:
-            with self._lock:
-                self.launches.pop(launch.id, None)
-            raise LaunchError(f"could not reach the air_magic helper process: {exc}. Try again.") from exc
-        return launch
+            for path in (self.session_dir, self.shm_root):
+                if path and not os.path.isdir(path):
+                    os.makedirs(path, mode=0o700, exist_ok=True)
 
     def _rank_environment(self, launch: Launch) -> dict[str, str]:
         env = dict(os.environ)
@@ -814,6 +1008,21 @@ class Launcher:
         for path in (self.session_dir, self.shm_root):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _working_directory() -> str:
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise LaunchError(
+            "the notebook's working directory no longer exists (it was deleted or moved), and the "
+            "ranks start in it. Change to a folder that exists first, e.g. %cd ~ (or os.chdir(...))."
+        ) from None
+
+
+def _stopped(n: int, every: str = "its") -> str:
+    """``'its 2 ranks were stopped'`` / ``'its rank was stopped'``."""
+    return f"{every} {n} ranks were stopped" if n != 1 else "its rank was stopped"
 
 
 def _current_umask() -> int | None:

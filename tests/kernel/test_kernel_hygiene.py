@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import socket
 import time
 from typing import Any, Iterator
 
@@ -101,7 +102,7 @@ def test_two_kernels_launching_at_the_same_moment(k: Kernel, kernel_factory: Any
         other.shutdown()
 
 
-def test_rendezvous_listens_on_loopback_only(k: Kernel) -> None:
+def test_the_rendezvous_has_no_socket_anyone_could_connect_to(k: Kernel) -> None:
     msg_id = k.execute(
         "%%distributed -n 2\n"
         "import os, time\n"
@@ -116,19 +117,24 @@ def test_rendezvous_listens_on_loopback_only(k: Kernel) -> None:
     try:
         helpers = [p for p in helper_processes() if p.ppid() == k.pid]
         assert len(helpers) == 1
+        # The ranks met in a file store in the launch's private folder: MASTER_PORT is
+        # reserved (bound on loopback, so no other launch gets it) but nothing listens on it,
+        # and the helper listens on nothing at all.
         listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-        on_port = [c for c in listening if c.laddr.port == port]
-        assert on_port, f"nothing listens on the rendezvous port {port}"
-        assert {c.laddr.ip for c in on_port} == {"127.0.0.1"}
-        # the helper hosts it, and every socket the helper listens on is on loopback
-        helper_listening = [c for c in helpers[0].net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-        assert port in {c.laddr.port for c in helper_listening}
-        assert {c.laddr.ip for c in helper_listening} == {"127.0.0.1"}
+        assert not [c for c in listening if c.laddr.port == port]
+        assert not [c for c in helpers[0].net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        probe = socket.socket()
+        with pytest.raises(OSError, match="Address already in use"):  # reserved for this launch
+            probe.bind(("127.0.0.1", port))
+        probe.close()
     finally:
         res = k.collect(msg_id, timeout=60)
     assert res.error is None, res.error_text
-    # gone with the launch
+    # the port goes with the launch
     time.sleep(0.2)
-    assert not [
-        c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port
-    ]
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", port))
+    probe.close()
+

@@ -194,3 +194,27 @@ def test_a_failure_is_shown_once_and_names_how_every_other_rank_ended(k: Kernel)
     assert note.startswith(
         "[air_magic] raised on rank 1 of 3; rank 0 finished; rank 2 was stopped by air_magic. Full log: "
     ), note
+
+
+def test_an_interrupt_says_where_each_rank_was_at_the_cells_lines(k: Kernel) -> None:
+    msg_id = k.execute(
+        "%%distributed -n 2\n"
+        "import os, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "print('ready', flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(60)\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+    )
+    k.collect(msg_id, timeout=60, until=lambda r: "ready" in r.stdout)
+    import time
+
+    time.sleep(0.5)
+    k.km.interrupt_kernel()
+    res = k.collect(msg_id, timeout=30)
+    n = res.reply["execution_count"]
+    assert res.error is not None and res.error["ename"] == "KeyboardInterrupt"
+    where = res.stderr[res.stderr.index("[air_magic] where each rank was:"):].splitlines()
+    assert where[1] == f"  rank 0: in all_reduce (torch.distributed), called at Cell In[{n}], line 8 in <module>"
+    assert where[2] == f"  rank 1: at Cell In[{n}], line 6 in <module>  <- behind: rank 0 waits for it"

@@ -219,7 +219,7 @@ def test_hang_in_a_collective_fails_fast_naming_the_failed_rank() -> None:
         # the all_reduce that lost its peer.
         assert re.search(
             r"raised on rank 1 of 2(, the first to fail)?; rank 0 (was stopped by air_magic|"
-            r"failed too \(RuntimeError: Connection)",
+            r"failed too \(RuntimeError: )",
             "\n".join(info.value.__notes__),
         ), info.value.__notes__
     assert_next_launch_works()

@@ -1,0 +1,225 @@
+"""The fault matrix: every way a launch can end badly, on 1, 2 and 4 ranks, in a real kernel.
+
+For each fault: the error reaches the cell within seconds and names the right rank; no
+rank, launch file, shared-memory entry or listening port is left; the MLflow run has the
+right status and the points logged before the fault; the next launch works.  (The
+leftover-process guard in conftest.py checks every test for processes as well.)  Faults of
+the kernel itself (SIGKILL, restart, shutdown) are at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+from harness import Kernel, helper_processes, rank_processes, wait_until
+
+pytestmark = pytest.mark.kernel
+
+SIZES = [1, 2, 4]
+POINTS = 5  # each rank logs this many points before the fault
+
+#: Every rank logs POINTS points; then the last rank meets the fault while the others
+#: wait for it in an all_reduce (or in the rendezvous, for a rank that leaves).
+FAULTY = f'''
+from air_magic import distributed
+
+@distributed(accelerator_type="CPU")
+def faulty(fault):
+    import ctypes, os, signal, sys, time
+    import torch, torch.distributed as dist
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if fault != "timeout":  # importing mlflow takes seconds: not inside a 3 s timeout
+        import mlflow
+        for step in range({POINTS}):
+            mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
+    last = rank == size - 1
+    if last and fault != "none":  # when the fault happens, for the test's clock
+        with open(f"fault-{{os.environ['AIR_MAGIC_LAUNCH_ID']}}", "w") as mark:
+            mark.write(repr(time.time()))
+    if fault == "exit0" and last:
+        os._exit(0)
+    dist.init_process_group()
+    if last:
+        if fault == "exception":
+            raise ValueError(f"bad batch on rank {{rank}}")
+        if fault == "exit3":
+            sys.exit(3)
+        if fault == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "segfault":
+            ctypes.string_at(0)
+        if fault in ("hang", "interrupt", "timeout"):
+            time.sleep(120)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+LAST = None
+
+def run(fault, n, **options):
+    global LAST
+    LAST = faulty.with_overrides(num_accelerators=n, **options)
+    return LAST.distributed(fault)
+
+def outcome():
+    from mlflow import MlflowClient
+    client = MlflowClient()
+    run_id = LAST.last_launch.run_id
+    return client.get_run(run_id).info.status, len(client.get_metric_history(run_id, "loss"))
+
+def ended_at():
+    return LAST.last_launch.ended_at
+
+def folders():
+    from air_magic.launcher import get_launcher
+    return get_launcher().session_dir, get_launcher().shm_root
+'''
+
+
+@pytest.fixture(scope="module")
+def k(kernel_factory: Any) -> Iterator[Kernel]:
+    kernel = kernel_factory(tracking=True)
+    kernel.ok(FAULTY)
+    kernel.ok("run('none', 1)", timeout=120)  # warm: the helper has torch, the MLflow store exists
+    yield kernel
+    kernel.shutdown()
+
+
+def _helper(k: Kernel) -> psutil.Process:
+    assert wait_until(lambda: len([p for p in helper_processes() if p.ppid() == k.pid]) == 1, timeout=10)
+    [helper] = [p for p in helper_processes() if p.ppid() == k.pid]
+    return helper
+
+
+def _ranks(helper: psutil.Process) -> list[psutil.Process]:
+    return [p for p in rank_processes() if p.ppid() == helper.pid]
+
+
+def _fault_time(k: Kernel) -> float:
+    """When the last rank met its fault (it wrote the time to the kernel's folder)."""
+    marks = sorted((f for f in os.listdir(k.workdir) if f.startswith("fault-")), reverse=True)
+    with open(os.path.join(k.workdir, marks[0])) as handle:
+        return float(handle.read())
+
+
+def _assert_nothing_left(k: Kernel) -> None:
+    helper = _helper(k)
+    assert wait_until(lambda: not _ranks(helper), timeout=5)
+    session, shm = k.value("folders()")
+    for launch in os.listdir(session):
+        path = os.path.join(session, launch)
+        if os.path.isdir(path):
+            assert os.listdir(path) == ["logs"], (launch, os.listdir(path))  # only the bounded logs stay
+    if shm:
+        assert os.listdir(shm) == []
+    assert not [c for c in helper.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+
+def _assert_next_launch_works(k: Kernel, n: int) -> None:
+    assert k.value(f"run('none', {n})", timeout=60) == [float(n)] * n
+
+
+#: fault -> (exception type in the cell, how its message starts, what else it says)
+EXPECTED = {
+    "exception": ("ValueError", "bad batch on rank {last}", ""),
+    "exit3": ("RankFailedError", "rank {last} of {n}", "raised SystemExit: 3"),
+    "exit0": ("RankCrashedError", "rank {last} of {n}", "exited (code 0) without returning"),
+    "sigkill": ("RankCrashedError", "rank {last} of {n}", "was killed by SIGKILL (exit -9)"),
+    "segfault": ("RankCrashedError", "rank {last} of {n}", "was killed by SIGSEGV (exit -11)"),
+    "timeout": ("LaunchTimeoutError", "faulty ran past its timeout of 3 s", ""),
+}
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("fault", list(EXPECTED))
+def test_a_rank_fault_is_named_and_leaves_nothing(k: Kernel, fault: str, n: int) -> None:
+    last = n - 1
+    timeout = ", timeout=3" if fault == "timeout" else ""
+    res = k.run(f"run({fault!r}, {n}{timeout})", timeout=60)
+    # from the fault to the outcome: every rank stopped and reaped, the error built (MLflow's
+    # upload of the run's last points and logs comes after, and is checked below)
+    elapsed = k.value("ended_at()") - _fault_time(k)
+    name, first, also = EXPECTED[fault]
+    assert res.error is not None and res.error["ename"] == name, res.error_text
+    assert res.error["evalue"].startswith(first.format(last=last, n=n)), res.error["evalue"]
+    assert also in res.error["evalue"]
+    if fault == "exception" and n > 1:
+        assert f"[air_magic] raised on rank {last} of {n}" in res.error_text
+    assert elapsed < (3 if fault == "timeout" else 0) + 5, elapsed
+    status, points = k.value("outcome()")
+    assert status == ("KILLED" if fault == "timeout" else "FAILED")
+    # every point a rank logged before it was stopped or failed is stored: all of them, as the
+    # fault comes after every rank has logged -- but a rank that leaves does so before the
+    # rendezvous, and the others may be stopped before they log
+    if fault == "timeout":
+        assert points == 0
+    elif fault == "exit0":
+        assert POINTS <= points <= POINTS * n
+    else:
+        assert points == POINTS * n
+    _assert_nothing_left(k)
+    _assert_next_launch_works(k, n)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_an_interrupt_stops_every_rank_and_leaves_nothing(k: Kernel, n: int) -> None:
+    marks = set(os.listdir(k.workdir))
+    msg_id = k.execute(f"run('interrupt', {n})")
+    # every rank has logged and met the others: the last one marks the moment it starts to sleep
+    assert wait_until(lambda: any(f.startswith("fault-") for f in set(os.listdir(k.workdir)) - marks), timeout=60)
+    time.sleep(0.3)
+    start = time.monotonic()
+    k.km.interrupt_kernel()
+    res = k.collect(msg_id, timeout=30)
+    assert time.monotonic() - start < 5
+    assert res.error is not None and res.error["ename"] == "KeyboardInterrupt"
+    status, points = k.value("outcome()")
+    assert status == "KILLED" and points == POINTS * n
+    _assert_nothing_left(k)
+    _assert_next_launch_works(k, n)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_stopped_helper_or_a_deleted_session_folder_never_stops_the_next_launch(k: Kernel, n: int) -> None:
+    _helper(k).send_signal(signal.SIGTERM)
+    assert wait_until(lambda: not [p for p in helper_processes() if p.ppid() == k.pid], timeout=5)
+    _assert_next_launch_works(k, n)
+    session, _ = k.value("folders()")
+    shutil.rmtree(session)  # a temp cleaner
+    _assert_next_launch_works(k, n)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("how", ["sigkill", "restart", "shutdown"])
+def test_the_kernel_going_away_takes_every_rank_within_seconds(kernel_factory: Any, how: str, n: int) -> None:
+    kernel = kernel_factory()
+    try:
+        kernel.ok(FAULTY)
+        kernel.execute(f"run('hang', {n}, tracking=False)")
+        helper = _helper(kernel)
+        assert wait_until(lambda: len(_ranks(helper)) == n, timeout=20)
+        processes = [helper, *_ranks(helper)]
+        start = time.monotonic()
+        if how == "sigkill":
+            os.kill(kernel.pid, signal.SIGKILL)
+        elif how == "restart":
+            kernel.km.restart_kernel(now=True)
+            kernel.refresh_pid()
+        else:
+            kernel.km.shutdown_kernel(now=True)
+
+        def gone() -> bool:
+            return not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+        assert wait_until(gone, timeout=5), f"{how}: still running after 5 s"
+        assert time.monotonic() - start < 5
+    finally:
+        kernel.shutdown()

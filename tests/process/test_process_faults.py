@@ -1,0 +1,399 @@
+"""Faults around a launch: nothing lost, nothing stuck, nobody in.
+
+A timeout no selector can hold, a helper that went away, a deleted session folder, a
+shared-memory folder smaller than the results, a rank that leaves without returning,
+processes a rank hides in sessions of their own, a working directory that no longer
+exists, a rank log of many megabytes, a thread count no machine can run, and another
+user of the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+import cloudpickle
+import pytest
+
+from air_magic import LaunchError, LaunchTimeoutError, RankCrashedError, distributed
+from harness import air_magic_processes, helper_processes, wait_until
+
+pytestmark = pytest.mark.process
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+ROOT = os.geteuid() == 0
+
+
+def launcher() -> Any:
+    from air_magic.launcher import get_launcher
+
+    return get_launcher()
+
+
+@distributed(num_accelerators=2, tracking=False)
+def all_reduce() -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def assert_next_launch_works() -> None:
+    assert all_reduce.distributed() == [2.0, 2.0]
+
+
+# -- timeouts no clock can hold -----------------------------------------------------------------
+
+
+def test_a_timeout_of_thirty_days_is_held_and_other_launches_go_on() -> None:
+    long = all_reduce.with_overrides(timeout=30 * 86400.0)  # past what a selector can wait at once
+    handle = long.submit()
+    assert handle.result(timeout=1e12) == [2.0, 2.0]  # a wait no lock can hold, too
+    assert_next_launch_works()
+    assert launcher()._helper is not None and launcher()._helper.alive
+
+
+# -- the helper and the session folder --------------------------------------------------------
+
+
+def test_a_helper_stopped_with_sigterm_is_replaced_by_the_next_launch() -> None:
+    assert_next_launch_works()
+    [helper] = [p for p in helper_processes() if p.ppid() == os.getpid()]
+    helper.send_signal(signal.SIGTERM)
+    helper.wait(10)
+    assert not os.path.isdir(launcher().session_dir)  # it took the session folder along
+    assert_next_launch_works()
+
+
+def test_a_deleted_session_folder_is_made_again() -> None:
+    assert_next_launch_works()
+    shutil.rmtree(launcher().session_dir)  # a temp cleaner
+    assert_next_launch_works()
+    assert oct(os.stat(launcher().session_dir).st_mode & 0o777) == "0o700"
+
+
+# -- results bigger than /dev/shm --------------------------------------------------------------
+
+
+@pytest.fixture
+def small_shm(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A launcher whose shared-memory folder is an 8 MB tmpfs (Docker gives 64 MB)."""
+    if not ROOT:
+        pytest.skip("mounting a small tmpfs needs root")
+    import air_magic.launcher as launcher_module
+
+    mount = str(tmp_path / "shm")
+    os.mkdir(mount)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", mount], check=True)
+    monkeypatch.setenv("AIR_MAGIC_SHM_DIR", mount)
+    small = launcher_module.Launcher()
+    monkeypatch.setattr(launcher_module, "_launcher", small)
+    try:
+        yield mount
+    finally:
+        small.shutdown()
+        subprocess.run(["umount", "--lazy", mount], check=True)  # tensors of a failed test may map it
+
+
+@distributed(num_accelerators=2, tracking=False)
+def big_tensors(mb: int) -> Any:
+    import os
+
+    import torch
+
+    return torch.full((mb << 18,), float(os.environ["RANK"]))  # mb MB of float32
+
+
+def test_results_larger_than_shared_memory_arrive_through_the_private_folder(small_shm: str) -> None:
+    values = big_tensors.distributed(6)  # 12 MB in all, for an 8 MB /dev/shm
+    assert [v.numel() for v in values] == [6 << 18] * 2
+    assert [float(v[0]) for v in values] == [0.0, 1.0] and [float(v[-1]) for v in values] == [0.0, 1.0]
+    # nothing left in either place
+    shm_root = launcher().shm_root
+    assert shm_root.startswith(small_shm)
+    assert all(not files for _, _, files in os.walk(small_shm))
+    leftovers = [n for _, _, files in os.walk(launcher().session_dir) for n in files if re.fullmatch(r"r\d+-\d+", n)]
+    assert not leftovers, leftovers
+
+
+@distributed(num_accelerators=1, tracking=False)
+def bus_error() -> None:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGBUS)
+
+
+def test_a_bus_error_names_dev_shm_and_dockers_shm_size() -> None:
+    with pytest.raises(RankCrashedError) as info:
+        bus_error.distributed()
+    assert "rank 0 of 1 was killed by SIGBUS (exit -7): a bus error: most often /dev/shm is full" in str(info.value)
+    assert "--shm-size=8g or --ipc=host" in str(info.value)
+
+
+# -- a rank that leaves ------------------------------------------------------------------------
+
+
+@distributed(num_accelerators=2, tracking=False)
+def leave_before_the_rendezvous() -> float:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if os.environ["RANK"] == "1":
+        os._exit(0)  # gone, without returning: rank 0 would wait for it in the rendezvous
+    dist.init_process_group()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_rank_that_exits_0_without_returning_fails_the_launch_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankCrashedError) as info:
+        leave_before_the_rendezvous.distributed()
+    assert time.monotonic() - start < 5
+    message = str(info.value)
+    assert message.startswith(
+        "rank 1 of 2 exited (code 0) without returning: something ended the process early (os._exit(0), "
+        "or a library that exits), so the other ranks would have waited for it; rank 0 was stopped by air_magic."
+    ), message
+    assert info.value.rank == 1
+    assert_next_launch_works()
+
+
+# -- processes a rank hides from its group ----------------------------------------------------
+
+
+@distributed(num_accelerators=1, tracking=False)
+def start_detached(report: str) -> int:
+    import os
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "120"], start_new_session=True)  # its own session and group
+    with open(report, "w") as handle:
+        handle.write(str(child.pid))
+    return child.pid
+
+
+def test_a_child_in_a_session_of_its_own_goes_with_its_rank(tmp_path: Any) -> None:
+    report = str(tmp_path / "pid")
+    [pid] = start_detached.distributed(report)
+    assert wait_until(lambda: not _alive(pid), timeout=5), f"pid {pid} outlived its rank"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
+
+
+# -- the working directory, logs, thread counts -----------------------------------------------
+
+
+def test_a_deleted_working_directory_is_said_and_nothing_starts(tmp_path: Any) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    here = os.getcwd()
+    os.chdir(gone)
+    try:
+        os.rmdir(gone)
+        before = set(os.listdir(launcher().session_dir)) if os.path.isdir(launcher().session_dir) else set()
+        with pytest.raises(LaunchError) as info:
+            all_reduce.distributed()
+        after = set(os.listdir(launcher().session_dir)) if os.path.isdir(launcher().session_dir) else set()
+    finally:
+        os.chdir(here)
+    assert str(info.value) == (
+        "the notebook's working directory no longer exists (it was deleted or moved), and the ranks start "
+        "in it. Change to a folder that exists first, e.g. %cd ~ (or os.chdir(...))."
+    )
+    assert after == before
+    assert_next_launch_works()
+
+
+def test_one_rank_stopped_is_said_in_the_singular() -> None:
+    @distributed(num_accelerators=1, tracking=False, timeout=1)
+    def sleeps() -> None:
+        import time
+
+        time.sleep(30)
+
+    with pytest.raises(LaunchTimeoutError) as info:
+        sleeps.distributed()
+    assert "ran past its timeout of 1 s; its rank was stopped." in str(info.value)
+
+
+@distributed(num_accelerators=1, tracking=False)
+def chatty(megabytes: int) -> int:
+    line = "x" * 1023 + "\n"
+    for _ in range(megabytes * 1024):
+        print(line, end="")
+    return megabytes
+
+
+def test_a_rank_log_is_kept_bounded_with_its_beginning_and_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    import air_magic.launcher as launcher_module
+
+    monkeypatch.setattr(launcher_module, "LOG_LIMIT", 1 << 20)
+    monkeypatch.setattr(launcher_module, "OUTPUT_LIMIT", 1 << 10)
+    handle = chatty.submit(4)
+    assert handle.result(timeout=60) == [4]
+    size = os.path.getsize(handle.ranks[0].log_path)
+    assert (1 << 20) <= size < (1 << 20) + 512
+    text = open(handle.ranks[0].log_path).read()
+    assert (
+        f"[air_magic] {3 << 20} bytes of this rank's output were cut here: its log keeps the first 64 KiB and "
+        "the last 960 KiB (AIR_MAGIC_LOG_LIMIT)." in text
+    )
+    assert text.startswith("x" * 1023 + "\n") and text.endswith("x" * 1023 + "\n")
+
+
+def test_an_absurd_omp_num_threads_is_bounded_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1000000")
+
+    @distributed(num_accelerators=1, tracking=False)
+    def threads() -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    [count] = threads.distributed()
+    assert count == 4 * (os.cpu_count() or 1)
+
+
+# -- another user of the machine ---------------------------------------------------------------
+
+
+@distributed(num_accelerators=2, tracking=False)
+def rendezvous_then_wait(report: str) -> float:
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group()
+    if os.environ["RANK"] == "0":
+        work = os.path.dirname(os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"]))
+        with open(report + ".tmp", "w") as handle:
+            handle.write(f"{os.environ['MASTER_PORT']} {os.environ['TORCHELASTIC_ERROR_FILE']}")
+        os.replace(report + ".tmp", report)
+        del work
+    deadline = time.time() + 30
+    while not os.path.exists(report + ".done") and time.time() < deadline:
+        time.sleep(0.05)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.skipif(not ROOT or shutil.which("setpriv") is None, reason="needs root and setpriv for a second user")
+def test_another_user_can_neither_reach_nor_read_the_rendezvous(tmp_path: Any) -> None:
+    os.chmod(tmp_path, 0o777)
+    report = str(tmp_path / "where")
+    handle = rendezvous_then_wait.submit(report)
+    try:
+        assert wait_until(lambda: os.path.exists(report), timeout=20)
+        port, error_file = open(report).read().split()
+        work_dir = os.path.dirname(error_file)
+        attack = (
+            "import os, socket, sys\n"
+            "port, work = int(sys.argv[1]), sys.argv[2]\n"
+            "out = []\n"
+            "try:\n"
+            "    socket.create_connection(('127.0.0.1', port), timeout=2); out.append('connected')\n"
+            "except OSError as e:\n"
+            "    out.append(type(e).__name__)\n"
+            "for path in (work, os.path.join(work, 'rendezvous.store')):\n"
+            "    try:\n"
+            "        os.listdir(path) if os.path.isdir(path) else open(path, 'rb').read(); out.append('read')\n"
+            "    except OSError as e:\n"
+            "        out.append(type(e).__name__)\n"
+            "print(' '.join(out))\n"
+        )
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", attack,
+             port, work_dir],
+            capture_output=True, text=True, timeout=30,
+        )
+        assert done.stdout.split() == ["ConnectionRefusedError", "PermissionError", "PermissionError"], done
+    finally:
+        open(report + ".done", "w").close()
+    assert handle.result(timeout=60) == [2.0, 2.0]
+
+
+# -- where is each rank ------------------------------------------------------------------------
+
+
+@distributed(num_accelerators=2, tracking=False)
+def one_rank_lags() -> float:
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group()
+    if os.environ["RANK"] == "1":
+        time.sleep(60)  # the straggler
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits here for rank 1
+    return t.item()
+
+
+def _line_of(marker: str) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(one_rank_lags.func)
+    return first + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def _running(handle: Any) -> bool:
+    return all(state.pid for state in handle.ranks) and os.path.exists(handle.ranks[1].log_path)
+
+
+def test_stacks_on_demand_show_every_rank_and_name_the_one_behind() -> None:
+    handle = one_rank_lags.submit()
+    try:
+        assert wait_until(lambda: _running(handle), timeout=20)
+        time.sleep(0.5)  # into the sleep and the all_reduce
+        stacks = handle.stacks()
+        assert sorted(stacks) == [0, 1]
+        assert "in one_rank_lags" in stacks[0] and "all_reduce" in stacks[0]
+        assert "time.sleep" not in stacks[1] and "in one_rank_lags" in stacks[1]
+        where = handle.where(stacks).splitlines()
+        assert where[0] == "[air_magic] where each rank was:"
+        assert where[1].startswith("  rank 0: in all_reduce (torch.distributed), called at ")
+        assert where[1].endswith(f"test_process_faults.py, line {_line_of('# rank 0 waits here')} in one_rank_lags")
+        assert where[2].endswith(
+            f"test_process_faults.py, line {_line_of('# the straggler')} in one_rank_lags  <- behind: rank 0 waits for it"
+        )
+    finally:
+        handle.cancel()
+    with pytest.raises(Exception):
+        handle.result(timeout=30)
+
+
+def test_a_timeout_says_where_each_rank_was() -> None:
+    with pytest.raises(LaunchTimeoutError) as info:
+        one_rank_lags.with_overrides(timeout=4).distributed()
+    [where] = info.value.__notes__
+    lines = where.splitlines()
+    assert lines[0] == "[air_magic] where each rank was:"
+    assert lines[1].startswith("  rank 0: in all_reduce (torch.distributed), called at ")
+    assert lines[2].endswith("in one_rank_lags  <- behind: rank 0 waits for it")
