@@ -65,6 +65,9 @@ __all__ = ["Launcher", "Launch", "LaunchObserver", "get_launcher", "describe_exi
 
 #: Bytes of rank 0's output copied into the cell per launch; past it the cell says so.
 OUTPUT_LIMIT = int(os.environ.get("AIR_MAGIC_OUTPUT_LIMIT", str(1 << 20)))
+#: Seconds without a line from any rank after which the ranks' stacks are looked at, and
+#: a rank that the others wait for in a collective is named (0: never).
+STALL_SECONDS = float(os.environ.get("AIR_MAGIC_STALL_SECONDS", "300"))
 #: Bytes of each rank's log kept once a launch has ended (its beginning and its end).
 LOG_LIMIT = int(os.environ.get("AIR_MAGIC_LOG_LIMIT", str(16 << 20)))
 _POLL = 0.05
@@ -241,6 +244,36 @@ def _tail(path: str, lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+class _StallWatch:
+    """Names a straggler: when no rank has written a line for ``seconds``, look at every
+    rank's stack; if some wait in a collective and others do not, say where each one is
+    (once per quiet spell).  Silence alone is not a stall: a long step prints nothing."""
+
+    def __init__(self, launch: "Launch", seconds: float) -> None:
+        self.launch = launch
+        self.seconds = seconds
+        self.sizes: list[int] = []
+        self.quiet_since = time.monotonic()
+        self.next_check = self.quiet_since + 1.0
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.seconds <= 0 or now < self.next_check:
+            return
+        self.next_check = now + 1.0
+        sizes = [_file_size(state.log_path) for state in self.launch.ranks]
+        if sizes != self.sizes:
+            self.sizes, self.quiet_since = sizes, now
+            return
+        if now - self.quiet_since < self.seconds:
+            return
+        self.quiet_since = now  # next look after another quiet spell
+        where = self.launch.where(self.launch.stacks(timeout=1.0))
+        if "<- behind" in where:
+            sys.stderr.write(f"[air_magic] no rank has written anything for {self.seconds:g} s.\n{where}\n")
+            sys.stderr.flush()
 
 
 class _OutputPump:
@@ -434,9 +467,11 @@ class Launch:
     def wait_streaming(self) -> list[Any]:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
         pump = _OutputPump(self.ranks[0].log_path, OUTPUT_LIMIT)
+        stall = _StallWatch(self, STALL_SECONDS)
         try:
             while not self._done.wait(_POLL):
                 pump.pump()
+                stall.check()
         except KeyboardInterrupt:
             where = self.where(self.stacks(timeout=1.0))
             self.cancel()
@@ -501,6 +536,16 @@ class Launch:
             outcome = (False, exc)
         for state in self.ranks:  # before the observers: MLflow keeps the bounded log too
             _bound_log(state.log_path, LOG_LIMIT)
+        try:
+            from ._teardown import check
+
+            held = check(self)
+        except Exception:  # pragma: no cover - a check must never hide the outcome
+            held = None
+        if held:
+            sys.stderr.write(held + "\n")
+            if not outcome[0] and isinstance(outcome[1], BaseException):
+                outcome[1].add_note(held)
         self._outcome = outcome
         self.ended_at = time.time()
         for observer in self.observers:

@@ -1290,6 +1290,10 @@ class PanelObserver:
         top = w.HTML(value=_top_html(self.state))
         stop = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
                         tooltip="Cancel this launch", layout=w.Layout(width="80px"))
+        where = w.Button(description="Where?", icon="search", disabled=True,
+                         tooltip="Where is every rank now? (each rank's Python stack)",
+                         layout=w.Layout(width="90px"))
+        stacks = w.HTML(value="")
         note = w.HTML(value=f'<span style="{_FONT};{_MUTED}">{STOP_NOTE_BLOCKING}</span>')
         chart = w.HTML(value=_chart_html(self.state))
         logs = [w.HTML(value=_log_html(self.state, r)) for r in range(launch.world_size)]
@@ -1297,9 +1301,12 @@ class PanelObserver:
         tabs = w.Tab(children=[chart, *logs], titles=["metrics", *[f"rank {r} log" for r in range(launch.world_size)]])
         stop.on_click(self._clicked)
         _clicks_where_sent(stop)
-        root = w.VBox([top, w.HBox([stop, note]), tabs], layout=w.Layout(width="100%"))
-        self.widgets = {"root": root, "top": top, "stop": stop, "note": note, "chart": chart,
-                        "tabs": tabs, "lint": lint, **{f"log{r}": log for r, log in enumerate(logs)}}
+        where.on_click(self._where_clicked)
+        _clicks_where_sent(where)
+        root = w.VBox([top, w.HBox([stop, where, note]), tabs], layout=w.Layout(width="100%"))
+        self.widgets = {"root": root, "top": top, "stop": stop, "where": where, "stacks": stacks, "note": note,
+                        "chart": chart, "tabs": tabs, "lint": lint,
+                        **{f"log{r}": log for r, log in enumerate(logs)}}
         self._sent = {"top": top.value, "note": note.value, "chart": chart.value}
 
     def _widget_bundle(self) -> dict[str, Any]:
@@ -1313,6 +1320,19 @@ class PanelObserver:
         # Runs on the kernel's main thread (background launch) or on a subshell's thread.
         self.stop_clicked = True
         self.launch.cancel()
+
+    def _where_clicked(self, _button: Any) -> None:
+        # Where every rank is now: the summary, then every thread's stack, in a tab of its own.
+        stacks = self.launch.stacks(timeout=1.0)
+        summary = self.launch.where(stacks) or "[air_magic] no rank is running."
+        full = "\n\n".join(f"rank {rank}:\n{text.rstrip()}" for rank, text in sorted(stacks.items()))
+        self._set("stacks", f'<pre style="{_FONT};white-space:pre-wrap">{_esc(summary)}\n\n{_esc(full)}</pre>')
+        tabs = self.widgets["tabs"]
+        widget = self.widgets["stacks"]
+        if widget not in tabs.children:
+            tabs.children = (*tabs.children, widget)
+            tabs.titles = (*tabs.titles[: len(tabs.children) - 1], "where")
+        tabs.selected_index = list(tabs.children).index(widget)
 
     def _set(self, name: str, value: Any, trait: str = "value") -> None:
         key = name if trait == "value" else f"{name}.{trait}"
@@ -1369,6 +1389,7 @@ class PanelObserver:
         else:
             enabled, note = False, STOP_NOTE_BLOCKING
         self._set("stop", not enabled, trait="disabled")
+        self._set("where", not enabled or launch.done(), trait="disabled")
         self._set("note", f'<span style="{_FONT};{_MUTED}">{_esc(note)}</span>' if note else "")
 
     def _all_widgets(self) -> list[Any]:

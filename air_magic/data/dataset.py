@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import tempfile
 import threading
 from typing import Any, Callable, Iterator
 
@@ -218,11 +217,15 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
         return self.output(local)  # type: ignore[operator]
 
     def _cache_root(self) -> str:
+        # The user's own cache folder, created 0700 and checked on every use: a folder another
+        # user made (or a symlink to elsewhere) is refused, never read from or evicted into.
+        from .._private import private_dir, user_cache_dir
+
         if self._cache_dir is None:
             digest = hashlib.sha1(self.url.encode()).hexdigest()[:12]
-            self._cache_dir = os.path.join(tempfile.gettempdir(), f"air_magic-cache-{os.getuid()}-{digest}")
-        os.makedirs(self._cache_dir, mode=0o700, exist_ok=True)
-        return self._cache_dir
+            private_dir(os.path.join(user_cache_dir(), "data"), "the data cache")
+            self._cache_dir = os.path.join(user_cache_dir(), "data", digest)
+        return private_dir(self._cache_dir, "the data cache")
 
     def _local_copy(self, path: str) -> str:
         root = self._cache_root()

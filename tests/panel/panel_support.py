@@ -209,9 +209,14 @@ class Panel:
         return self.wire.model(row.opened["children"][0][len("IPY_MODEL_"):])
 
     @property
-    def note(self) -> Model:
+    def where(self) -> Model:
         row = self.child(1)
         return self.wire.model(row.opened["children"][1][len("IPY_MODEL_"):])
+
+    @property
+    def note(self) -> Model:
+        row = self.child(1)
+        return self.wire.model(row.opened["children"][2][len("IPY_MODEL_"):])
 
     @property
     def tabs(self) -> Model:

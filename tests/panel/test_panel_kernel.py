@@ -147,6 +147,29 @@ def test_submit_then_cancel_and_stop_button(wire: Wire) -> None:
     assert wire.kernel.value("h2.status") == "cancelled"
 
 
+def test_the_where_button_shows_every_rank_s_stack_in_a_tab(wire: Wire) -> None:
+    res, msgs = wire.ok("h3 = nap.submit(60)")
+    panel = wire.panel(_last_launch_id(msgs))
+    assert wire.wait_for(lambda: panel.where.state["disabled"] is False, 10)
+    assert wire.wait_for(lambda: wire.kernel.value("h3.status") == "running", 10)
+    time.sleep(0.5)  # into the sleep
+    kc = wire.kernel.kc
+    kc.shell_channel.send(kc.session.msg(
+        "comm_msg", {"comm_id": panel.where.comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
+    ))
+    try:
+        assert wire.wait_for(lambda: panel.tabs.state["titles"][-1:] == ["where"], 10), panel.tabs.state
+        assert wire.wait_for(lambda: "where each rank was" in panel.tab(3).state["value"], 5)
+        text = panel.tab(3).state["value"]
+    finally:
+        wire.ok("h3.cancel()")
+    assert "[air_magic] where each rank was:" in text
+    assert "  rank 0: at " in text and "  rank 1: at " in text and "in nap" in text
+    assert "rank 0:\nThread 0x" in text or "rank 0:\nCurrent thread 0x" in text  # every thread's stack
+    assert wire.wait_for(lambda: panel.status == "cancelled", 20)
+    assert wire.wait_for(lambda: panel.where.state["disabled"] is True, 5)
+
+
 def test_several_launches_at_once(wire: Wire) -> None:
     res, msgs = wire.ok("a = nap.submit(1.5)\nb = nap.submit(1.5)\n(a.id, b.id)")
     ids = ast.literal_eval(res.result)

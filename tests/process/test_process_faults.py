@@ -397,3 +397,18 @@ def test_a_timeout_says_where_each_rank_was() -> None:
     assert lines[0] == "[air_magic] where each rank was:"
     assert lines[1].startswith("  rank 0: in all_reduce (torch.distributed), called at ")
     assert lines[2].endswith("in one_rank_lags  <- behind: rank 0 waits for it")
+
+
+def test_a_straggler_is_named_when_every_rank_has_been_quiet_a_while(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import air_magic.launcher as launcher_module
+
+    monkeypatch.setattr(launcher_module, "STALL_SECONDS", 1.5)
+    with pytest.raises(LaunchTimeoutError):
+        one_rank_lags.with_overrides(timeout=6).distributed()
+    err = capsys.readouterr().err
+    report = err[err.index("[air_magic] no rank has written anything for 1.5 s."):].splitlines()
+    assert report[1] == "[air_magic] where each rank was:"
+    assert report[2].startswith("  rank 0: in all_reduce (torch.distributed), called at ")
+    assert report[3].endswith("in one_rank_lags  <- behind: rank 0 waits for it")
