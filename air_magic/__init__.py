@@ -20,6 +20,7 @@ from .errors import (
     AirMagicError,
     CaptureError,
     ConfigurationError,
+    CPUOversubscriptionWarning,
     DirectCallError,
     LaunchCancelledError,
     LaunchError,
@@ -27,6 +28,7 @@ from .errors import (
     RankCrashedError,
     RankFailedError,
     ResultError,
+    TooManyCPURanksError,
 )
 
 __all__ = [
@@ -49,6 +51,8 @@ __all__ = [
     "LaunchTimeoutError",
     "LaunchCancelledError",
     "ResultError",
+    "TooManyCPURanksError",
+    "CPUOversubscriptionWarning",
 ]
 
 

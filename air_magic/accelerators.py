@@ -16,13 +16,20 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import ClassVar
 
 from .errors import ConfigurationError
 
-__all__ = ["AcceleratorType", "GPUType", "Hardware", "detect_hardware", "model_from_device_name"]
+__all__ = [
+    "AcceleratorType",
+    "GPUType",
+    "Hardware",
+    "detect_hardware",
+    "model_from_device_name",
+    "usable_cpu_count",
+]
 
 _SHAPE_RE = re.compile(r"^GPU_(\d+)X([A-Z0-9][A-Z0-9_]*)$")
 
@@ -189,12 +196,22 @@ def model_from_device_name(name: str) -> str:
     return re.sub(r"[^A-Z0-9]", "", first) or "GPU"
 
 
+def usable_cpu_count() -> int:
+    """The CPU cores this process may run on (its affinity mask: ``taskset``, cgroups cpusets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - platforms without affinity masks
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class Hardware:
     """What this machine offers to a launch."""
 
     gpu_count: int
     gpu_name: str | None
+    #: CPU cores this kernel may use: CPU ranks beyond a few per core are refused at launch.
+    cpu_count: int = field(default_factory=lambda: usable_cpu_count())
 
     @property
     def model(self) -> str | None:
@@ -276,4 +293,4 @@ def detect_hardware() -> Hardware:
             else:
                 break
         names = chosen
-    return Hardware(gpu_count=len(names), gpu_name=names[0] if names else None)
+    return Hardware(gpu_count=len(names), gpu_name=names[0] if names else None, cpu_count=usable_cpu_count())

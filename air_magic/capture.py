@@ -22,6 +22,7 @@ import dis
 import io
 import linecache
 import marshal
+import math
 import os
 import pickle
 import re
@@ -34,7 +35,7 @@ from typing import Any, Callable, Iterable
 import cloudpickle
 
 from ._rank import RESULT_NAME
-from .errors import CaptureError
+from .errors import CaptureError, ConfigurationError
 
 __all__ = ["Payload", "function_payload", "cell_payload", "free_names", "CaptureWarning", "settings"]
 
@@ -43,10 +44,46 @@ class CaptureWarning(UserWarning):
     """Something sent to the ranks is large, or lives on a GPU."""
 
 
-@dataclass
+#: Environment variable with the default of ``settings.warn_mb``.
+WARN_MB_ENV = "AIR_MAGIC_CAPTURE_WARN_MB"
+DEFAULT_WARN_MB = 100.0
+
+
 class _Settings:
-    #: Captured objects whose pickle is larger than this (MB) get a warning.
-    warn_mb: float = float(os.environ.get("AIR_MAGIC_CAPTURE_WARN_MB", "100"))
+    """Capture settings of this process (``%config DistributedMagics.capture_warn_mb`` sets them)."""
+
+    def __init__(self) -> None:
+        self._warn_mb: float | None = None
+
+    @property
+    def warn_mb(self) -> float:
+        """Captured objects whose pickle is larger than this (MB) get a warning.
+
+        Until it is set, ``AIR_MAGIC_CAPTURE_WARN_MB`` as it is at each launch, else 100.
+        """
+        return self._warn_mb if self._warn_mb is not None else _env_warn_mb()
+
+    @warn_mb.setter
+    def warn_mb(self, value: float) -> None:
+        self._warn_mb = float(value)
+
+
+def _env_warn_mb() -> float:
+    # Read when a launch needs it, not at import: a bad value must not break `import air_magic`,
+    # and a value set with %env after the import counts.
+    text = os.environ.get(WARN_MB_ENV, "").strip()
+    if not text:
+        return DEFAULT_WARN_MB
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value < 0:
+        raise ConfigurationError(
+            f"{WARN_MB_ENV} must be a number of megabytes (0 or more), got {text!r}. Set it to "
+            f"a number such as 500, or unset it for the default of {DEFAULT_WARN_MB:g}."
+        )
+    return value
 
 
 settings = _Settings()
@@ -292,8 +329,7 @@ def _raise_problems(problems: list[tuple[str, str, str]], where: str) -> None:
     )
 
 
-def _warn_sizes(sizes: dict[str, int], where: str) -> None:
-    limit = settings.warn_mb * 1e6
+def _warn_sizes(sizes: dict[str, int], where: str, limit: float) -> None:
     for name, size in sizes.items():
         if size > limit:
             warnings.warn(
@@ -399,13 +435,22 @@ def _code_objects(values: Iterable[Any]) -> list[types.CodeType]:
 
 
 def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:
-    """Pickle a function call for the ranks; name everything that cannot travel."""
+    """Pickle a function call for the ranks; name everything that cannot travel.
+
+    A bound method (``@distributed`` on a method, reached through an instance) travels
+    as its function, with the instance as the first argument, named after that parameter.
+    """
+    limit = settings.warn_mb * 1e6  # a bad AIR_MAGIC_CAPTURE_WARN_MB is said before any pickling
+    receiver: list[tuple[str, Any]] = []
+    if isinstance(func, types.MethodType):
+        receiver = [(_first_parameter(func.__func__), func.__self__)]
+        func = func.__func__
     label = getattr(func, "__qualname__", repr(func))
     argv = [getattr(func, "__name__", label)]
     where = f"'{label}'"
-    arguments = [(f"argument {i}", a) for i, a in enumerate(args)] + [
-        (f"argument '{k}'", v) for k, v in kwargs.items()
-    ]
+    positional = receiver + [(f"argument {i}", a) for i, a in enumerate(args)]
+    keywords = [(f"keyword argument {k}", v) for k, v in kwargs.items()]
+    arguments = positional + keywords
     refs = _referenced_globals(func)  # one walk of the function's code, used four times
     arg_blobs, problems = _pickle_each(arguments)
     try:
@@ -422,24 +467,33 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if problems:
         _raise_problems(problems, where)
     sizes = {name: len(blob) for name, blob in arg_blobs.items()}
-    if len(func_blob) > settings.warn_mb * 1e6:
+    if len(func_blob) > limit:
         sizes.update(
             (name, len(dumps(value)))
             for name, value in refs
             if not isinstance(value, (types.ModuleType, types.FunctionType, type))
         )
-    _warn_sizes(sizes, where)
+    _warn_sizes(sizes, where, limit)
     _warn_cuda([*refs, *arguments])
-    positional = [arg_blobs[f"argument {i}"] for i in range(len(args))]
-    keywords = {k: arg_blobs[f"argument '{k}'"] for k in kwargs}
     payload = Payload(
         kind="function",
         label=label,
-        data={"func": func_blob, "args": positional, "kwargs": keywords},
+        data={
+            "func": func_blob,
+            "args": [arg_blobs[name] for name, _ in positional],
+            "kwargs": {k: arg_blobs[f"keyword argument {k}"] for k in kwargs},
+        },
         sources=_notebook_sources(_code_objects([func, *(value for _, value in refs)])),
         argv=argv,
     )
     return payload
+
+
+def _first_parameter(func: Any) -> str:
+    code = getattr(func, "__code__", None)
+    if isinstance(code, types.CodeType) and code.co_argcount > 0:
+        return code.co_varnames[0]
+    return "self"
 
 
 def compile_cell(body: str, display: str, filename: str, first_line: int = 2) -> tuple[types.CodeType, ast.Module]:
@@ -481,10 +535,11 @@ def cell_payload(
         and not (hasattr(builtins, name) and namespace[name] is getattr(builtins, name))
     )
     items = [(name, namespace[name]) for name in wanted]
+    limit = settings.warn_mb * 1e6
     blobs, problems = _pickle_each(items)
     if problems:
         _raise_problems(problems, "the cell")
-    _warn_sizes({name: len(blob) for name, blob in blobs.items()}, "the cell")
+    _warn_sizes({name: len(blob) for name, blob in blobs.items()}, "the cell", limit)
     _warn_cuda(items)
     sources = _notebook_sources(_code_objects(value for _, value in items))
     sources[filename] = (display, header + "\n" + body)

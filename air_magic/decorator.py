@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from typing import Any, Callable, Generic, TypeVar, overload
 
 from .accelerators import AcceleratorType, GPUType
 from .capture import function_payload
-from .errors import DirectCallError
+from .errors import DirectCallError, render_lines
 from .spec import DEFAULT_TIMEOUT, UNSET, AcceleratorArg, LaunchSpec, make_spec
 
 __all__ = ["distributed", "DistributedFunction"]
@@ -26,14 +27,45 @@ class DistributedFunction(Generic[R]):
 
     def __init__(self, func: Callable[..., R], spec: LaunchSpec) -> None:
         if not callable(func):
-            raise TypeError(f"@distributed decorates a function, got {type(func).__name__} {func!r}")
+            raise _shown_alone(TypeError(
+                f"@distributed decorates a function, got {type(func).__name__} {func!r}. "
+                "Put @distributed(...) on the line above a def."
+            ))
         self.func = func
         self.spec = spec
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
         self._signature = inspect.signature(func)
-        #: The most recent :class:`~air_magic.launcher.Launch` of this function (its
-        #: ``run_id``, ``log_paths``, ``status``), or ``None``.
-        self.last_launch: Any = None
+        #: Set on the object a method access returns (``obj.train``): the class attribute.
+        self._unbound: DistributedFunction[R] | None = None
+        self._last_launch: Any = None
+
+    @property
+    def last_launch(self) -> Any:
+        """The most recent :class:`~air_magic.launcher.Launch` of this function (its
+        ``run_id``, ``log_paths``, ``status``), or ``None``."""
+        return (self._unbound or self)._last_launch
+
+    @last_launch.setter
+    def last_launch(self, launch: Any) -> None:
+        self._last_launch = launch
+        if self._unbound is not None:
+            self._unbound._last_launch = launch
+
+    def __get__(self, instance: Any, owner: type | None = None) -> "DistributedFunction[R]":
+        # ``@distributed`` on a method: ``obj.train`` is bound to ``obj`` like any method,
+        # so ``obj.train.distributed(x)`` runs ``train(obj, x)`` on every rank.
+        if instance is None:
+            return self
+        bound: DistributedFunction[R] = DistributedFunction(
+            types.MethodType(self.func, instance), self.spec
+        )
+        bound._unbound = self
+        return bound
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # An instance of a notebook class travels with its class, and the class holds this
+        # object: send what defines it, not the launch handle it last made.
+        return (DistributedFunction, (self.func, self.spec))
 
     @property
     def num_accelerators(self) -> int | None:
@@ -59,7 +91,11 @@ class DistributedFunction(Generic[R]):
 
     def _payload(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # A wrong call is a TypeError here, before anything is pickled or started.
-        self._signature.bind(*args, **kwargs)
+        try:
+            self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            message = f"{_call_name(self.func)}() takes {_parameters(self._signature)}: {exc}"
+            raise _shown_alone(TypeError(message)) from None
         return function_payload(self.func, args, kwargs)
 
     def submit(self, *args: Any, **kwargs: Any) -> Any:
@@ -130,6 +166,30 @@ class DistributedFunction(Generic[R]):
     def __repr__(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"DistributedFunction({self.spec.describe()}, func={name})"
+
+
+def _shown_alone(exc: BaseException) -> BaseException:
+    # A wrong call caught before launch: in IPython the message is the whole story, like
+    # air_magic's own errors (the frames would be air_magic's, not the caller's).
+    exc._render_traceback_ = lambda: render_lines(exc)  # type: ignore[attr-defined]
+    return exc
+
+
+def _call_name(func: Any) -> str:
+    """``train``, or ``Trainer.train`` for a method (without ``<locals>`` of enclosing functions)."""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return str(name).rsplit("<locals>.", 1)[-1]
+
+
+def _parameters(signature: inspect.Signature) -> str:
+    """The parameter list as a call would see it: ``(lr, *, epochs=3)``, without annotations."""
+    if not signature.parameters:
+        return "no arguments"
+    plain = signature.replace(
+        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()],
+        return_annotation=inspect.Signature.empty,
+    )
+    return str(plain)
 
 
 @overload

@@ -19,6 +19,8 @@ __all__ = [
     "AirMagicError",
     "ConfigurationError",
     "AcceleratorMismatchError",
+    "TooManyCPURanksError",
+    "CPUOversubscriptionWarning",
     "DirectCallError",
     "CaptureError",
     "LaunchError",
@@ -47,6 +49,14 @@ class ConfigurationError(AirMagicError, ValueError):
 
 class AcceleratorMismatchError(ConfigurationError):
     """What was asked for does not match the hardware this kernel runs on (checked at launch)."""
+
+
+class TooManyCPURanksError(ConfigurationError):
+    """More CPU ranks than this machine can run were asked for (checked at launch)."""
+
+
+class CPUOversubscriptionWarning(UserWarning):
+    """More CPU ranks than usable CPU cores: the launch works, but the ranks share the cores."""
 
 
 class DirectCallError(AirMagicError, TypeError):

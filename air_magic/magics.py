@@ -15,7 +15,7 @@ from traitlets import Bool, CFloat, CInt, Unicode, default, observe
 from . import capture
 from ._rank import RESULT_NAME
 from .errors import ConfigurationError
-from .spec import DEFAULT_TIMEOUT, LaunchSpec, make_spec
+from .spec import DEFAULT_TIMEOUT, LaunchSpec, check_timeout, make_spec
 
 __all__ = ["DistributedMagics", "FLAG_TO_KEYWORD"]
 
@@ -33,14 +33,23 @@ FLAG_TO_KEYWORD = {
 
 
 def _timeout_arg(text: str) -> float | None:
-    if text.strip().lower() in ("none", "off", "0"):
+    """``--timeout``: seconds > 0, or ``none`` for no limit (0 is refused, as ``timeout=0`` is)."""
+    if text.strip().lower() in ("none", "off"):
         return None
+    value: int | float
     try:
-        return float(text)
+        value = int(text)  # shown as written in a message: "got 0", not "got 0.0"
     except ValueError:
-        raise UsageError(
-            f"%%distributed: --timeout takes a number of seconds or 'none', got {text!r}"
-        ) from None
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(
+                f"%%distributed: --timeout takes a number of seconds or 'none', got {text!r}"
+            ) from None
+    try:
+        return check_timeout(value, no_limit="--timeout none")
+    except ConfigurationError as exc:
+        raise UsageError(f"%%distributed: {exc}") from None
 
 
 @magics_class
@@ -65,7 +74,10 @@ class DistributedMagics(Magics):
 
     @default("capture_warn_mb")
     def _capture_warn_mb_default(self) -> float:
-        return capture.settings.warn_mb
+        try:
+            return capture.settings.warn_mb
+        except ConfigurationError:  # a bad AIR_MAGIC_CAPTURE_WARN_MB is said at the launch that reads it
+            return capture.DEFAULT_WARN_MB
 
     @observe("capture_warn_mb")
     def _capture_warn_mb_changed(self, change: Any) -> None:
@@ -149,10 +161,11 @@ class DistributedMagics(Magics):
         return values if RESULT_NAME in payload.data["code"].co_names else None
 
     def _spec(self, args: Any) -> LaunchSpec:
-        timeout: float | None = self.timeout
-        if args.timeout is not None:
-            timeout = _timeout_arg(args.timeout)
         try:
+            if args.timeout is not None:
+                timeout = _timeout_arg(args.timeout)
+            else:
+                timeout = check_timeout(self.timeout, no_limit="%config DistributedMagics.timeout = None")
             return make_spec(
                 args.num_accelerators if args.num_accelerators is not None else self.num_accelerators,
                 args.accelerator_type or self.accelerator_type,

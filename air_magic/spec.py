@@ -9,6 +9,8 @@ at launch time.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 import sys
 import warnings
@@ -16,12 +18,32 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from .accelerators import AcceleratorType, GPUType, Hardware
-from .errors import AcceleratorMismatchError, ConfigurationError
+from .errors import (
+    AcceleratorMismatchError,
+    ConfigurationError,
+    CPUOversubscriptionWarning,
+    TooManyCPURanksError,
+)
 
-__all__ = ["LaunchSpec", "Placement", "make_spec", "DEFAULT_TIMEOUT", "UNSET", "BACKENDS"]
+__all__ = [
+    "LaunchSpec",
+    "Placement",
+    "make_spec",
+    "max_cpu_ranks",
+    "DEFAULT_TIMEOUT",
+    "UNSET",
+    "BACKENDS",
+    "CPU_RANKS_PER_CORE",
+    "MAX_CPU_RANKS_ENV",
+]
 
 DEFAULT_TIMEOUT = 10800.0
 BACKENDS = ("local", "ray")
+#: CPU ranks allowed per usable core by default. A few ranks per core are useful to try
+#: out distributed code on a laptop; thousands only exhaust the process table.
+CPU_RANKS_PER_CORE = 4
+#: Environment variable that replaces the default bound on CPU ranks.
+MAX_CPU_RANKS_ENV = "AIR_MAGIC_MAX_CPU_RANKS"
 
 
 class _Unset:
@@ -61,7 +83,7 @@ class LaunchSpec:
         """Check the spec against ``hardware``; raise ``AcceleratorMismatchError`` naming both."""
         wanted = self.accelerator_type
         if isinstance(wanted, AcceleratorType) and wanted.is_cpu:
-            return Placement(self.num_accelerators or 1, "cpu", AcceleratorType.CPU, hardware)
+            return self._cpu_placement(hardware)
         if hardware.gpu_count == 0:
             if wanted is not None:
                 raise AcceleratorMismatchError(
@@ -69,7 +91,7 @@ class LaunchSpec:
                     f"{hardware.describe()}. Omit accelerator_type (or pass 'CPU') to run "
                     "CPU ranks here."
                 )
-            return Placement(self.num_accelerators or 1, "cpu", AcceleratorType.CPU, hardware)
+            return self._cpu_placement(hardware)
         attached = hardware.accelerator_type
         if isinstance(wanted, GPUType):
             chip = wanted.to_accelerator_type(1)
@@ -99,6 +121,38 @@ class LaunchSpec:
             )
         return Placement(count, "cuda", attached, hardware)
 
+    def _cpu_placement(self, hardware: Hardware) -> Placement:
+        # GPU counts are bounded by the GPUs; CPU ranks only by this check (each one is a
+        # process with its own copy of torch: a typo such as -n 1000000 must not fork
+        # until the machine's process table is full).
+        count = self.num_accelerators or 1
+        cores = max(1, hardware.cpu_count)
+        bound, from_env = max_cpu_ranks(cores)
+        if count > bound:
+            if from_env:
+                allowed = f"{MAX_CPU_RANKS_ENV}={bound} allows at most {bound}"
+                advice = f"or raise {MAX_CPU_RANKS_ENV}"
+            else:
+                allowed = (
+                    f"air_magic starts at most {bound} CPU ranks on it "
+                    f"({CPU_RANKS_PER_CORE} per core)"
+                )
+                advice = f"or set the environment variable {MAX_CPU_RANKS_ENV} to allow more"
+            raise TooManyCPURanksError(
+                f"num_accelerators={count} was asked for (CPU ranks), but this machine has "
+                f"{_cores(cores)} and {allowed}. Pass num_accelerators={bound} or fewer, {advice}."
+            )
+        if count > cores:
+            warnings.warn(
+                f"num_accelerators={count} starts {count} CPU ranks on {_cores(cores)}: the ranks "
+                f"share the cores and run slower than {cores} rank{'s' if cores != 1 else ''} "
+                f"would. Fine for trying out distributed code; pass num_accelerators={cores} or "
+                "fewer for speed.",
+                CPUOversubscriptionWarning,
+                stacklevel=_user_stacklevel(),
+            )
+        return Placement(count, "cpu", AcceleratorType.CPU, hardware)
+
     def describe(self) -> str:
         parts = [f"num_accelerators={self.num_accelerators!r}"]
         parts.append(f"accelerator_type={_shown(self.accelerator_type)}")
@@ -122,35 +176,84 @@ def _shown(value: object) -> str:
     return repr(value)
 
 
+def _cores(count: int) -> str:
+    return f"{count} usable CPU core{'s' if count != 1 else ''}"
+
+
+def max_cpu_ranks(cores: int) -> tuple[int, bool]:
+    """The most CPU ranks a launch may start, and whether ``AIR_MAGIC_MAX_CPU_RANKS`` set it."""
+    default = CPU_RANKS_PER_CORE * max(1, cores)
+    text = os.environ.get(MAX_CPU_RANKS_ENV, "").strip()
+    if not text:
+        return default, False
+    try:
+        bound = int(text)
+    except ValueError:
+        bound = 0
+    if bound <= 0:
+        raise ConfigurationError(
+            f"{MAX_CPU_RANKS_ENV} must be a whole number of CPU ranks above 0, got {text!r}. "
+            f"Set it to a number such as {2 * default}, or unset it for the default "
+            f"({CPU_RANKS_PER_CORE} per CPU core: {default} here)."
+        )
+    return bound, True
+
+
 def check_num_accelerators(value: object, name: str = "num_accelerators") -> int | None:
+    """A positive number of ranks: any integer type (numpy's too), never a bool."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    try:
+        # operator.index accepts exactly the integer types (int, numpy integers, ...):
+        # not floats, not strings, and not numpy's bool.
+        count = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        count = None
+    if count is None:
         raise ConfigurationError(
             f"{name} must be a positive integer (the number of ranks), got "
             f"{type(value).__name__} {value!r}."
         )
-    if value <= 0:
+    if count <= 0:
         raise ConfigurationError(
-            f"{name} must be a positive integer (the number of ranks), got {value}. "
+            f"{name} must be a positive integer (the number of ranks), got {count}. "
             "Pass 1 or more, or omit it to use every GPU of this machine."
         )
-    return value
+    return int(count)
 
 
-def check_timeout(value: object) -> float | None:
+def check_timeout(value: object, no_limit: str = "timeout=None") -> float | None:
+    """Seconds > 0 as a float, or ``None`` (no limit; also for infinity).
+
+    ``no_limit`` is how the user spells "no limit" where the value came from
+    (``timeout=None``, ``--timeout none``).
+    """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigurationError(
             f"timeout must be a number of seconds or None (no limit), got "
             f"{type(value).__name__} {value!r}."
         )
-    if math.isnan(value) or value <= 0:
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond a float's range
+        if value < 0:
+            raise ConfigurationError(
+                f"timeout must be more than 0 seconds, got a negative integer of "
+                f"{int(value).bit_length()} bits. Pass {no_limit} for no limit."
+            ) from None
         raise ConfigurationError(
-            f"timeout must be more than 0 seconds, got {value!r}. Pass timeout=None for no limit."
+            f"timeout is an integer beyond {sys.float_info.max:.1e}: more seconds than any clock "
+            f"holds. Pass {no_limit} for no limit."
+        ) from None
+    if math.isnan(seconds) or seconds <= 0:
+        shown = repr(int(value)) if isinstance(value, numbers.Integral) else repr(seconds)
+        raise ConfigurationError(
+            f"timeout must be more than 0 seconds, got {shown}. Pass {no_limit} for no limit."
         )
-    return None if math.isinf(value) else float(value)
+    # Huge finite values are kept as they are: the helper caps its own waits.
+    return None if math.isinf(seconds) else seconds
 
 
 def _check_text(value: object, name: str) -> str | None:
@@ -162,12 +265,23 @@ def _check_text(value: object, name: str) -> str | None:
 
 
 def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning point at the first frame outside air_magic."""
-    package_dir = os.path.dirname(os.path.abspath(__file__))
+    """The ``stacklevel`` that makes a warning point at the user's own line.
+
+    That is the first frame outside air_magic and outside IPython's machinery: for
+    ``%%distributed`` the cell that called the magic, not IPython's ``run_cell_magic``.
+    """
+    internal = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and getattr(ipython, "__file__", None):
+        internal.append(os.path.dirname(os.path.abspath(ipython.__file__)) + os.sep)
     frame = sys._getframe(1)
     level = 1
     while frame is not None:
-        if not os.path.abspath(frame.f_code.co_filename).startswith(package_dir + os.sep):
+        filename = frame.f_code.co_filename
+        machinery = filename.startswith("<decorator-gen-") or os.path.abspath(filename).startswith(
+            tuple(internal)
+        )
+        if not machinery:
             return level
         frame = frame.f_back  # type: ignore[assignment]
         level += 1

@@ -17,9 +17,10 @@ from air_magic import (
 from air_magic.accelerators import Hardware, model_from_device_name
 from air_magic.spec import make_spec
 
-CPU_ONLY = Hardware(0, None)
-EIGHT_H100 = Hardware(8, "NVIDIA H100 80GB HBM3")
-TWO_H200 = Hardware(2, "NVIDIA H200")
+# Eight cores each: the CPU-rank bound and warning are tested on their own below.
+CPU_ONLY = Hardware(0, None, cpu_count=8)
+EIGHT_H100 = Hardware(8, "NVIDIA H100 80GB HBM3", cpu_count=8)
+TWO_H200 = Hardware(2, "NVIDIA H200", cpu_count=8)
 
 
 @pytest.mark.parametrize(
