@@ -350,6 +350,14 @@ def _private_rendezvous(work_dir: str, port: int) -> None:
         query = dict(part.split("=", 1) for part in url.partition("?")[2].split("&") if "=" in part)
         rank = int(query.get("rank", os.environ["RANK"]))
         world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
+        # Say this rank joins; a rank that ended without joining means the group can never form.
+        os.close(os.open(joined_path(work_dir, rank), os.O_WRONLY | os.O_CREAT, 0o600))
+        gone = sorted(int(name[5:]) for name in os.listdir(work_dir) if name.startswith("left-"))
+        if gone:
+            raise RuntimeError(
+                f"init_process_group() cannot complete: rank {', '.join(map(str, gone))} of {world_size} "
+                "ended without joining the process group (every rank must call init_process_group())"
+            )
         store = dist.FileStore(path, -1)
         if timeout is not None:
             store.set_timeout(timeout)
@@ -358,6 +366,12 @@ def _private_rendezvous(work_dir: str, port: int) -> None:
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
     handlers["env"] = env_rendezvous
+
+
+def joined_path(work_dir: str, rank: int) -> str:
+    """Made when ``rank`` enters init_process_group(): the kernel tells a rank that ended
+    without joining (the others would wait for it until the timeout) by its absence."""
+    return os.path.join(work_dir, f"joined-{rank}")
 
 
 def _install_sources(sources: dict[str, tuple[str, str]]) -> None:

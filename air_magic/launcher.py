@@ -45,7 +45,7 @@ from typing import Any, Callable, Protocol
 import socket
 
 from . import _results
-from ._rank import STACK_SIGNAL, TRACEBACK_MARK, stack_path
+from ._rank import STACK_SIGNAL, TRACEBACK_MARK, joined_path, stack_path
 from .accelerators import detect_hardware
 from .capture import Payload
 from .errors import (
@@ -95,6 +95,7 @@ class RankState:
     ended_at: float | None = None  # time.monotonic() when the helper saw it exit
     stopped: bool = False  # ended by air_magic's stop signal (another rank failed, cancel, timeout)
     left: bool = False  # exited with code 0 but returned nothing (os._exit(0)): a failure
+    returned_early: bool = False  # returned while the others wait for it in init_process_group()
 
     @property
     def state(self) -> str:
@@ -515,10 +516,25 @@ class Launch:
         # Exit code 0 without a result (os._exit(0)): its peers would wait for it in
         # init_process_group or a collective until the timeout. A failure: stop them now.
         state.left = returncode == 0 and not os.path.exists(_results.result_path(self.work_dir, rank))
+        if returncode == 0 and not state.left and self._left_before_the_rendezvous(rank):
+            state.left = state.returned_early = True
         if (returncode != 0 or state.left) and self._stop_reason is None:
             self._failures.append(rank)
             if state.left and self.world_size > 1:
                 self.launcher._send(("stop", self.id, "failure"))
+
+    def _left_before_the_rendezvous(self, rank: int) -> bool:
+        """``rank`` returned without entering init_process_group(): mark it for ranks that
+        enter later (they fail at once), and say whether ranks already wait in it."""
+        if os.path.exists(joined_path(self.work_dir, rank)):
+            return False
+        try:
+            os.close(os.open(os.path.join(self.work_dir, f"left-{rank}"), os.O_WRONLY | os.O_CREAT, 0o600))
+            waiting = [r for r in range(self.world_size) if r != rank and self.ranks[r].returncode is None
+                       and os.path.exists(joined_path(self.work_dir, r))]
+        except OSError:
+            return False
+        return bool(waiting)
 
     def _on_stopping(self, reason: str, at: float | None = None) -> None:
         self._stop_reason = self._stop_reason or reason
@@ -722,7 +738,11 @@ class Launch:
         log_text = _tail(state.log_path, 200)
         if record is None:
             tail = _tail(state.log_path)
-            message = f"rank {rank} of {n}{first} {describe_exit(state.returncode or 0)}{stopped}."
+            how = describe_exit(state.returncode or 0)
+            if state.returned_early:
+                how = ("returned without joining the process group that the other ranks wait for it in "
+                       "(every rank must call init_process_group())")
+            message = f"rank {rank} of {n}{first} {how}{stopped}."
             if tail:
                 message += f"\nIts last lines ({state.log_path}):\n{tail}"
             error: BaseException = RankCrashedError(

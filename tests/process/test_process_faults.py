@@ -412,3 +412,38 @@ def test_a_straggler_is_named_when_every_rank_has_been_quiet_a_while(
     assert report[1] == "[air_magic] where each rank was:"
     assert report[2].startswith("  rank 0: in all_reduce (torch.distributed), called at ")
     assert report[3].endswith("in one_rank_lags  <- behind: rank 0 waits for it")
+
+
+@distributed(num_accelerators=2, tracking=False)
+def return_before_the_rendezvous(late: bool) -> str:
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    if os.environ["RANK"] == "1":
+        if not late:
+            time.sleep(1.0)  # rank 0 waits in init_process_group() by now
+        return "done early"  # never calls init_process_group(): the group cannot form
+    if late:
+        time.sleep(1.0)  # joins after rank 1 has gone
+    dist.init_process_group()
+    return "never here"
+
+
+def test_a_rank_that_returns_without_joining_the_others_in_the_rendezvous_fails_the_launch() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankCrashedError) as info:  # rank 0 already waits in init_process_group
+        return_before_the_rendezvous.distributed(False)
+    assert time.monotonic() - start < 5
+    assert str(info.value).startswith(
+        "rank 1 of 2 returned without joining the process group that the other ranks wait for it in "
+        "(every rank must call init_process_group()); rank 0 was stopped by air_magic."
+    ), str(info.value)
+    with pytest.raises(RuntimeError) as late:  # rank 0 comes to init_process_group after rank 1 left
+        return_before_the_rendezvous.distributed(True)
+    assert str(late.value) == (
+        "init_process_group() cannot complete: rank 1 of 2 ended without joining the process group "
+        "(every rank must call init_process_group())"
+    )
+    assert_next_launch_works()
