@@ -74,6 +74,9 @@ def load_ipython_extension(ipython: Any) -> None:
     from .launcher import get_launcher
 
     get_launcher().warm()
+    from .tracking import recover_in_background
+
+    recover_in_background()  # what launches of a kernel that died left unsent (in the background)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -3,16 +3,19 @@
 A direct ``mlflow.log_metric`` from every rank into the default sqlite store costs
 tens of milliseconds a call and makes ranks fight over one database file.  Here
 the kernel is the single writer: when a rank imports ``mlflow``, the fluent
-logging functions are replaced by ones that append a tab-separated line to the
-rank's own ``tracking-<rank>.tsv`` (one ``write`` system call, a few microseconds;
-the bytes survive even a SIGKILL of the rank).  The kernel reads those files and
-writes them with MLflow's batch API into the launch's run (:mod:`air_magic.tracking`).
+logging functions are replaced by ones that append a line to the rank's own
+``tracking-<rank>.tsv`` (one ``write`` system call, a few microseconds; the bytes
+survive even a SIGKILL of the rank).  The file lives in the launch's spool folder,
+which outlives the kernel too (:mod:`air_magic._spool` has the layout and the line
+format).  The kernel reads those files and writes them with MLflow's batch API into
+the launch's run (:mod:`air_magic.tracking`).
 
 With tracking off, the same functions do nothing, so no stray runs are created.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.abc
 import importlib.machinery
 import os
@@ -22,39 +25,49 @@ import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from ._spool import SPOOL_DIR_ENV, artifact_dir, spool_file, text_field
+
 _FD: int | None = None
 _RUN_ID: str | None = None
 _ARTIFACT_DIR: str | None = None
 _ENABLED = False
+_write = os.write
+_now = time.time
 
-
-def _clean(text: object) -> str:
-    return str(text).replace("\t", " ").replace("\n", " ")
-
-
-def _emit(kind: str, *fields: object) -> None:
-    if _FD is not None:
-        if kind in _NAME_CHECKS and (kind, fields[0]) not in _GOOD_NAMES:
-            _check_name(kind, fields[0])
-        os.write(_FD, ("\t".join((kind, *map(_clean, fields))) + "\n").encode())
-
-
-#: Names MLflow accepted, by kind: each is checked once per rank.
+#: Metric names MLflow accepted, each as written in a line (checked once per rank).
+_METRIC_FIELDS: dict[Any, str] = {}
+#: Param and tag names MLflow accepted, by kind.
 _GOOD_NAMES: set[tuple[str, object]] = set()
 _NAME_CHECKS = {"m": "_validate_metric_name", "p": "_validate_param_name", "t": "_validate_tag_name"}
 
 
 def _check_name(kind: str, name: object) -> None:
     # A name MLflow would refuse raises here, in the rank, at the call, as MLflow's own
-    # call does; reaching the kernel it would make the store refuse the whole batch.
+    # call does; reaching the kernel it would only be skipped there.
     from mlflow.utils import validation
 
     getattr(validation, _NAME_CHECKS[kind])(name)
     _GOOD_NAMES.add((kind, name))
 
 
+def _metric_field(key: Any) -> str:
+    _check_name("m", key)
+    field = _METRIC_FIELDS[key] = text_field(str(key))
+    return field
+
+
+def _emit(kind: str, key: Any, value: Any) -> None:
+    """A param, tag or artifact line: both fields as text that round-trips whole."""
+    if _FD is not None:
+        if kind in _NAME_CHECKS and (kind, key) not in _GOOD_NAMES:
+            _check_name(kind, key)
+        _write(_FD, f"{kind}\t{text_field(str(key))}\t{text_field(str(value))}\n".encode())
+
+
 def _check_run_id(run_id: str | None) -> None:
-    if run_id is not None and run_id != _RUN_ID:
+    # Before the launch's run exists (its server did not answer yet) _RUN_ID is None:
+    # the points go to that run whenever it is made, whatever the call names.
+    if run_id is not None and _RUN_ID is not None and run_id != _RUN_ID:
         raise RuntimeError(
             f"air_magic: this rank logs to the launch's MLflow run {_RUN_ID}; run_id={run_id!r} is "
             "another run. Remove run_id=..., or log to that run from the notebook."
@@ -63,17 +76,24 @@ def _check_run_id(run_id: str | None) -> None:
 
 def log_metric(key: str, value: float, step: int | None = None, timestamp: int | None = None,
                run_id: str | None = None, **_: Any) -> None:
-    _check_run_id(run_id)
-    # Whole numbers in the file, as MLflow stores them (a step may come as 1.0 or a tensor).
-    _emit("m", key, float(value), int(step or 0), int(timestamp or time.time() * 1000))
+    # The hot path (it is measured): one dict lookup, one f-string, one write system call.
+    if run_id is not None:
+        _check_run_id(run_id)
+    if _FD is not None:
+        field = _METRIC_FIELDS.get(key) or _metric_field(key)
+        # Whole numbers in the file, as MLflow stores them (a step may come as 1.0 or a tensor).
+        _write(_FD, f"m\t{field}\t{float(value)!r}\t{int(step or 0)}\t{int(timestamp or _now() * 1000)}\n".encode())
 
 
 def log_metrics(metrics: dict[str, float], step: int | None = None, timestamp: int | None = None,
                 run_id: str | None = None, **_: Any) -> None:
     _check_run_id(run_id)
-    now, step = int(timestamp or time.time() * 1000), int(step or 0)
-    for key, value in metrics.items():
-        _emit("m", key, float(value), step, now)
+    if _FD is None:
+        return
+    tail = f"\t{int(step or 0)}\t{int(timestamp or _now() * 1000)}\n"
+    lines = [f"m\t{_METRIC_FIELDS.get(key) or _metric_field(key)}\t{float(value)!r}{tail}"
+             for key, value in metrics.items()]
+    _write(_FD, "".join(lines).encode())
 
 
 def log_param(key: str, value: Any, **_: Any) -> Any:
@@ -98,8 +118,9 @@ def set_tags(tags: dict[str, Any], **_: Any) -> None:
 def log_artifact(local_path: str, artifact_path: str | None = None, **_: Any) -> None:
     if _ARTIFACT_DIR is None:
         return
+    # A copy in the spool: the file may change or go before the kernel sends it.
     target = os.path.join(_ARTIFACT_DIR, f"{len(os.listdir(_ARTIFACT_DIR)):05d}")
-    os.makedirs(target)
+    os.makedirs(target, mode=0o700)
     shutil.copy2(local_path, target)
     _emit("a", os.path.join(target, os.path.basename(local_path)), artifact_path or "")
 
@@ -182,14 +203,23 @@ class _MlflowFinder(importlib.abc.MetaPathFinder):
 
 
 def install(work_dir: str, rank: int, run_id: str | None) -> None:
-    """Route this rank's fluent MLflow calls to the kernel (or nowhere when ``run_id`` is None)."""
+    """Route this rank's fluent MLflow calls to the kernel (or nowhere when ``run_id`` is None).
+
+    ``run_id`` is ``""`` when the launch's run does not exist yet (its server did not answer
+    in time): the calls are kept all the same.  The file goes to the spool folder the kernel
+    named in ``AIR_MAGIC_TRACKING_DIR`` (it outlives the kernel), else to ``work_dir``.
+    """
     global _FD, _RUN_ID, _ARTIFACT_DIR, _ENABLED
     _ENABLED = run_id is not None
-    _RUN_ID = run_id
+    _RUN_ID = run_id or None
     if _ENABLED:
-        _FD = os.open(os.path.join(work_dir, f"tracking-{rank}.tsv"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        _ARTIFACT_DIR = os.path.join(work_dir, f"artifacts-{rank}")
-        os.makedirs(_ARTIFACT_DIR, exist_ok=True)
+        folder = os.environ.get(SPOOL_DIR_ENV) or work_dir
+        _FD = os.open(spool_file(folder, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        # Held while this rank lives: a kernel that finds the launch orphaned waits for
+        # every rank to be gone before it sends the rest.
+        fcntl.flock(_FD, fcntl.LOCK_SH)
+        _ARTIFACT_DIR = artifact_dir(folder, rank)
+        os.makedirs(_ARTIFACT_DIR, mode=0o700, exist_ok=True)
     if "mlflow" in sys.modules:
         patch(sys.modules["mlflow"])
     else:

@@ -80,7 +80,9 @@ class LaunchObserver(Protocol):
         """Called before the ranks start; may add environment variables for them."""
 
     def after_end(self, launch: "Launch") -> None:
-        """Called once every rank has ended and the outcome is known."""
+        """Called once every rank has ended and the outcome is known (an observer may also
+        have ``before_end(launch)``, called for every observer before the first
+        ``after_end``: to read what another observer's ``after_end`` cleans up)."""
 
 
 ObserverFactory = Callable[["Launch"], "LaunchObserver | None"]
@@ -564,6 +566,13 @@ class Launch:
                 outcome[1].add_note(held)
         self._outcome = outcome
         self.ended_at = time.time()
+        for observer in self.observers:
+            before_end = getattr(observer, "before_end", None)
+            if before_end is not None:
+                try:
+                    before_end(self)
+                except Exception as exc:  # as after_end: never hides the outcome
+                    sys.stderr.write(f"[air_magic] {type(observer).__name__} failed at the end: {exc}\n")
         for observer in self.observers:
             try:
                 observer.after_end(self)

@@ -1099,6 +1099,14 @@ class PanelObserver:
         self._thread.start()
         self.state.start_lint()
 
+    def before_end(self, launch: "Launch") -> None:
+        # The ranks' last metric lines, read before any observer's after_end: tracking sends
+        # them and deletes its spool there.
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        self.state.refresh(tick=0, final=True)
+
     def after_end(self, launch: "Launch") -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():

@@ -53,6 +53,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``AIR_MAGIC_STATE_DIR`` for this session (kernels started here inherit it): the MLflow
+    spools of one suite never reach another suite's kernels, nor the user's own folder."""
+    folder = tmp_path_factory.mktemp("air-magic-state")
+    folder.chmod(0o700)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIR_MAGIC_STATE_DIR", str(folder))
+        yield str(folder)
+
+
 @pytest.fixture(scope="session")
 def kernel_factory() -> Iterator[Any]:
     """``kernel_factory(extra_env=None) -> Kernel``; every kernel is shut down at the end."""

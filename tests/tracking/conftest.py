@@ -3,21 +3,17 @@
 Every store lives in a temporary folder.  The process tests point this pytest
 process at it (``MLFLOW_TRACKING_URI`` and the working directory, which the
 ranks inherit); the kernel tests start kernels whose environment names it.
+The spools that outlive a kernel go to a temporary state folder too
+(``AIR_MAGIC_STATE_DIR``), never to the user's own.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from typing import Any, Iterator
 
 import pytest
 
-from tracking_support import Server, Store, free_port, kill_tree, sqlite_uri
+from tracking_support import Server, ServerDidNotStart, Store, free_port, sqlite_uri, start_mlflow_server
 
 #: Environment that would steer MLflow away from the store under test.
 _MLFLOW_VARIABLES = ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
@@ -56,35 +52,11 @@ def store(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """``mlflow server`` on 127.0.0.1 at a free port, its store and artifacts in a temp folder."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    log_path = str(root / "server.log")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "mlflow", "server",
-                "--backend-store-uri", sqlite_uri(root),
-                "--artifacts-destination", str(root / "artifacts"),
-                "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            ],
-            cwd=str(root), env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = Server(f"http://127.0.0.1:{port}", port, proc, log_path)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{server.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{server.uri}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server did not answer on port {port} in 180 s:\n{server.log_tail()}")
-            time.sleep(0.5)
+        server = start_mlflow_server(str(root), free_port())
+    except ServerDidNotStart as exc:
+        pytest.fail(str(exc))
+    try:
         yield server
     finally:
-        kill_tree(proc)
+        server.stop()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import socket
 import subprocess
+import sys
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -98,6 +102,66 @@ class Server:
                 return handle.read()[-4000:]
         except OSError:
             return ""
+
+    def stop(self) -> None:
+        """Kill the server (its workers first), as a crash or an operator would."""
+        kill_tree(self.proc)
+
+
+class ServerDidNotStart(Exception):
+    pass
+
+
+def start_mlflow_server(root: str, port: int, timeout: float = 180) -> Server:
+    """``mlflow server`` on 127.0.0.1:``port``, its store and artifacts in ``root``; waits
+    until it answers ``/health``.  Started again on the same folder and port, it is the
+    same server come back."""
+    log_path = os.path.join(root, "server.log")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "mlflow", "server",
+                "--backend-store-uri", sqlite_uri(root),
+                "--artifacts-destination", os.path.join(root, "artifacts"),
+                "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+            ],
+            cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Server(f"http://127.0.0.1:{port}", port, proc, log_path)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise ServerDidNotStart(f"mlflow server exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{server.uri}/health", timeout=5) as response:
+                if response.status == 200:
+                    return server
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise ServerDidNotStart(f"mlflow server did not answer on port {port} in {timeout:g} s:\n"
+                                    f"{server.log_tail()}")
+        time.sleep(0.5)
+
+
+# -- the spool ------------------------------------------------------------------------------------
+
+
+def spool_files(state_dir: str) -> list[str]:
+    """Every rank file of every launch spooled under ``state_dir``."""
+    return sorted(glob.glob(os.path.join(state_dir, "tracking", "*", "tracking-*.tsv")))
+
+
+def spooled_points(state_dir: str, key: str) -> int:
+    """How many points of metric ``key`` the ranks wrote to the spool."""
+    count = 0
+    for path in spool_files(state_dir):
+        with open(path, "rb") as handle:
+            count += sum(1 for line in handle if line.startswith(f"m\t{key}\t".encode()))
+    return count
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:

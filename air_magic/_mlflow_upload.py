@@ -1,0 +1,400 @@
+"""Sending a spool to MLflow: bounded requests, refused items skipped one by one.
+
+Used by the kernel's writer thread during a launch (:mod:`air_magic.tracking`) and by
+the recovery of launches a kernel left behind (:mod:`air_magic._tracking_recovery`)::
+
+    spool folder ──read_new──> lines ──parse──> Metric/Param/RunTag/artifact
+        │                                          │ log_batch (1000 a call), log_artifact
+        │<── mark_sent(offset) ── the store took them (or refused some: skipped, named)
+        └── store unreachable: nothing is marked, the lines wait for the next try
+
+Two kinds of failure, told apart:
+
+* the store cannot be reached (connection refused or reset, a timeout, a locked sqlite
+  file): :class:`Unreachable` is raised and nothing is marked sent;
+* the store refuses something (a step too large for it, an artifact path it rejects, a
+  param whose value changed): the batch is split in halves until the refused items
+  are alone; they are skipped and named, everything else is stored.  Before an item is
+  called refused, the store is asked for the run: if that fails too, it is unreachable.
+
+Requests made by air_magic's own threads use MLflow's own settings
+(``MLFLOW_HTTP_REQUEST_TIMEOUT``, ``..._MAX_RETRIES``, ``..._BACKOFF_FACTOR``,
+``..._BACKOFF_JITTER``) with short values, so a dead server costs seconds; every other
+thread of the kernel (the user's own MLflow calls) keeps the user's settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from ._spool import Spool, iter_lines
+
+__all__ = ["Unreachable", "SpoolUploader", "bounded_requests", "make_client", "absolute_uri", "store_name"]
+
+#: MLflow's HTTP settings inside air_magic's threads: about 5 s for a server that hangs,
+#: well under a second for one that refuses connections.
+REQUEST_LIMITS: dict[str, Any] = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": 5,
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": 1,
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 0,
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": 0.0,
+}
+_BATCH = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow's limits per log_batch call
+_READ = 1 << 20  # bytes of one rank's file read per round
+
+_local = threading.local()
+_limits_installed = False
+_install_lock = threading.Lock()
+
+
+def _bounded() -> bool:
+    return getattr(_local, "depth", 0) > 0
+
+
+class _OwnThreadsOnly(logging.Filter):
+    """Drops what MLflow and urllib3 log from air_magic's own threads (retries, the
+    system-metrics monitor giving up on a dead server): the user is told once, by us."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _bounded() or record.levelno >= logging.CRITICAL
+
+
+def _install_limits() -> None:
+    global _limits_installed
+    with _install_lock:
+        if _limits_installed:
+            return
+        from mlflow import environment_variables
+
+        for name, value in REQUEST_LIMITS.items():
+            variable = getattr(environment_variables, name)
+            users = variable.get  # the user's setting (their environment, else MLflow's default)
+
+            def get(users: Callable[[], Any] = users, value: Any = value) -> Any:
+                return value if _bounded() else users()
+
+            variable.get = get  # read by MLflow at every request
+        quiet = _OwnThreadsOnly()
+        for logger in ("urllib3.connectionpool", "mlflow.system_metrics.system_metrics_monitor",
+                       "mlflow.utils.rest_utils"):
+            logging.getLogger(logger).addFilter(quiet)
+        _limits_installed = True
+
+
+@contextlib.contextmanager
+def bounded_requests() -> Iterator[None]:
+    """MLflow requests made by this thread inside the block use :data:`REQUEST_LIMITS`."""
+    _install_limits()
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def bounded(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run with :func:`bounded_requests` (for a thread MLflow starts for us)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with bounded_requests():
+            return function(*args, **kwargs)
+
+    return run
+
+
+# -- telling failures apart -------------------------------------------------------------------------
+
+
+class Unreachable(Exception):
+    """The store did not answer; ``reason`` says how, in a few words."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def unreachable_reason(exc: BaseException) -> str | None:
+    """How the store failed to answer, or None when it answered (and refused)."""
+    import requests
+
+    for link in _chain(exc):
+        if isinstance(link, (requests.exceptions.Timeout, TimeoutError)):
+            return f"no answer in {REQUEST_LIMITS['MLFLOW_HTTP_REQUEST_TIMEOUT']} s"
+        if isinstance(link, (requests.exceptions.ConnectionError, ConnectionError)):
+            text = str(link).lower()
+            if "refused" in text:
+                return "connection refused"
+            if "reset" in text or "aborted" in text or "remotedisconnected" in text:
+                return "connection lost"
+            return "cannot connect"
+        if "database is locked" in str(link):
+            return "database is locked"
+    return None
+
+
+def short_error(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+# -- stores --------------------------------------------------------------------------------------------
+
+
+def absolute_uri(uri: str) -> str:
+    """The tracking URI with a local path made absolute (a later kernel may start elsewhere)."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    if "://" not in uri and not uri.startswith(("databricks", "file:")):
+        return os.path.abspath(uri)
+    return uri
+
+
+def local_store_path(uri: str) -> str | None:
+    if uri.startswith("sqlite:///"):
+        return uri[len("sqlite:///"):]
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    if "://" not in uri and os.path.isabs(uri):
+        return uri
+    return None
+
+
+def store_name(uri: str) -> str:
+    """``MLflow server http://...`` or ``MLflow store sqlite:///...`` (for messages)."""
+    return f"MLflow {'server' if uri.startswith(('http://', 'https://')) else 'store'} {uri}"
+
+
+@contextlib.contextmanager
+def _first_use_lock(uri: str) -> Iterator[None]:
+    """Serialise MLflow's first-time set-up of a sqlite store across processes."""
+    path = None
+    if uri.startswith("sqlite:///"):
+        path = os.path.abspath(uri[len("sqlite:///"):]) + ".air_magic.lock"
+    if path is None:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def make_client(uri: str) -> Any:
+    from mlflow import MlflowClient
+
+    with _first_use_lock(uri):
+        try:
+            return MlflowClient(uri)  # a sqlite store creates its tables here
+        except Exception as exc:
+            reason = unreachable_reason(exc)
+            if reason is not None:
+                raise Unreachable(reason) from exc
+            raise
+
+
+# -- one spool, one run -------------------------------------------------------------------------------
+
+
+class SpoolUploader:
+    """Sends one launch's spool to its run; makes the run first when it does not exist yet."""
+
+    def __init__(self, spool: Spool, client: Any) -> None:
+        self.spool = spool
+        self.client = client
+        self.params: dict[str, str] = {}  # rank params sent: the first value of a key wins
+        self.skipped: dict[str, list[Any]] = {}  # what the store refused: label -> [count, error]
+        self.points = 0  # metric points sent by this uploader
+        self.progress_at = time.monotonic()  # last time the store took something
+        self._store_answers = False  # the store answered a probe since the last refusal
+
+    @property
+    def run_id(self) -> str | None:
+        return self.spool.journal.get("run_id")  # type: ignore[no-any-return]
+
+    def _call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One request; Unreachable when the store did not answer."""
+        try:
+            value = function(*args, **kwargs)
+        except Exception as exc:
+            reason = unreachable_reason(exc)
+            if reason is not None:
+                raise Unreachable(reason) from exc
+            raise
+        self.progress_at = time.monotonic()
+        return value
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def ensure_run(self) -> str:
+        journal = self.spool.journal
+        if not journal.get("run_id"):
+            experiment_id = journal.get("experiment_id") or self._experiment_id(journal["experiment_name"])
+            run = self._call(
+                self.client.create_run, experiment_id, start_time=int(journal["created_at"] * 1000),
+                tags=journal.get("tags") or {}, run_name=journal.get("run_name"),
+            )
+            self.spool.update(run_id=run.info.run_id, experiment_id=experiment_id)
+        if not journal.get("params_logged"):
+            from mlflow.entities import Param
+
+            params = [Param(k, v) for k, v in (journal.get("params") or {}).items()]
+            self._send("params", params)
+            self.spool.update(params_logged=True)
+        return str(journal["run_id"])
+
+    def _experiment_id(self, name: str) -> str:
+        experiment = self._call(self.client.get_experiment_by_name, name)
+        if experiment is not None:
+            return str(experiment.experiment_id)
+        try:
+            return str(self._call(self.client.create_experiment, name))
+        except Unreachable:
+            raise
+        except Exception:  # created meanwhile by another kernel
+            experiment = self._call(self.client.get_experiment_by_name, name)
+            if experiment is None:
+                raise
+            return str(experiment.experiment_id)
+
+    # -- the lines --------------------------------------------------------------------------------
+
+    def pump(self, until_empty: bool = False) -> int:
+        """Send what the ranks wrote since the last call; the number of lines sent.
+
+        During a launch a round sends at most a few MiB of each rank's file, so that a
+        rank that logs fast does not keep the others waiting; ``until_empty`` sends all.
+        """
+        total = 0
+        self._store_answers = False
+        for rank in self.spool.ranks():
+            rounds = 0
+            while until_empty or rounds < 4:
+                lines, end = self.spool.read_new(rank, _READ)
+                if not lines:
+                    break
+                self._send_lines(lines)
+                self.spool.mark_sent(rank, end)
+                total += len(lines)
+                rounds += 1
+        return total
+
+    def _send_lines(self, lines: list[bytes]) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        metrics: list[Any] = []
+        params: list[Any] = []
+        tags: list[Any] = []
+        artifacts: list[tuple[str, str | None]] = []
+        for item in iter_lines(lines):
+            kind = item[0]
+            if kind == "m":
+                metrics.append(Metric(item[1], item[2], item[4], item[3]))
+            elif kind == "p":
+                # The same parameter from several ranks: the first value is kept.
+                if item[1] not in self.params:
+                    self.params[item[1]] = item[2]
+                    params.append(Param(item[1], item[2]))
+            elif kind == "t":
+                tags.append(RunTag(item[1], item[2]))
+            else:
+                artifacts.append((item[1], item[2]))
+        self._send("metrics", metrics)
+        # Sent apart from the points: a refused param must cost nothing but itself.
+        self._send("params", params)
+        self._send("tags", tags)
+        for local_path, artifact_path in artifacts:
+            self._send_artifact(local_path, artifact_path)
+
+    def _send(self, kind: str, items: list[Any]) -> None:
+        size = _BATCH[kind]
+        for start in range(0, len(items), size):
+            self._send_batch(kind, items[start:start + size])
+
+    def _send_batch(self, kind: str, items: list[Any]) -> None:
+        if not items:
+            return
+        try:
+            self._call(self.client.log_batch, self.run_id, **{kind: items})
+            if kind == "metrics":
+                self.points += len(items)
+            return
+        except Unreachable:
+            raise
+        except Exception as exc:
+            if len(items) == 1:
+                self._refused(_label(kind, items[0]), exc)
+                return
+        middle = len(items) // 2
+        self._send_batch(kind, items[:middle])
+        self._send_batch(kind, items[middle:])
+
+    def _send_artifact(self, local_path: str, artifact_path: str | None) -> None:
+        try:
+            self._call(self.client.log_artifact, self.run_id, local_path, artifact_path)
+        except Unreachable:
+            raise
+        except Exception as exc:
+            target = f" to '{artifact_path}'" if artifact_path else ""
+            self._refused(f"artifact '{os.path.basename(local_path)}'{target}", exc)
+
+    def _refused(self, label: str, exc: Exception) -> None:
+        if not self._store_answers:
+            # A refusal, or a store that fails everything (a server whose database is down
+            # answers 500)? Ask it something that must work.
+            try:
+                self._call(self.client.get_run, self.run_id)
+            except Unreachable:
+                raise
+            except Exception as probe:
+                raise Unreachable(f"it fails: {short_error(probe)}") from probe
+            self._store_answers = True
+        entry = self.skipped.setdefault(label, [0, short_error(exc)])
+        entry[0] += 1
+
+    def send_logs(self, paths: list[str]) -> None:
+        for path in paths:
+            if os.path.exists(path):
+                self._send_artifact(path, "logs")
+
+    def finish(self, status: str, tag_skipped: bool = True) -> None:
+        """Name what was skipped on the run, then end it with ``status``."""
+        from mlflow.entities import RunTag
+
+        if tag_skipped and self.skipped:
+            text = self.skipped_text()
+            self._send("tags", [RunTag("air_magic.skipped", text if len(text) <= 5000 else text[:4997] + "...")])
+        self._call(self.client.set_terminated, self.run_id, status)
+        self._store_answers = False
+
+    def skipped_text(self) -> str:
+        """``1 point of metric 'x' (why), param 'y' (why)`` — at most 10 names."""
+        parts = []
+        for label, (count, error) in list(self.skipped.items())[:10]:
+            if label.startswith("metric "):
+                label = f"{count} point{'s' if count != 1 else ''} of {label}"
+            parts.append(f"{label} ({error})")
+        more = len(self.skipped) - 10
+        return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
+
+
+def _label(kind: str, item: Any) -> str:
+    return {"metrics": "metric", "params": "param", "tags": "tag"}[kind] + f" '{item.key}'"

@@ -1,0 +1,119 @@
+"""A kernel that dies mid-launch (SIGKILL, as the out-of-memory killer sends; a restart) leaves
+its ranks' points on disk; the next kernel sends every one of them and marks the run KILLED.
+
+Each test has its own notebook folder (its sqlite store) and its own state folder, both
+shared by the kernel that dies and the one after it, as a user's are.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from harness import Kernel, rank_processes, wait_until
+from tracking_support import Store, one_run_id, spool_files, spooled_points, sqlite_uri
+
+pytestmark = pytest.mark.kernel
+
+#: Logs a point every 5 ms until the kernel dies; says when the first 100 are written.
+SLOW_CELL = """\
+%%distributed -n 2 --async
+import os, time, mlflow
+rank = int(os.environ["RANK"])
+for step in range(100000):
+    mlflow.log_metric("slow", rank + step / 100000, step=step)
+    if step == 100:
+        open(f"logged-100-{rank}", "w").close()
+    time.sleep(0.005)
+"""
+
+
+@pytest.fixture
+def places(tmp_path: Any) -> Iterator[tuple[str, dict[str, str]]]:
+    folder = tmp_path / "notebook"
+    folder.mkdir()
+    state = tmp_path / "state"
+    yield str(folder), {"AIR_MAGIC_STATE_DIR": str(state)}
+
+
+def start_slow_launch(kernel: Kernel) -> str:
+    kernel.ok("%load_ext air_magic")
+    res = kernel.run(SLOW_CELL, timeout=180)
+    assert res.error is None, res.error_text
+    run_id = one_run_id(res.stdout)
+    markers = [os.path.join(kernel.workdir, f"logged-100-{rank}") for rank in (0, 1)]
+    assert wait_until(lambda: all(os.path.exists(m) for m in markers), timeout=120), "the ranks never got going"
+    time.sleep(1.0)  # more points, some sent by the writer, the last ones not yet
+    return run_id
+
+
+def died_with_points_unsent(store: Store, run_id: str, state: str) -> int:
+    """After the kernel died: its ranks went with it, and some points are on disk only."""
+    assert wait_until(lambda: not rank_processes(), timeout=30), "ranks outlived their kernel"
+    spooled = spooled_points(state, "slow")
+    assert len(spool_files(state)) == 2
+    run = store.run(run_id)
+    assert run.info.status == "RUNNING"
+    assert 200 < spooled
+    assert len(store.history(run_id, "slow")) < spooled, "everything was sent before the kill"
+    return spooled
+
+
+def test_a_kernel_killed_mid_launch_leaves_every_point_to_the_next_kernel(
+    places: tuple[str, dict[str, str]]
+) -> None:
+    folder, env = places
+    store = Store(sqlite_uri(folder))
+    first = Kernel(folder, env)
+    try:
+        run_id = start_slow_launch(first)
+        os.kill(first.pid, signal.SIGKILL)  # what the out-of-memory killer sends
+        first.forget()
+        spooled = died_with_points_unsent(store, run_id, env["AIR_MAGIC_STATE_DIR"])
+    finally:
+        first.shutdown()
+
+    second = Kernel(folder, env)
+    try:
+        second.ok("%load_ext air_magic")
+        # Its first launch looks for what dead kernels left, in the background.
+        res = second.run("%%distributed -n 1\n7", timeout=180)
+        assert res.error is None, res.error_text
+        assert wait_until(lambda: store.run(run_id).info.status == "KILLED", timeout=60)
+        assert len(store.history(run_id, "slow")) == spooled
+        assert store.run(run_id).info.status == "KILLED"
+        assert spool_files(env["AIR_MAGIC_STATE_DIR"]) == []
+        assert os.listdir(os.path.join(env["AIR_MAGIC_STATE_DIR"], "tracking")) == []
+    finally:
+        second.shutdown()
+
+
+def test_a_kernel_restarted_mid_launch_leaves_every_point_to_upload_pending(
+    places: tuple[str, dict[str, str]]
+) -> None:
+    folder, env = places
+    store = Store(sqlite_uri(folder))
+    kernel = Kernel(folder, env)
+    try:
+        run_id = start_slow_launch(kernel)
+        kernel.km.restart_kernel(now=True)
+        kernel.refresh_pid()
+        spooled = died_with_points_unsent(store, run_id, env["AIR_MAGIC_STATE_DIR"])
+        sent_before = len(store.history(run_id, "slow"))
+        kernel.kc.wait_for_ready(timeout=60)
+        res = kernel.ok("import air_magic.tracking\nresults = air_magic.tracking.upload_pending()", timeout=120)
+        recovered = [line for line in res.stderr.splitlines() if line.startswith("[air_magic]")]
+        assert recovered == [
+            f"[air_magic] recovered what earlier launches left on disk: MLflow run {run_id} "
+            f"({spooled - sent_before} points sent, marked KILLED)."
+        ]
+        assert kernel.value("[(r.outcome, r.run_id) for r in results]") == [("sent", run_id)]
+        assert store.run(run_id).info.status == "KILLED"
+        assert len(store.history(run_id, "slow")) == spooled
+        assert spool_files(env["AIR_MAGIC_STATE_DIR"]) == []
+    finally:
+        kernel.shutdown()
