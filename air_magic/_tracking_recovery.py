@@ -173,9 +173,10 @@ def _background_pass() -> None:
     except Exception as exc:  # never a traceback from a background thread
         sys.stderr.write(f"[air_magic] could not look for MLflow points left by earlier launches: {exc}\n")
         return
-    for line in _lines(results, background=True):
-        sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    lines = _lines(results, background=True)
+    if lines:  # nothing at all otherwise: in a kernel, a thread's first write opens a socket kept for good
+        sys.stderr.write("".join(line + "\n" for line in lines))
+        sys.stderr.flush()
 
 
 def recover_in_background() -> None:

@@ -372,6 +372,7 @@ class Launch:
         self._failures: list[int] = []
         self._stop_at: float | None = None  # time.monotonic() when the helper began to stop it
         self._records: dict[int, tuple[Any, ...] | None] = {}  # error records read so far
+        self._helper: Any = None  # the helper process its ranks are forked from
         self._cancel_requested = False
         self._done = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
@@ -950,7 +951,15 @@ class Launcher:
             request = self._prepare(launch, payload, cwd)
             with self._lock:
                 self.launches[launch.id] = launch
-            helper.send(("launch", request))
+            launch._helper = helper
+            try:
+                helper.send(("launch", request))
+            except OSError:
+                # The helper went away just now (SIGTERM, a crash) and its reader has not seen
+                # it yet: the launch goes to a new one.
+                helper = self._replace_helper(helper)
+                launch._helper = helper
+                helper.send(("launch", request))
         except BaseException as exc:  # an interrupt too: nothing of a launch that never started stays
             with self._lock:
                 self.launches.pop(launch.id, None)
@@ -1060,11 +1069,19 @@ class Launcher:
             self.launches.pop(launch.id, None)
         launch._on_done()
 
+    def _replace_helper(self, helper: _Helper) -> _Helper:
+        with self._lock:
+            helper.alive = False
+            if self._helper is helper:
+                self._helper = None
+        return self._ensure_helper()
+
     def _helper_gone(self, helper: _Helper) -> None:
         returncode = helper.proc.poll()
         with self._lock:
-            orphans = list(self.launches.values())
-            self.launches.clear()
+            orphans = [launch for launch in self.launches.values() if launch._helper is helper]
+            for launch in orphans:
+                self.launches.pop(launch.id, None)
             if self._helper is helper:
                 self._helper = None
         for launch in orphans:

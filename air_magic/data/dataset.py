@@ -208,7 +208,19 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
     # -- reading ----------------------------------------------------------------------------------
 
     def _load(self, path: str) -> Any:
-        local = self._local_copy(path) if self._remote else path
+        if not self._remote:
+            return self._read(path)
+        # Ranks and workers on one machine share the cache folder: another one's eviction
+        # can remove this copy between its download and its reading. Then fetch it again.
+        for attempt in range(3):
+            try:
+                return self._read(self._local_copy(path))
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _read(self, local: str) -> Any:
         if self.output == "path":
             return local
         if self.output == "bytes":

@@ -38,7 +38,8 @@ def faulty(fault):
     if fault != "timeout":  # importing mlflow takes seconds: not inside a 3 s timeout
         import mlflow
         for step in range({POINTS}):
-            mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
+            # a value of each rank's own: MLflow keeps one row per (key, step, value, time)
+            mlflow.log_metric("loss", rank + 1.0 / (step + 1), step=step)
     last = rank == size - 1
     if last and fault != "none":  # when the fault happens, for the test's clock
         with open(f"fault-{{os.environ['AIR_MAGIC_LAUNCH_ID']}}", "w") as mark:
