@@ -447,3 +447,23 @@ def test_a_rank_that_returns_without_joining_the_others_in_the_rendezvous_fails_
         "(every rank must call init_process_group())"
     )
     assert_next_launch_works()
+
+
+def test_an_interrupt_while_a_launch_starts_leaves_none_of_its_files() -> None:
+    from air_magic.launcher import Launcher
+
+    assert_next_launch_works()
+    before = set(os.listdir(launcher().session_dir))
+
+    def interrupted(launch: Any) -> None:
+        raise KeyboardInterrupt  # the user's Ctrl-C while the payload is written and sent
+
+    Launcher.add_observer(interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            all_reduce.distributed()
+    finally:
+        Launcher._observer_factories.remove(interrupted)
+    assert set(os.listdir(launcher().session_dir)) == before  # no payload, no folder
+    assert not launcher().launches
+    assert_next_launch_works()
