@@ -22,7 +22,7 @@ import cloudpickle
 import pytest
 
 from air_magic import LaunchError, LaunchTimeoutError, RankCrashedError, distributed
-from harness import air_magic_processes, helper_processes, wait_until
+from harness import helper_processes, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -179,7 +179,6 @@ def test_a_rank_that_exits_0_without_returning_fails_the_launch_at_once() -> Non
 
 @distributed(num_accelerators=1, tracking=False)
 def start_detached(report: str) -> int:
-    import os
     import subprocess
 
     child = subprocess.Popen(["sleep", "120"], start_new_session=True)  # its own session and group
@@ -289,11 +288,9 @@ def rendezvous_then_wait(report: str) -> float:
 
     dist.init_process_group()
     if os.environ["RANK"] == "0":
-        work = os.path.dirname(os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"]))
         with open(report + ".tmp", "w") as handle:
             handle.write(f"{os.environ['MASTER_PORT']} {os.environ['TORCHELASTIC_ERROR_FILE']}")
         os.replace(report + ".tmp", report)
-        del work
     deadline = time.time() + 30
     while not os.path.exists(report + ".done") and time.time() < deadline:
         time.sleep(0.05)
