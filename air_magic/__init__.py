@@ -73,10 +73,14 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(DistributedMagics, LintMagics)
     from .launcher import get_launcher
 
-    get_launcher().warm()
-    from .tracking import recover_in_background
+    launcher = get_launcher()
+    launcher.warm()
+    from .tracking import recover_in_background, warm_in_background
 
     recover_in_background()  # what launches of a kernel that died left unsent (in the background)
+    magics = getattr(getattr(ipython, "magics_manager", None), "registry", {}).get("DistributedMagics")
+    if getattr(magics, "tracking", True):  # off in the kernel's config: MLflow is not needed
+        warm_in_background(launcher.session_dir)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -10,6 +10,12 @@ which outlives the kernel too (:mod:`air_magic._spool` has the layout and the li
 format).  The kernel reads those files and writes them with MLflow's batch API into
 the launch's run (:mod:`air_magic.tracking`).
 
+The ranks start before the launch's run exists (the kernel makes it beside them).  The
+calls above never need its id; a call that does (``mlflow.active_run().info.run_id``,
+``log_artifacts``, ``log_figure``, ``log_model``, autologging: MLflow's own functions
+that go through ``_get_or_start_run``) reads it from the spool folder, where the kernel
+publishes it, waiting for it if it must (``AIR_MAGIC_RUN_WAIT`` seconds at most).
+
 With tracking off, the same functions do nothing, so no stray runs are created.
 """
 
@@ -25,10 +31,11 @@ import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from ._spool import SPOOL_DIR_ENV, artifact_dir, spool_file, text_field
+from ._spool import SPOOL_DIR_ENV, artifact_dir, read_run, spool_file, text_field
 
 _FD: int | None = None
 _RUN_ID: str | None = None
+_FOLDER: str | None = None  # the spool folder: the kernel publishes the run's id there
 _ARTIFACT_DIR: str | None = None
 _ENABLED = False
 _write = os.write
@@ -64,14 +71,41 @@ def _emit(kind: str, key: Any, value: Any) -> None:
         _write(_FD, f"{kind}\t{text_field(str(key))}\t{text_field(str(value))}\n".encode())
 
 
-def _check_run_id(run_id: str | None) -> None:
-    # Before the launch's run exists (its server did not answer yet) _RUN_ID is None:
-    # the points go to that run whenever it is made, whatever the call names.
-    if run_id is not None and _RUN_ID is not None and run_id != _RUN_ID:
-        raise RuntimeError(
-            f"air_magic: this rank logs to the launch's MLflow run {_RUN_ID}; run_id={run_id!r} is "
-            "another run. Remove run_id=..., or log to that run from the notebook."
-        )
+def launch_run_id() -> str | None:
+    """The launch's run id (None with tracking off), waiting for the kernel to make the run."""
+    global _RUN_ID
+    if _RUN_ID is not None or not _ENABLED or _FOLDER is None:
+        return _RUN_ID
+    wait = float(os.environ.get("AIR_MAGIC_RUN_WAIT") or 30)
+    deadline = time.monotonic() + wait
+    pause = 0.001
+    while True:
+        text = read_run(_FOLDER)
+        if text:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"air_magic: the launch's MLflow run was not made within {wait:g} s (its store does not answer), "
+                "and this call needs its id. mlflow.log_metric, log_param, set_tag and log_artifact need no "
+                "id: what they log waits on disk and reaches the run when the store is back."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    if text.startswith("!"):
+        raise RuntimeError(f"air_magic: this launch has no MLflow run: {text[1:]}")
+    _RUN_ID = text
+    os.environ["MLFLOW_RUN_ID"] = text  # MLflow's own start_run() resumes the launch's run
+    return _RUN_ID
+
+
+def _check_run_id(given: str | None) -> None:
+    if given is not None and _ENABLED:
+        ours = launch_run_id()
+        if given != ours:
+            raise RuntimeError(
+                f"air_magic: this rank logs to the launch's MLflow run {ours}; run_id={given!r} is "
+                "another run. Remove run_id=..., or log to that run from the notebook."
+            )
 
 
 def log_metric(key: str, value: float, step: int | None = None, timestamp: int | None = None,
@@ -141,8 +175,18 @@ class _ActiveRun(SimpleNamespace):
         return None
 
 
+class _RunInfo:
+    """``info`` of the launch's run: ``run_id`` is read (waited for) when asked."""
+
+    run_name = None
+
+    @property
+    def run_id(self) -> str | None:
+        return launch_run_id()
+
+
 def _active_run_object() -> Any:
-    return _ActiveRun(info=SimpleNamespace(run_id=_RUN_ID, run_name=None), data=SimpleNamespace())
+    return _ActiveRun(info=_RunInfo(), data=SimpleNamespace())
 
 
 def start_run(run_id: str | None = None, **_: Any) -> Any:
@@ -176,6 +220,19 @@ _PATCHES = {
 def patch(module: ModuleType) -> None:
     for name, function in _PATCHES.items():
         setattr(module, name, function)
+    fluent = sys.modules.get("mlflow.tracking.fluent")
+    original = getattr(fluent, "_get_or_start_run", None)
+    if original is not None and not getattr(original, "_air_magic", False):
+
+        def _get_or_start_run() -> Any:
+            # MLflow's functions that need the run (log_artifacts, log_figure, log_model,
+            # autologging) start or resume it here: the launch's, once the kernel made it.
+            if _ENABLED:
+                launch_run_id()
+            return original()
+
+        _get_or_start_run._air_magic = True  # type: ignore[attr-defined]
+        fluent._get_or_start_run = _get_or_start_run  # type: ignore[union-attr]
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -205,15 +262,16 @@ class _MlflowFinder(importlib.abc.MetaPathFinder):
 def install(work_dir: str, rank: int, run_id: str | None) -> None:
     """Route this rank's fluent MLflow calls to the kernel (or nowhere when ``run_id`` is None).
 
-    ``run_id`` is ``""`` when the launch's run does not exist yet (its server did not answer
-    in time): the calls are kept all the same.  The file goes to the spool folder the kernel
-    named in ``AIR_MAGIC_TRACKING_DIR`` (it outlives the kernel), else to ``work_dir``.
+    ``run_id`` is ``""`` when the launch's run does not exist yet (the kernel makes it
+    while the ranks start): the calls are kept all the same, and :func:`launch_run_id`
+    reads it when a call needs it.  The file goes to the spool folder the kernel named in
+    ``AIR_MAGIC_TRACKING_DIR`` (it outlives the kernel), else to ``work_dir``.
     """
-    global _FD, _RUN_ID, _ARTIFACT_DIR, _ENABLED
+    global _FD, _RUN_ID, _ARTIFACT_DIR, _ENABLED, _FOLDER
     _ENABLED = run_id is not None
     _RUN_ID = run_id or None
     if _ENABLED:
-        folder = os.environ.get(SPOOL_DIR_ENV) or work_dir
+        folder = _FOLDER = os.environ.get(SPOOL_DIR_ENV) or work_dir
         _FD = os.open(spool_file(folder, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         # Held while this rank lives: a kernel that finds the launch orphaned waits for
         # every rank to be gone before it sends the rest.

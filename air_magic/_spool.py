@@ -13,6 +13,8 @@ Where the files live (per user, private, outliving the kernel)::
           lock                  flock(LOCK_EX) by the kernel that owns the launch
           journal.json          where the points go and how far each file was sent
           tracking-<rank>.tsv   the rank's calls, a line each; flock(LOCK_SH) by the rank
+          run                   the run's id once the kernel made it ("!" and a reason when it
+                                cannot): read by a rank whose MLflow call needs the id
           artifacts-<rank>/     copies of the files the rank passed to mlflow.log_artifact
           logs/rank-<rank>.log  copied in when a launch ended before its logs were sent
 
@@ -80,6 +82,33 @@ def spool_file(folder: str, rank: int) -> str:
 
 def artifact_dir(folder: str, rank: int) -> str:
     return os.path.join(folder, f"artifacts-{rank}")
+
+
+RUN = "run"
+
+
+def publish_run(folder: str, text: str) -> None:
+    """Tell the ranks the run's id (or ``"!" + why there is none``), atomically."""
+    path = os.path.join(folder, RUN)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_run(folder: str) -> str | None:
+    """What :func:`publish_run` wrote, or None while the kernel has not made the run yet."""
+    try:
+        fd = os.open(os.path.join(folder, RUN), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.read(fd, 4096).decode()
+    finally:
+        os.close(fd)
 
 
 # -- the line format ---------------------------------------------------------------------------

@@ -414,6 +414,7 @@ def main(argv: list[str]) -> int:
         stop_watch = _watch_kernel_while_preloading(alive_fd, session_dir, shm_dir)
         zygote.preload()
         stop_watch()  # single-threaded again before the first fork
+        zygote._send("ready")  # the kernel's panel stops saying "importing torch"
         zygote.serve()
     finally:
         zygote.shutdown()

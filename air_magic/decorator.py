@@ -274,7 +274,7 @@ def distributed(
         gpus=gpus, gpu_type=gpu_type, tracking=tracking, experiment=experiment,
         run_name=run_name, backend=backend, remote=remote,
     )
-    _warm_launcher()
+    _warm_launcher(spec.tracking)
 
     def decorate(func: Callable[..., R]) -> DistributedFunction[R]:
         return DistributedFunction(func, spec)
@@ -282,12 +282,17 @@ def distributed(
     return decorate
 
 
-def _warm_launcher() -> None:
-    # Start the helper (which imports torch) as early as possible: by the time the
-    # user calls .distributed(), the first launch is warm.
+def _warm_launcher(tracking: bool = True) -> None:
+    # Start the helper (which imports torch) as early as possible, and MLflow with its
+    # store: by the time the user calls .distributed(), the first launch is warm.
     try:
         from .launcher import get_launcher
 
-        get_launcher().warm()
+        launcher = get_launcher()
+        launcher.warm()
+        if tracking:
+            from .tracking import warm_in_background
+
+            warm_in_background(launcher.session_dir)
     except Exception:  # warming is an optimisation; the launch reports real problems
         pass

@@ -27,6 +27,8 @@ end is in the kernel.
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import itertools
 import os
 import re
@@ -40,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import socket
 
@@ -378,6 +380,14 @@ class Launch:
         self._outcome: tuple[bool, Any] | None = None
         self._error_text: str | None = None
         self.observers: list[LaunchObserver] = []
+        self._notices: collections.deque[tuple[str, str]] = collections.deque()
+        #: Where the time of the launch went, for ``benchmarks/launch`` and the curious:
+        #: ``time.monotonic()`` (one clock for every process of the machine) at ``call``,
+        #: ``sent`` (the helper has the request), ``started`` (its ranks are forked),
+        #: ``done`` (every rank has ended), ``outcome`` (the values are read) and
+        #: ``returned``; and seconds spent in each observer's hooks (``tracking.before_start``...).
+        self.timings: dict[str, float] = {"call": time.monotonic()}
+        self._waiter = False  # a blocking wait (the cell) prints the notices; else the launcher
 
     # -- public handle ----------------------------------------------------------------------
 
@@ -403,6 +413,29 @@ class Launch:
         if ok:
             return list(value)
         raise value
+
+    def notify(self, line: str, stream: str = "stdout") -> None:
+        """A line for the cell from a background thread (an observer's): printed by the
+        thread that waits for the launch, so that threads of air_magic never write to the
+        kernel's streams themselves."""
+        self._notices.append((line, stream))
+
+    def _print_notices(self) -> None:
+        while self._notices:
+            line, stream = self._notices.popleft()
+            out = sys.stdout if stream == "stdout" else sys.stderr
+            out.write(line + "\n")
+            out.flush()
+
+    @property
+    def waiting_for(self) -> str:
+        """What a launch that has not started its ranks yet waits for ('' once they run)."""
+        if self.status != "starting":
+            return ""
+        helper = self._helper
+        if helper is not None and not helper.ready.is_set():
+            return "waiting for the helper process to import torch"
+        return f"forking {self.world_size} rank{'s' * (self.world_size != 1)}"
 
     def cancel(self) -> bool:
         """Stop every rank (SIGINT, then SIGTERM, then SIGKILL). False if it had already ended."""
@@ -472,8 +505,10 @@ class Launch:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
         pump = _OutputPump(self.ranks[0].log_path, OUTPUT_LIMIT)
         stall = _StallWatch(self, STALL_SECONDS)
+        self._waiter = True
         try:
             while not self._done.wait(_POLL):
+                self._print_notices()
                 pump.pump()
                 stall.check()
         except KeyboardInterrupt:
@@ -490,19 +525,23 @@ class Launch:
                 self._kill_now()
                 self._done.wait(10)
             pump.pump(final=True)
+            self._print_notices()
             raise KeyboardInterrupt(
                 f"the launch of {self.label} was interrupted; {_stopped(self.world_size)}"
             ) from None
         pump.pump(final=True)
+        self._print_notices()
         values = self.result()
         # The caller owns the values now; the handle (kept as .last_launch) must not pin
         # hundreds of MB of returned tensors in the kernel.
         self._outcome = (True, None)
+        self.timings["returned"] = time.monotonic()
         return values
 
     # -- events from the helper (reader thread) ---------------------------------------------
 
     def _on_started(self, pids: dict[int, int]) -> None:
+        self.timings["started"] = time.monotonic()
         for rank, pid in pids.items():
             self.ranks[rank].pid = pid
         if self.status == "starting":
@@ -549,10 +588,12 @@ class Launch:
         self._error_text = text
 
     def _on_done(self) -> None:
+        self.timings["done"] = time.monotonic()
         try:
             outcome = self._build_outcome()
         except BaseException as exc:  # never leave a waiter hanging
             outcome = (False, exc)
+        self.timings["outcome"] = time.monotonic()
         for state in self.ranks:  # before the observers: MLflow keeps the bounded log too
             _bound_log(state.log_path, LOG_LIMIT)
         try:
@@ -571,16 +612,29 @@ class Launch:
             before_end = getattr(observer, "before_end", None)
             if before_end is not None:
                 try:
-                    before_end(self)
+                    with self._timed(observer, "before_end"):
+                        before_end(self)
                 except Exception as exc:  # as after_end: never hides the outcome
                     sys.stderr.write(f"[air_magic] {type(observer).__name__} failed at the end: {exc}\n")
         for observer in self.observers:
             try:
-                observer.after_end(self)
+                with self._timed(observer, "after_end"):
+                    observer.after_end(self)
             except Exception as exc:  # an observer must never hide the launch's outcome
                 sys.stderr.write(f"[air_magic] {type(observer).__name__} failed at the end: {exc}\n")
         self._cleanup_files()
+        if not self._waiter:  # a submitted launch: nobody else prints them
+            self._print_notices()
         self._done.set()
+
+    @contextlib.contextmanager
+    def _timed(self, observer: Any, hook: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = getattr(observer, "timing_name", type(observer).__name__)
+            self.timings[f"{name}.{hook}"] = time.perf_counter() - began
 
     def _kill_now(self) -> None:
         for state in self.ranks:
@@ -845,6 +899,7 @@ class _Helper:
             os.close(alive_r)
         self.conn = Connection(parent_sock.detach())
         self.send_lock = threading.Lock()
+        self.ready = threading.Event()  # its preload (torch) is done
         self.alive = True
         self.launcher = launcher
         self.thread = threading.Thread(target=self._read, name="air_magic-helper-reader", daemon=True)
@@ -942,16 +997,18 @@ class Launcher:
 
     def start(self, spec: LaunchSpec, payload: Payload) -> Launch:
         """Start ``payload`` on the ranks ``spec`` asks for; returns at once."""
+        called = time.monotonic()
         placement = spec.resolve(detect_hardware())
         cwd = _working_directory()
         self._ensure_session_folders()
         helper = self._ensure_helper()
         launch = Launch(self, spec, placement, payload)
+        launch.timings["call"] = called
+        launch._helper = helper  # before the observers: the panel says what the launch waits for
         try:
             request = self._prepare(launch, payload, cwd)
             with self._lock:
                 self.launches[launch.id] = launch
-            launch._helper = helper
             try:
                 helper.send(("launch", request))
             except OSError:
@@ -960,6 +1017,7 @@ class Launcher:
                 helper = self._replace_helper(helper)
                 launch._helper = helper
                 helper.send(("launch", request))
+            launch.timings["sent"] = time.monotonic()
         except BaseException as exc:  # an interrupt too: nothing of a launch that never started stays
             with self._lock:
                 self.launches.pop(launch.id, None)
@@ -993,7 +1051,8 @@ class Launcher:
             try:
                 observer = factory(launch)
                 if observer is not None:
-                    observer.before_start(launch, env)
+                    with launch._timed(observer, "before_start"):
+                        observer.before_start(launch, env)
                     launch.observers.append(observer)
             except Exception as exc:  # optional pieces never stop a launch
                 print(f"[air_magic] {getattr(factory, '__name__', 'observer')} is off for this launch: "
@@ -1049,6 +1108,9 @@ class Launcher:
 
     def _dispatch(self, helper: _Helper, message: tuple[Any, ...]) -> None:
         kind = message[0]
+        if kind == "ready":
+            helper.ready.set()
+            return
         launch = self.launches.get(message[1])
         if launch is None:
             return

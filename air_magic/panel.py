@@ -772,7 +772,7 @@ def _title_html(state: LaunchState) -> str:
     elapsed = _fmt_elapsed(state.elapsed()) if launch.ended_at else _fmt_clock(state.elapsed())
     parts = [
         f"<b>{_esc(launch.label)}</b> on {where}",
-        f'<span style="color:{color};font-weight:bold">{icon} {_esc(launch.status)}</span>',
+        f'<span style="color:{color};font-weight:bold">{icon} {_esc(_status_text(launch))}</span>',
         f'<span title="elapsed">{elapsed}</span>',
         f'<span style="{_MUTED}">launch {_esc(launch.id)}</span>',
     ]
@@ -890,10 +890,16 @@ def _lint_html(state: LaunchState) -> str:
     )
 
 
+def _status_text(launch: "Launch") -> str:
+    """``running``, or ``starting (waiting for the helper process to import torch)``."""
+    waiting = getattr(launch, "waiting_for", "")
+    return f"{launch.status} ({waiting})" if waiting else launch.status
+
+
 def text_status(state: LaunchState) -> str:
     """One compact line: ``[air_magic] train 0:12 running · r0 45% 450/1000 loss=0.32 · r1 ...``."""
     launch = state.launch
-    head = f"[air_magic] {launch.label} {_fmt_clock(state.elapsed())} {launch.status}"
+    head = f"[air_magic] {launch.label} {_fmt_clock(state.elapsed())} {_status_text(launch)}"
     parts = []
     n = launch.world_size
     shown = range(n) if n <= 4 else (0, n - 1)
@@ -1044,6 +1050,8 @@ def _subshells_active(shell: Any) -> bool:
 class PanelObserver:
     """The panel of one launch (see the module docstring)."""
 
+    timing_name = "panel"  # in Launch.timings
+
     #: Finished background panels whose widgets stay open (the oldest are closed).
     _finished: collections.deque["PanelObserver"] = collections.deque()
     _finished_lock = threading.Lock()
@@ -1147,6 +1155,8 @@ class PanelObserver:
         while not self._stop.wait(_FIRST_TICK if tick == 0 else _TICK):
             tick += 1
             try:
+                if not getattr(self.launch, "_waiter", True):  # a background launch: its lines
+                    self.launch._print_notices()  # (the MLflow run) reach its cell from here
                 self.state.refresh(tick)
                 if self.mode == "widget":
                     self._update_widgets(tick=tick)
@@ -1206,7 +1216,7 @@ class PanelObserver:
     def _start_line(self) -> str:
         launch = self.launch
         where = _where(launch)
-        return f"[air_magic] {launch.label} on {where} (launch {launch.id}): started"
+        return f"[air_magic] {launch.label} on {where} (launch {launch.id}): {_status_text(launch)}"
 
     def _maybe_print(self) -> None:
         elapsed = self.state.elapsed()

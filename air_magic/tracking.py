@@ -1,17 +1,24 @@
 """MLflow tracking of launches: one run per launch, the kernel as the single writer.
 
-Plugs into the launcher as a :class:`~air_magic.launcher.LaunchObserver`::
+Plugs into the launcher as a :class:`~air_magic.launcher.LaunchObserver`.  MLflow is never
+on the launch's path: the ranks start at once and the run is made beside them::
 
-    kernel, before_start                    writer thread                          ranks
-    --------------------                    -------------                          -----
-    spool folder: lock + journal  ------->  client, experiment, create_run,
-      (air_magic._spool)                    the launch's configuration as params
-    waits for the run (5 s at most) <-----  run id  (a later one is printed when made)
-    env: AIR_MAGIC_TRACKING_DIR, run id ----------------------------------------->  mlflow.log_*:
-    prints the run's line                   every 0.5 s: new lines -> log_batch <---  a line each in
-                                            (air_magic._mlflow_upload)                tracking-<r>.tsv
+    kernel, before_start (no MLflow)        writer thread                          ranks
+    --------------------------------        -------------                          -----
+    spool folder: lock + journal  ------->  (MLflow imported and the store opened
+      (air_magic._spool)                    at %load_ext, in the background)
+    env: AIR_MAGIC_TRACKING_DIR  ------------------------------------------------>  start at once
+                                            client, experiment, create_run,        mlflow.log_*: a
+                                            the launch's configuration as params   line each in
+                                            run id -> <spool>/run  ---------------> tracking-<r>.tsv
+                                            "MLflow run ..." for the cell          (a call that needs
+                                            every 0.5 s: new lines -> log_batch <--  the run's id
+                                            (air_magic._mlflow_upload)               reads <spool>/run)
     after_end: the launch's status  ------> last lines, system metrics, rank logs,
     waits while the store takes things <--  status; the spool folder is deleted
+
+MLflow's own log lines from these threads go to the launch's log folder
+(:mod:`air_magic._mlflow_logs`), never into a cell.
 
 Nothing is lost when something fails half-way:
 
@@ -37,7 +44,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._spool import SPOOL_DIR_ENV, STATE_DIR_ENV, PrivateFolderError, Spool, state_dir
+from ._spool import SPOOL_DIR_ENV, STATE_DIR_ENV, PrivateFolderError, Spool, publish_run, state_dir
 from ._tracking_recovery import Recovered, recover_in_background, upload_pending
 
 if TYPE_CHECKING:
@@ -48,13 +55,23 @@ __all__ = ["TrackingObserver", "tracking_observer", "upload_pending", "recover_i
 
 _INTERVAL = 0.5  # seconds between two reads of the ranks' files
 _RETRY = 5.0  # seconds between two tries while the store does not answer
-#: How long a launch waits for its run before the ranks start without its id.  A local
-#: store gets longer: a new sqlite file runs MLflow's migrations first (seconds).
-START_WAIT = {"server": 5.0, "local": 15.0}
+#: MLflow's system metrics (CPU, memory, GPU) start once a launch has run this long: a
+#: shorter one would get one sample, and its stop costs every launch milliseconds.
+_MONITOR_AFTER = 2.0
+#: How long a rank's MLflow call that needs the run's id (log_artifacts, log_figure, autolog...)
+#: waits for the run: the writer retries a store that does not answer every few seconds.
+#: Nothing else waits for the run.
+RUN_WAIT = 30.0
+#: At the end, how long a launch waits for the store to open when it has not yet: MLflow's
+#: import and a new sqlite store's migrations take seconds on a loaded machine.
+OPEN_WAIT = 30.0
 #: At the end, how long without anything taken by the store before the launch returns.
 END_WAIT = 5.0
+#: Set for the ranks: how long their calls that need the run's id wait for it (seconds).
+RUN_WAIT_ENV = "AIR_MAGIC_RUN_WAIT"
 
 _STATUS = {"finished": "FINISHED", "cancelled": "KILLED", "timed out": "KILLED"}
+_PARENT_RUN_TAG = "mlflow.parentRunId"  # mlflow.utils.mlflow_tags.MLFLOW_PARENT_RUN_ID
 
 
 def _notebook_name() -> str:
@@ -83,43 +100,119 @@ def unreachable_line(uri: str, reason: str) -> str:
     )
 
 
+# -- the kernel's MLflow state, read without importing MLflow -------------------------------------
+
+
+def _loaded_mlflow() -> Any:
+    """The kernel's ``mlflow`` module once fully imported, else None.
+
+    A user who set a tracking URI, an experiment or an active run has imported MLflow
+    (the import ends before their call).  While MLflow is not imported, or is being
+    imported by air_magic's warm-up thread, none of that can have happened: the launch
+    then reads the environment and MLflow's default, and never waits for the import.
+    """
+    module = sys.modules.get("mlflow")
+    spec = getattr(module, "__spec__", None)
+    if module is None or getattr(spec, "_initializing", False) or not hasattr(module, "get_tracking_uri"):
+        return None
+    return module
+
+
+def _default_uri() -> str:
+    """MLflow's default store when no URI is set (``get_tracking_uri()`` of MLflow 3): the
+    ``./mlruns`` file store when it holds experiments, else ``sqlite:///mlflow.db``; both
+    relative to the working folder."""
+    try:
+        with os.scandir("mlruns") as entries:
+            for entry in entries:
+                if entry.is_dir() and entry.name.isdigit() and os.path.lexists(os.path.join(entry.path, "meta.yaml")):
+                    return "file://" + os.path.abspath("mlruns")
+    except OSError:
+        pass
+    return "sqlite:///" + os.path.abspath("mlflow.db")
+
+
+def current_uri() -> str:
+    """The tracking URI a launch uses now (absolute), MLflow imported or not."""
+    from ._mlflow_upload import absolute_uri
+
+    mlflow = _loaded_mlflow()
+    if mlflow is not None:
+        return absolute_uri(mlflow.get_tracking_uri())
+    return absolute_uri(os.environ.get("MLFLOW_TRACKING_URI") or _default_uri())
+
+
+_warm_lock = threading.Lock()
+_warmed: set[str] = set()  # store URIs opened (or being opened) by this kernel
+
+
+def warm_in_background(log_dir: str | None = None) -> None:
+    """Import MLflow and open (or create) the store now, in a thread, so that the first
+    launch's run is made at once.  Its log lines go to ``log_dir/mlflow.log``."""
+    if os.environ.get("AIR_MAGIC_WARM", "1") == "0":
+        return
+    uri = current_uri()
+    with _warm_lock:
+        if uri in _warmed:
+            return
+        _warmed.add(uri)
+    path = os.path.join(log_dir, "mlflow.log") if log_dir else None
+    threading.Thread(target=_warm, args=(uri, path), name="air_magic-mlflow-warm", daemon=True).start()
+
+
+def _warm(uri: str, log_path: str | None) -> None:
+    from . import _mlflow_logs
+
+    with _mlflow_logs.log_to(log_path):
+        try:
+            import mlflow  # noqa: F401
+
+            _mlflow_logs.divert()
+            if uri.startswith(("http://", "https://")):
+                return  # a server: nothing to open ahead, and no request before a launch
+            from ._mlflow_upload import bounded_requests, make_client
+
+            with bounded_requests():
+                make_client(uri)._tracking_client.store  # noqa: B018 - creates a new store's tables
+        except Exception:  # the launch's writer tries again, and reports what fails
+            with _warm_lock:
+                _warmed.discard(uri)
+
+
 class TrackingObserver:
     """One launch's MLflow run; see the module's docstring."""
 
+    timing_name = "mlflow"  # in Launch.timings
+
     def __init__(self, launch: "Launch") -> None:
-        import mlflow
-
-        from ._mlflow_upload import absolute_uri
-
-        self.mlflow = mlflow
         self.launch = launch
-        self.uri = mlflow.get_tracking_uri()
-        self.store_uri = absolute_uri(self.uri)
+        self.store_uri = self.uri = current_uri()
         self.writer: _Writer | None = None
 
     def _experiment(self) -> tuple[str | None, str | None]:
         """(id, None) when the kernel chose one, else (None, name): read locally, no request."""
         name = self.launch.spec.experiment
         if name is None:
-            active = self.mlflow.active_run()
-            if active is not None:
-                return str(active.info.experiment_id), None
-            from mlflow.tracking import fluent
+            mlflow = _loaded_mlflow()
+            if mlflow is not None:
+                active = mlflow.active_run()
+                if active is not None:
+                    return str(active.info.experiment_id), None
+                from mlflow.tracking import fluent
 
-            chosen = getattr(fluent, "_active_experiment_id", None)
-            if chosen:
-                return str(chosen), None
+                chosen = getattr(fluent, "_active_experiment_id", None)
+                if chosen:
+                    return str(chosen), None
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or _notebook_name()
         return None, name
 
     def _journal(self, launch: "Launch") -> dict[str, Any]:
-        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
-
         experiment_id, experiment_name = self._experiment()
         tags = {"air_magic.launch_id": launch.id}
-        parent = self.mlflow.active_run()
+        mlflow = _loaded_mlflow()
+        parent = mlflow.active_run() if mlflow is not None else None
         if parent is not None:
-            tags[MLFLOW_PARENT_RUN_ID] = parent.info.run_id
+            tags[_PARENT_RUN_TAG] = parent.info.run_id
         placement = launch.placement
         config = {
             "air_magic.num_accelerators": placement.world_size,
@@ -149,53 +242,40 @@ class TrackingObserver:
             spool = Spool.in_session(launch.id, launch.work_dir, journal)
         if spool.durable:
             _link_for_the_panel(launch, spool)
-        writer = self.writer = _Writer(self, spool)
+        self.writer = _Writer(self, spool)
         env[SPOOL_DIR_ENV] = spool.folder
-        env["MLFLOW_TRACKING_URI"] = self.uri
-        writer.start()
-        wait = START_WAIT["server" if self.store_uri.startswith(("http://", "https://")) else "local"]
-        try:
-            writer.first_try.wait(wait)
-        except BaseException:  # an interrupt: the launch never starts, its run ends KILLED
-            writer.end("KILLED", [])
-            raise
-        with writer.lock:
-            writer.ranks_started = True  # from here on the spool stays until the launch ends
-            fatal, run_id = writer.fatal, writer.run_id
-            if run_id is None and fatal is None:
-                writer.show_run_when_made = True
-        if fatal is not None:
-            spool.remove()
-            del env[SPOOL_DIR_ENV]
-            raise fatal
-        if run_id is not None:
-            env["MLFLOW_RUN_ID"] = env["AIR_MAGIC_MLFLOW_RUN_ID"] = run_id
-            self._show_run(run_id)
-        else:
-            # The ranks keep their calls all the same; the run gets them once it exists.
-            env.pop("MLFLOW_RUN_ID", None)
-            env["AIR_MAGIC_MLFLOW_RUN_ID"] = ""
-            writer.tell_unreachable(writer.unreachable or f"no answer in {wait:g} s")
+        env["MLFLOW_TRACKING_URI"] = self.store_uri
+        # The ranks never wait for the run: their calls go to the spool, and the few that
+        # need the run's id read it from there when the writer has made the run.
+        env.pop("MLFLOW_RUN_ID", None)
+        env["AIR_MAGIC_MLFLOW_RUN_ID"] = ""
+        env[RUN_WAIT_ENV] = str(RUN_WAIT)
+        self.writer.start()
         recover_in_background()
 
     def _show_run(self, run_id: str) -> None:
         self.launch.run_id = run_id
         self.launch.run_url = self._run_url(run_id)
-        _say(self.describe(), sys.stdout)
+        self.launch.notify(self.describe(), "stdout")
 
     def after_end(self, launch: "Launch") -> None:
         writer = self.writer
         if writer is None:
             return
         writer.end(_STATUS.get(launch.status, "FAILED"), launch.log_paths)
-        deadline = time.monotonic() + END_WAIT
+        # Until the store is open (MLflow still importing, a new sqlite store migrating) the
+        # launch waits as long as a rank's call waits for the run; then while it takes things.
+        first = END_WAIT if writer.uploader is not None else OPEN_WAIT
+        deadline = time.monotonic() + first
         while not writer.finished.wait(0.1):
             # A store that takes things keeps the launch waiting: everything is stored before
             # .distributed() returns.  One that stops answering does not.
             deadline = max(deadline, writer.progress_at() + END_WAIT)
             if time.monotonic() > deadline:
-                writer.abandon(f"no answer in {END_WAIT:g} s")
+                writer.abandon(f"no answer in {END_WAIT if writer.uploader is not None else first:g} s")
                 break
+        if writer.fatal is not None:
+            writer.spool.remove()  # no run to send them to: the configuration is what to fix
         writer.report()
 
     # -- showing the run ---------------------------------------------------------------------
@@ -237,7 +317,6 @@ class _Writer:
         self.observer = observer
         self.spool = spool
         self.lock = threading.Lock()
-        self.first_try = threading.Event()  # the run was made, or the first try failed
         self.finished = threading.Event()
         self._wake = threading.Event()
         self.status: str | None = None
@@ -246,11 +325,12 @@ class _Writer:
         self.unreachable: str | None = None  # how the store fails to answer, while it does
         self.fatal: Exception | None = None  # no run can be made (a bad URI or experiment)
         self.error: str | None = None  # the first unexpected failure, told at the end
-        self.show_run_when_made = False
-        self.ranks_started = False
         self._told = False
         self._monitor: Any = None
-        self._thread = threading.Thread(target=self._run, name="air_magic-mlflow-writer", daemon=True)
+        self._monitor_tried = False
+        launch = observer.launch
+        self.log_path = os.path.join(launch.log_dir, "mlflow.log")  # MLflow's own lines
+        self._thread = threading.Thread(target=self._run, name=f"air_magic-mlflow-writer-{launch.id}", daemon=True)
 
     @property
     def run_id(self) -> str | None:
@@ -284,12 +364,13 @@ class _Writer:
                 return
             self._told = True
         if self.spool.durable:
-            _say(unreachable_line(self.observer.store_uri, reason))
+            line = unreachable_line(self.observer.store_uri, reason)
         else:
             from ._mlflow_upload import store_name
 
-            _say(f"[air_magic] {store_name(self.observer.store_uri)} is unreachable ({reason}): this launch's "
-                 "points are only in the kernel's session folder and are lost if it does not answer by the end.")
+            line = (f"[air_magic] {store_name(self.observer.store_uri)} is unreachable ({reason}): this launch's "
+                    "points are only in the kernel's session folder and are lost if it does not answer by the end.")
+        self.observer.launch.notify(line, "stderr")
 
     def report(self) -> None:
         """What did not reach the run, told once, at the end of the launch."""
@@ -307,19 +388,20 @@ class _Writer:
     # -- the thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        from . import _mlflow_logs
         from ._mlflow_upload import bounded_requests
 
         try:
-            with bounded_requests():
+            with _mlflow_logs.log_to(self.log_path), bounded_requests():
                 self._loop()
         except Exception as exc:  # a bug: say so at the end, keep the lines for recovery
             self._note(exc)
             self._leave()
         finally:
-            self.first_try.set()
             self.finished.set()
 
     def _loop(self) -> None:
+        from . import _mlflow_logs
         from ._mlflow_upload import SpoolUploader, Unreachable, make_client
 
         stuck = False  # something unexpected failed: the rest of the lines are not sent
@@ -327,9 +409,14 @@ class _Writer:
             ended = self.status is not None
             try:
                 if self.uploader is None:
+                    import mlflow  # noqa: F401 - imported at %load_ext already, in the background
+
+                    _mlflow_logs.divert()
                     self.uploader = SpoolUploader(self.spool, make_client(self.observer.store_uri))
                 if self.run_id is None:
                     self._make_run()
+                if not self._monitor_tried and not ended and self._running_for() >= _MONITOR_AFTER:
+                    self._start_monitor(str(self.run_id))
                 if not stuck:
                     try:
                         self.uploader.pump(until_empty=ended)
@@ -344,32 +431,41 @@ class _Writer:
                     return
             except Unreachable as exc:
                 self.unreachable = exc.reason
-                if self.first_try.is_set():
-                    self.tell_unreachable(exc.reason)
+                self.tell_unreachable(exc.reason)
                 if ended:
                     self._leave()
                     return
             except Exception as exc:
-                with self.lock:
-                    if self.run_id is None and not self.ranks_started:
-                        self.fatal = exc  # no run can be made: tracking is off for this launch
-                        return
+                if self.run_id is None:
+                    self._no_run(exc)
+                    return
                 raise
-            self.first_try.set()
             self._wake.wait(_INTERVAL if self.unreachable is None else _RETRY)
             self._wake.clear()
+
+    def _running_for(self) -> float:
+        return time.monotonic() - self.observer.launch.timings.get("call", time.monotonic())
+
+    def _no_run(self, exc: Exception) -> None:
+        """No run can be made (a URI MLflow does not know, a deleted experiment...): tracking
+        is off for this launch; the ranks' calls that need the run are told why."""
+        self.fatal = exc
+        reason = f"{type(exc).__name__}: {exc}"
+        try:
+            publish_run(self.spool.folder, "!" + reason)
+        except OSError:
+            pass
+        self.observer.launch.notify(f"[air_magic] tracking is off for this launch: MLflow could not make its "
+                                    f"run: {reason}", "stderr")
 
     def _make_run(self) -> None:
         assert self.uploader is not None
         run_id = self.uploader.ensure_run()
-        self.first_try.set()
-        self._start_monitor(run_id)
-        with self.lock:
-            show = self.show_run_when_made
-        if show:
-            self.observer._show_run(run_id)
+        publish_run(self.spool.folder, run_id)
+        self.observer._show_run(run_id)
 
     def _start_monitor(self, run_id: str) -> None:
+        self._monitor_tried = True
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

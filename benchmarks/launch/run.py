@@ -44,13 +44,14 @@ sys.path.insert(0, str(HERE))
 import psutil  # noqa: E402
 
 import harness as H  # noqa: E402
+import split as S  # noqa: E402
 import tools as T  # noqa: E402
 
 RESULTS = HERE / "results"
 PEER_DISTS = ["torch", "accelerate", "torchpod", "nbdistributed", "ipyparallel",
               "jupyter-distributed", "air_magic", "ipykernel", "jupyter_client", "pyzmq",
               "cloudpickle"]
-DEFAULT_TOOLS = [t.name for t in T.ALL_TOOLS] + ["bigreturn"]
+DEFAULT_TOOLS = [t.name for t in T.ALL_TOOLS] + ["bigreturn", "split"]
 
 
 def log(msg: str) -> None:
@@ -89,6 +90,7 @@ class Env:
             "JUPYTER_DATA_DIR": str(self.root / "data"),
             "JUPYTER_CONFIG_DIR": str(self.root / "config"),
             "IPYTHONDIR": str(self.root / "ipython"),
+            "AIR_MAGIC_STATE_DIR": str(self.root / "state"),
             "HF_HUB_OFFLINE": "1",
             "PYTHONWARNINGS": "ignore",
             H.RUN_VAR: self.run_id,
@@ -162,7 +164,11 @@ def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
             res["notes"].append("init = proxy kernel start (client-side); its N rank kernels start "
                                 "on the first cell, so they are in cold TTR, not in init")
         else:
-            ks = H.KernelSession(env.kernel_name, kenv, cwd=str(env.root),
+            cwd = env.root
+            if tool.fresh_folder:  # a new notebook folder: no mlflow.db yet
+                cwd = env.root / "folders" / session
+                cwd.mkdir(parents=True)
+            ks = H.KernelSession(env.kernel_name, kenv, cwd=str(cwd),
                                  log_path=env.logs / f"{tool.name}-{n}.log")
             ks.run_plain(_setup_code(c, tool), timeout=60)
             cold_init = None
@@ -183,6 +189,8 @@ def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
                 res["init_s"] = cold_init["dt"]
                 if tool.post_init(c):
                     ks.run_plain(tool.post_init(c), timeout=60)
+                if tool.settle_s:
+                    time.sleep(tool.settle_s)
             one = _one_launch(ks, tool, c, sd, cfg)
             if one.get("error"):
                 res["failures"].append({"run": i, "error": one["error"]})
@@ -436,6 +444,7 @@ def render_markdown(data: dict) -> str:
             lines.append(f"| {r['method']} | {_f(r['big']['median'], 3)} ({r['big']['n']}) | "
                          f"{_f(r['tiny']['median'], 3)} | {_f(r['transfer_estimate_s'], 3)} | "
                          f"{_f(r['rss_delta_mib']['max'], 0)} |")
+    lines += S.render(data.get("split") or [])
     notes = []
     seen = set()
     for r in data["launch"]:
@@ -569,7 +578,7 @@ def main() -> int:
 
     try:
         for name in names:
-            if name == "bigreturn":
+            if name in ("bigreturn", "split"):
                 continue
             tool = T.TOOLS_BY_NAME[name]
             for n in cfg.ranks:
@@ -584,6 +593,13 @@ def main() -> int:
         if "bigreturn" in names:
             log(f"bigreturn: 2 ranks x {T.TENSOR_256MB_NUMEL * 4 / 2**20:.0f} MiB, {cfg.big_reps} rep(s)")
             data["bigreturn"] = run_bigreturn(env, cfg.big_reps, have_air, air_reason, cfg)
+        if "split" in names and have_air:
+            data["split"] = []
+            for n in [n for n in cfg.ranks if n > 1]:
+                for tracking in (False, True):
+                    log(f"split: where a warm launch spends its time, N={n}, tracking {'on' if tracking else 'off'}")
+                    data["split"].append(S.run_split(env, env.kernel_name, n, tracking, cfg.warm, 3, env.logs,
+                                                     f"{run_id}-split-{n}-{int(tracking)}"))
     except KeyboardInterrupt:
         log("interrupted: writing partial results")
         data["interrupted"] = True

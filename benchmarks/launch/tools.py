@@ -125,6 +125,8 @@ class Tool:
     fresh_interpreters = False  # every launch starts new Python processes
     kernel_mode = "in_kernel"
     check_returns = False     # _bench_out must be a per-rank list of (t0, N)
+    fresh_folder = False      # the kernel starts in a new, empty notebook folder
+    settle_s = 0.0            # untimed pause between the init cell and the first launch
 
     def setup(self, c: Ctx) -> str:
         return ""
@@ -328,6 +330,31 @@ class AirMagicCell(Tool):
         return f'_bench_out = get_ipython().run_cell_magic("distributed", {args!r}, {cell!r})'
 
 
+class AirMagicTracking(AirMagicCell):
+    name = "air_magic_tracking"
+    returns = "yes (cell value: per-rank list)"
+    model = ("%%distributed with MLflow tracking on (the default), in a fresh notebook folder: the "
+             "first launch's run goes into a new sqlite store (mlflow.db)")
+    fresh_folder = True
+
+    def launch_body(self, c, port):
+        cell = payload_cell(c.sd)
+        return f'_bench_out = get_ipython().run_cell_magic("distributed", {f"-n {c.n}"!r}, {cell!r})'
+
+
+class AirMagicSettled(AirMagicCell):
+    name = "air_magic+3s"
+    model = "as air_magic, the first launch 3 s after %load_ext (a user reading the next cell)"
+    fresh_folder = True
+    settle_s = 3.0
+
+
+class AirMagicTrackingSettled(AirMagicTracking):
+    name = "air_magic_tracking+3s"
+    model = "as air_magic_tracking, the first launch 3 s after %load_ext"
+    settle_s = 3.0
+
+
 class AirMagicDecorator(Tool):
     name = "air_magic_decorator"
     dist = "air_magic"
@@ -370,7 +397,8 @@ class JupyterDistributed(Tool):
 
 
 ALL_TOOLS = [Torchrun(), Accelerate(), Torchpod(), NbDistributed(), IpyParallel(),
-             JupyterDistributed(), AirMagicCell(), AirMagicDecorator()]
+             JupyterDistributed(), AirMagicCell(), AirMagicSettled(), AirMagicTracking(),
+             AirMagicTrackingSettled(), AirMagicDecorator()]
 TOOLS_BY_NAME = {t.name: t for t in ALL_TOOLS}
 
 

@@ -323,7 +323,8 @@ def test_text_lines_where_no_widget_front_end(kernel_factory: Any) -> None:
         assert any(re.search(r"0:0\d running · r0 train \d+% \d+/90", line) for line in lines), lines
         start = displays(msgs)[0]
         assert start["data"] == {"text/plain": start["data"]["text/plain"]}
-        assert start["data"]["text/plain"].endswith(": started")
+        # The helper is ready (the launch before): the first line says the ranks are being forked.
+        assert start["data"]["text/plain"].endswith(": starting (forking 2 ranks)")
         data = _check_summary(msgs, start["transient"]["display_id"], "finished")
         assert "100% 90/90" in data["text/plain"]
         # Turned off: nothing but the launch itself.

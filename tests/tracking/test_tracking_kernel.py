@@ -202,8 +202,12 @@ def test_two_kernels_first_launches_at_once_into_a_fresh_store(tmp_path: Any) ->
     uri = sqlite_uri(folder)
     kernels = [Kernel(str(folder), {"MLFLOW_TRACKING_URI": uri}) for _ in range(2)]
     try:
+        # %load_ext opens (here: creates) the store in the background: both kernels at once.
+        assert not os.path.exists(folder / "mlflow.db")
+        for res in [kernel.collect(msg_id) for kernel, msg_id in
+                    [(kernel, kernel.execute("%load_ext air_magic")) for kernel in kernels]]:
+            assert not res.error, res.error
         for kernel in kernels:
-            kernel.ok("%load_ext air_magic")
             kernel.ok(
                 "import time\n"
                 "import mlflow\n"
@@ -216,7 +220,6 @@ def test_two_kernels_first_launches_at_once_into_a_fresh_store(tmp_path: Any) ->
             )
             # Start the helper, so that the launches below start together.
             assert out_value(kernel.run("%%distributed -n 2 --no-tracking\n1", timeout=180)) == [1, 1]
-        assert not os.path.exists(folder / "mlflow.db")
         start_at = time.time() + 2.0
         cell = f"time.sleep(max(0.0, {start_at!r} - time.time()))\nlen(train.distributed())"
         msg_ids = [kernel.execute(cell) for kernel in kernels]

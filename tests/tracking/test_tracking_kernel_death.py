@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 from harness import Kernel, rank_processes, wait_until
-from tracking_support import Store, one_run_id, spool_files, spooled_points, sqlite_uri
+from tracking_support import Store, spool_files, spooled_points, sqlite_uri
 
 pytestmark = pytest.mark.kernel
 
@@ -44,7 +44,10 @@ def start_slow_launch(kernel: Kernel) -> str:
     kernel.ok("%load_ext air_magic")
     res = kernel.run(SLOW_CELL, timeout=180)
     assert res.error is None, res.error_text
-    run_id = one_run_id(res.stdout)
+    # The run is made beside the ranks: a background launch's handle gets its id when it exists.
+    kernel.ok("launch = _")
+    assert wait_until(lambda: kernel.value("str(launch.run_id)") != "None", timeout=60)
+    run_id = kernel.value("launch.run_id")
     markers = [os.path.join(kernel.workdir, f"logged-100-{rank}") for rank in (0, 1)]
     assert wait_until(lambda: all(os.path.exists(m) for m in markers), timeout=120), "the ranks never got going"
     time.sleep(1.0)  # more points, some sent by the writer, the last ones not yet

@@ -155,7 +155,8 @@ def test_a_server_that_dies_mid_launch_costs_seconds_and_gets_the_points_when_ba
     try:
         launch = log_around_a_crash.submit(str(tmp_path))
         deadline = time.monotonic() + 120
-        while len(history(server.uri, launch.run_id, "loss")) < 200:  # the first half is stored
+        # The run is made beside the ranks: the handle has its id once it exists.
+        while launch.run_id is None or len(history(server.uri, launch.run_id, "loss")) < 200:
             assert time.monotonic() < deadline, "the first half never reached the server"
             time.sleep(0.2)
     finally:
