@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 from typing import Any, Callable, Generic, TypeVar, overload
 
@@ -290,7 +291,10 @@ def _warm_launcher(tracking: bool = True) -> None:
 
         launcher = get_launcher()
         launcher.warm()
-        if tracking:
+        ipython = sys.modules.get("IPython")
+        if tracking and ipython is not None and ipython.get_ipython() is not None:
+            # In a notebook the store is wanted anyway; a script importing a module does not
+            # get an mlflow.db in its folder before it launches anything.
             from .tracking import warm_in_background
 
             warm_in_background(launcher.session_dir)
