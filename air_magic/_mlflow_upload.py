@@ -81,8 +81,11 @@ def _install_limits() -> None:
 
             variable.get = get  # read by MLflow at every request
         quiet = _OwnThreadsOnly()
-        for logger in ("urllib3.connectionpool", "mlflow.system_metrics.system_metrics_monitor",
-                       "mlflow.utils.rest_utils"):
+        for logger in (
+            "urllib3.connectionpool",
+            "mlflow.system_metrics.system_metrics_monitor",
+            "mlflow.utils.rest_utils",
+        ):
             logging.getLogger(logger).addFilter(quiet)
         _limits_installed = True
 
@@ -159,7 +162,7 @@ def short_error(exc: BaseException) -> str:
 def absolute_uri(uri: str) -> str:
     """The tracking URI with a local path made absolute (a later kernel may start elsewhere)."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
     if "://" not in uri and not uri.startswith(("databricks", "file:")):
         return os.path.abspath(uri)
     return uri
@@ -167,9 +170,9 @@ def absolute_uri(uri: str) -> str:
 
 def local_store_path(uri: str) -> str | None:
     if uri.startswith("sqlite:///"):
-        return uri[len("sqlite:///"):]
+        return uri[len("sqlite:///") :]
     if uri.startswith("file://"):
-        return uri[len("file://"):]
+        return uri[len("file://") :]
     if "://" not in uri and os.path.isabs(uri):
         return uri
     return None
@@ -185,7 +188,7 @@ def _first_use_lock(uri: str) -> Iterator[None]:
     """Serialise MLflow's first-time set-up of a sqlite store across processes."""
     path = None
     if uri.startswith("sqlite:///"):
-        path = os.path.abspath(uri[len("sqlite:///"):]) + ".air_magic.lock"
+        path = os.path.abspath(uri[len("sqlite:///") :]) + ".air_magic.lock"
     if path is None:
         yield
         return
@@ -249,8 +252,11 @@ class SpoolUploader:
         if not journal.get("run_id"):
             experiment_id = journal.get("experiment_id") or self._experiment_id(journal["experiment_name"])
             run = self._call(
-                self.client.create_run, experiment_id, start_time=int(journal["created_at"] * 1000),
-                tags=journal.get("tags") or {}, run_name=journal.get("run_name"),
+                self.client.create_run,
+                experiment_id,
+                start_time=int(journal["created_at"] * 1000),
+                tags=journal.get("tags") or {},
+                run_name=journal.get("run_name"),
             )
             self.spool.update(run_id=run.info.run_id, experiment_id=experiment_id)
         if not journal.get("params_logged"):
@@ -327,7 +333,7 @@ class SpoolUploader:
     def _send(self, kind: str, items: list[Any]) -> None:
         size = _BATCH[kind]
         for start in range(0, len(items), size):
-            self._send_batch(kind, items[start:start + size])
+            self._send_batch(kind, items[start : start + size])
 
     def _send_batch(self, kind: str, items: list[Any]) -> None:
         if not items:

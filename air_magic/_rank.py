@@ -75,7 +75,6 @@ def child_main(request: dict[str, Any], rank: int, port: int, alive_fd: int, clo
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
         _private_rendezvous(request["work_dir"], port)
-        _gloo_teardown_in_background()
         _apply_process_limits(request)
         _install_notebook_builtins()
         code = _run(request, rank)
@@ -317,52 +316,14 @@ def _apply_environment(request: dict[str, Any], rank: int, port: int) -> None:
         wanted = int(threads)
         bound = _MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
         if wanted > bound:
-            print(f"[air_magic] OMP_NUM_THREADS={wanted} is more than this machine can run; "
-                  f"using {bound} threads ({_MAX_THREADS_PER_CPU} per CPU).", file=sys.stderr, flush=True)
+            print(
+                f"[air_magic] OMP_NUM_THREADS={wanted} is more than this machine can run; "
+                f"using {bound} threads ({_MAX_THREADS_PER_CPU} per CPU).",
+                file=sys.stderr,
+                flush=True,
+            )
             wanted = bound
         torch.set_num_threads(wanted)
-
-
-def _gloo_teardown_in_background() -> None:
-    """``destroy_process_group()`` of gloo groups returns once they are shut down; their C++
-    objects are freed in a thread.  Freeing a gloo context waits twice for its event loop,
-    which looks for work every 10 ms (``epoll_wait`` with a 10 ms timeout): 20 ms of every
-    launch's payload, spent while the group can no longer be used.  The group is shut down
-    and forgotten as before (a new ``init_process_group`` works at once); only the wait is
-    moved out of the user's way, without the GIL (torch frees process groups without it).
-    NCCL and mixed groups are freed as torchrun's ranks free them: their GPU memory is
-    back when the call returns."""
-    try:
-        import threading
-
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        world = c10d._world
-    except (ImportError, AttributeError):
-        return
-    if not dist.is_available() or getattr(dist.destroy_process_group, "_air_magic", False):
-        return
-    original = dist.destroy_process_group
-
-    def destroy_process_group(group: Any = None) -> None:
-        held: list[Any] = []
-        try:
-            if dist.is_initialized():
-                groups = list(world.pg_map) if group is None else [group]
-                if groups and all(dist.get_backend(g) == "gloo" for g in groups):
-                    held = groups
-        except Exception:  # noqa: BLE001 - never in the way of the user's call
-            held = []
-        original(group) if group is not None else original()
-        if held:
-            threading.Thread(target=held.clear, name="air_magic-gloo-teardown", daemon=True).start()
-            del held
-
-    destroy_process_group._air_magic = True  # type: ignore[attr-defined]
-    destroy_process_group.__doc__ = original.__doc__
-    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
-    dist.destroy_process_group = destroy_process_group
 
 
 def _private_rendezvous(work_dir: str, port: int) -> None:
@@ -405,7 +366,11 @@ def _private_rendezvous(work_dir: str, port: int) -> None:
         if timeout is not None:
             store.set_timeout(timeout)
         # The prefix torch puts on its agent's store (restart count 0): keys look the same.
-        yield dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store), rank, world_size
+        yield (
+            dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store),
+            rank,
+            world_size,
+        )
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
     handlers["env"] = env_rendezvous
@@ -516,8 +481,10 @@ def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> tu
     except BaseException:
         blob = None
     exc_type = type(exc)
-    name = exc_type.__qualname__ if exc_type.__module__ in ("builtins", "__main__") else (
-        f"{exc_type.__module__}.{exc_type.__qualname__}"
+    name = (
+        exc_type.__qualname__
+        if exc_type.__module__ in ("builtins", "__main__")
+        else (f"{exc_type.__module__}.{exc_type.__qualname__}")
     )
     return ("error", blob, name, str(exc), text, failed_at)
 

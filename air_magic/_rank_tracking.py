@@ -108,8 +108,9 @@ def _check_run_id(given: str | None) -> None:
             )
 
 
-def log_metric(key: str, value: float, step: int | None = None, timestamp: int | None = None,
-               run_id: str | None = None, **_: Any) -> None:
+def log_metric(
+    key: str, value: float, step: int | None = None, timestamp: int | None = None, run_id: str | None = None, **_: Any
+) -> None:
     # The hot path (it is measured): one dict lookup, one f-string, one write system call.
     if run_id is not None:
         _check_run_id(run_id)
@@ -119,14 +120,20 @@ def log_metric(key: str, value: float, step: int | None = None, timestamp: int |
         _write(_FD, f"m\t{field}\t{float(value)!r}\t{int(step or 0)}\t{int(timestamp or _now() * 1000)}\n".encode())
 
 
-def log_metrics(metrics: dict[str, float], step: int | None = None, timestamp: int | None = None,
-                run_id: str | None = None, **_: Any) -> None:
+def log_metrics(
+    metrics: dict[str, float],
+    step: int | None = None,
+    timestamp: int | None = None,
+    run_id: str | None = None,
+    **_: Any,
+) -> None:
     _check_run_id(run_id)
     if _FD is None:
         return
     tail = f"\t{int(step or 0)}\t{int(timestamp or _now() * 1000)}\n"
-    lines = [f"m\t{_METRIC_FIELDS.get(key) or _metric_field(key)}\t{float(value)!r}{tail}"
-             for key, value in metrics.items()]
+    lines = [
+        f"m\t{_METRIC_FIELDS.get(key) or _metric_field(key)}\t{float(value)!r}{tail}" for key, value in metrics.items()
+    ]
     _write(_FD, "".join(lines).encode())
 
 

@@ -310,7 +310,7 @@ class Spool:
         for name in os.listdir(self.folder):
             if name.startswith("tracking-") and name.endswith(".tsv"):
                 try:
-                    ranks.append(int(name[len("tracking-"):-len(".tsv")]))
+                    ranks.append(int(name[len("tracking-") : -len(".tsv")]))
                 except ValueError:
                     pass
         return sorted(ranks)
@@ -344,7 +344,7 @@ class Spool:
         end = data.rfind(b"\n") + 1
         if end == 0:
             return [], offset
-        return data[:end - 1].split(b"\n"), offset + end
+        return data[: end - 1].split(b"\n"), offset + end
 
     def pending_points(self) -> int:
         """Metric points not sent yet (for messages)."""
@@ -399,8 +399,17 @@ class Spool:
 
 
 def _new_journal(launch_id: str, fields: dict[str, Any]) -> dict[str, Any]:
-    return {"status": None, "logs_copied": False, "logs_sent": False, "sent": {}, **fields,
-            "format": _FORMAT, "launch_id": launch_id, "kernel_pid": os.getpid(), "created_at": time.time()}
+    return {
+        "status": None,
+        "logs_copied": False,
+        "logs_sent": False,
+        "sent": {},
+        **fields,
+        "format": _FORMAT,
+        "launch_id": launch_id,
+        "kernel_pid": os.getpid(),
+        "created_at": time.time(),
+    }
 
 
 def _unlink(path: str) -> None:

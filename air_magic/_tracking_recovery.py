@@ -88,8 +88,14 @@ def recover_pending() -> list[Recovered]:
             result = _recover(spool)
         except OSError as exc:  # a file in it is not what it should be
             journal = spool.journal
-            result = Recovered(str(journal.get("launch_id")), str(journal.get("tracking_uri")), journal.get("run_id"),
-                               "failed", 0, reason=f"{exc}; it stays in {spool.folder}")
+            result = Recovered(
+                str(journal.get("launch_id")),
+                str(journal.get("tracking_uri")),
+                journal.get("run_id"),
+                "failed",
+                0,
+                reason=f"{exc}; it stays in {spool.folder}",
+            )
         finally:
             spool.release()
         if result is not None:
@@ -110,8 +116,9 @@ def _recover(spool: Spool) -> Recovered | None:
     if path is not None and not os.path.exists(path):
         waiting = _count_points(spool)
         spool.remove()
-        return Recovered(launch_id, uri, journal.get("run_id"), "dropped", waiting,
-                         reason=f"its store {path} no longer exists")
+        return Recovered(
+            launch_id, uri, journal.get("run_id"), "dropped", waiting, reason=f"its store {path} no longer exists"
+        )
     uploader = None
     with bounded_requests():
         try:
@@ -123,14 +130,26 @@ def _recover(spool: Spool) -> Recovered | None:
                 spool.update(logs_sent=True)
             uploader.finish(status)
         except Unreachable as exc:
-            return Recovered(launch_id, uri, journal.get("run_id"), "waiting", _count_points(spool),
-                             reason=exc.reason)
+            return Recovered(launch_id, uri, journal.get("run_id"), "waiting", _count_points(spool), reason=exc.reason)
         except Exception as exc:
-            return Recovered(launch_id, uri, journal.get("run_id"), "failed", _count_points(spool),
-                             reason=f"{type(exc).__name__}: {exc}")
+            return Recovered(
+                launch_id,
+                uri,
+                journal.get("run_id"),
+                "failed",
+                _count_points(spool),
+                reason=f"{type(exc).__name__}: {exc}",
+            )
     spool.remove()
-    return Recovered(launch_id, uri, journal.get("run_id"), "sent", uploader.points, status=status,
-                     skipped=uploader.skipped_text() or None)
+    return Recovered(
+        launch_id,
+        uri,
+        journal.get("run_id"),
+        "sent",
+        uploader.points,
+        status=status,
+        skipped=uploader.skipped_text() or None,
+    )
 
 
 def _count_points(spool: Spool) -> int:

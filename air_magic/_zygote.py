@@ -96,8 +96,11 @@ class Zygote:
             try:
                 importlib.import_module(name)
             except Exception as exc:  # a missing optional module must not stop the helper
-                print(f"[air_magic] helper: could not preload {name}: {type(exc).__name__}: {exc}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[air_magic] helper: could not preload {name}: {type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         # Import what every rank needs before it runs user code.
         from . import _rank, _results  # noqa: F401
 
@@ -345,7 +348,7 @@ def _children(pid: int) -> list[int]:
         except OSError:
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        fields = stat[stat.rfind(b")") + 2:].split()
+        fields = stat[stat.rfind(b")") + 2 :].split()
         if len(fields) > 1 and int(fields[1]) == pid:
             found.append(int(name))
     return found

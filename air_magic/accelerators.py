@@ -260,7 +260,10 @@ def _query_nvidia_smi() -> list[str] | None:
     try:
         out = subprocess.run(
             [exe, "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None

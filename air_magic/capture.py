@@ -457,9 +457,7 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         func_blob = dumps(func)
     except Exception as exc:
         # Find which globals / closure variables are to blame, to name every one of them.
-        _, culprits = _pickle_each(
-            (name, value) for name, value in refs if not isinstance(value, types.ModuleType)
-        )
+        _, culprits = _pickle_each((name, value) for name, value in refs if not isinstance(value, types.ModuleType))
         problems = culprits + problems
         if not culprits:
             problems.insert(0, (label, _describe_type(func), f"{type(exc).__name__}: {exc}"))
@@ -529,7 +527,8 @@ def cell_payload(
             exc.filename = display
         raise
     wanted = sorted(
-        name for name in free_names(tree)
+        name
+        for name in free_names(tree)
         if name in namespace
         and not is_ipython_variable(name, namespace[name], namespace)
         and not (hasattr(builtins, name) and namespace[name] is getattr(builtins, name))

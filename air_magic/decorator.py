@@ -28,10 +28,12 @@ class DistributedFunction(Generic[R]):
 
     def __init__(self, func: Callable[..., R], spec: LaunchSpec) -> None:
         if not callable(func):
-            raise _shown_alone(TypeError(
-                f"@distributed decorates a function, got {type(func).__name__} {func!r}. "
-                "Put @distributed(...) on the line above a def."
-            ))
+            raise _shown_alone(
+                TypeError(
+                    f"@distributed decorates a function, got {type(func).__name__} {func!r}. "
+                    "Put @distributed(...) on the line above a def."
+                )
+            )
         self.func = func
         self.spec = spec
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
@@ -57,9 +59,7 @@ class DistributedFunction(Generic[R]):
         # so ``obj.train.distributed(x)`` runs ``train(obj, x)`` on every rank.
         if instance is None:
             return self
-        bound: DistributedFunction[R] = DistributedFunction(
-            types.MethodType(self.func, instance), self.spec
-        )
+        bound: DistributedFunction[R] = DistributedFunction(types.MethodType(self.func, instance), self.spec)
         bound._unbound = self
         return bound
 
@@ -271,9 +271,16 @@ def distributed(
         _warm_launcher()
         return DistributedFunction(num_accelerators, make_spec())
     spec = make_spec(
-        num_accelerators, accelerator_type, timeout,
-        gpus=gpus, gpu_type=gpu_type, tracking=tracking, experiment=experiment,
-        run_name=run_name, backend=backend, remote=remote,
+        num_accelerators,
+        accelerator_type,
+        timeout,
+        gpus=gpus,
+        gpu_type=gpu_type,
+        tracking=tracking,
+        experiment=experiment,
+        run_name=run_name,
+        backend=backend,
+        remote=remote,
     )
     _warm_launcher(spec.tracking)
 

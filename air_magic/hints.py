@@ -10,40 +10,59 @@ from __future__ import annotations
 __all__ = ["HINTS", "CPU_HINTS", "hints_for"]
 
 HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("CUDA out of memory", "OutOfMemoryError"),
-     "hint: the GPU ran out of memory. Lower the batch size, use mixed precision or "
-     "activation checkpointing, or shard the model (FSDP, DeepSpeed ZeRO)."),
-    (("Watchdog caught collective operation timeout",),
-     "hint: an NCCL collective timed out: one rank stopped calling collectives (an exception, "
-     "an uneven number of batches, a rank-dependent branch). Check that every rank runs the "
-     "same collectives in the same order."),
-    (("NCCL timeout",),
-     "hint: an NCCL collective timed out: check that every rank runs the same collectives."),
-    (("Xid",),
-     "hint: the log mentions an NVIDIA Xid error: a GPU or driver fault. Check `nvidia-smi` and "
-     "the system log (dmesg) before retrying."),
-    (("does not match environment run ID",),
-     "hint: mlflow.set_experiment() (or a run id) was used inside the distributed code. Call "
-     "mlflow.set_experiment() in the notebook before launching; the ranks log to the launch's run."),
-    (("Duplicate GPU detected",),
-     "hint: two ranks use the same GPU. Select the device with "
-     "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group()."),
-    (("Address already in use",),
-     "hint: a port is taken. Do not set MASTER_PORT yourself: each launch gets its own free port."),
+    (
+        ("CUDA out of memory", "OutOfMemoryError"),
+        "hint: the GPU ran out of memory. Lower the batch size, use mixed precision or "
+        "activation checkpointing, or shard the model (FSDP, DeepSpeed ZeRO).",
+    ),
+    (
+        ("Watchdog caught collective operation timeout",),
+        "hint: an NCCL collective timed out: one rank stopped calling collectives (an exception, "
+        "an uneven number of batches, a rank-dependent branch). Check that every rank runs the "
+        "same collectives in the same order.",
+    ),
+    (("NCCL timeout",), "hint: an NCCL collective timed out: check that every rank runs the same collectives."),
+    (
+        ("Xid",),
+        "hint: the log mentions an NVIDIA Xid error: a GPU or driver fault. Check `nvidia-smi` and "
+        "the system log (dmesg) before retrying.",
+    ),
+    (
+        ("does not match environment run ID",),
+        "hint: mlflow.set_experiment() (or a run id) was used inside the distributed code. Call "
+        "mlflow.set_experiment() in the notebook before launching; the ranks log to the launch's run.",
+    ),
+    (
+        ("Duplicate GPU detected",),
+        "hint: two ranks use the same GPU. Select the device with "
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group().",
+    ),
+    (
+        ("Address already in use",),
+        "hint: a port is taken. Do not set MASTER_PORT yourself: each launch gets its own free port.",
+    ),
 )
 
 
 #: Code that asks for CUDA or NCCL, run on CPU ranks (a CPU build of torch, or no GPU visible).
 CPU_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("_cuda_setDevice", "Torch not compiled with CUDA enabled", "No CUDA GPUs are available",
-      "Found no NVIDIA driver", "doesn't have NCCL built in", "ProcessGroupNCCL is only supported with GPUs",
-      "device_ids and output_device arguments only work"),
-     "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for CUDA or "
-     "NCCL. Write it so that it runs on both: torch.device(f\"cuda:{local_rank}\" if "
-     "torch.cuda.is_available() else \"cpu\"), torch.cuda.set_device(...) only if "
-     "torch.cuda.is_available(), dist.init_process_group() without a backend (it picks NCCL on "
-     "GPUs and gloo on CPU), and DDP(model, device_ids=None) on CPU. `air-magic lint --fix` "
-     "makes these changes (rules AM4xx)."),
+    (
+        (
+            "_cuda_setDevice",
+            "Torch not compiled with CUDA enabled",
+            "No CUDA GPUs are available",
+            "Found no NVIDIA driver",
+            "doesn't have NCCL built in",
+            "ProcessGroupNCCL is only supported with GPUs",
+            "device_ids and output_device arguments only work",
+        ),
+        "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for CUDA or "
+        'NCCL. Write it so that it runs on both: torch.device(f"cuda:{local_rank}" if '
+        'torch.cuda.is_available() else "cpu"), torch.cuda.set_device(...) only if '
+        "torch.cuda.is_available(), dist.init_process_group() without a backend (it picks NCCL on "
+        "GPUs and gloo on CPU), and DDP(model, device_ids=None) on CPU. `air-magic lint --fix` "
+        "makes these changes (rules AM4xx).",
+    ),
 )
 
 

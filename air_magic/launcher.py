@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,8 +44,6 @@ import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, Protocol
-
-import socket
 
 from . import _results
 from ._rank import STACK_SIGNAL, TRACEBACK_MARK, joined_path, stack_path
@@ -114,8 +113,10 @@ _SIGNAL_NOTES = {
     signal.SIGKILL: "possibly out of memory (the kernel's OOM killer sends SIGKILL)",
     signal.SIGSEGV: "a segmentation fault in native code (an extension, a driver, or a bad tensor access)",
     signal.SIGABRT: "aborted by native code (a failed assertion in a C++ library, or a CUDA/NCCL error)",
-    signal.SIGBUS: ("a bus error: most often /dev/shm is full (DataLoader workers share batches through "
-                    "it; Docker gives containers 64 MB unless run with --shm-size=8g or --ipc=host)"),
+    signal.SIGBUS: (
+        "a bus error: most often /dev/shm is full (DataLoader workers share batches through "
+        "it; Docker gives containers 64 MB unless run with --shm-size=8g or --ipc=host)"
+    ),
     signal.SIGTERM: "terminated by SIGTERM",
     signal.SIGINT: "interrupted by SIGINT",
 }
@@ -131,8 +132,10 @@ def describe_exit(returncode: int) -> str:
         note = _SIGNAL_NOTES.get(sig)
         return f"was killed by {sig.name} (exit {returncode})" + (f": {note}" if note else "")
     if returncode == 0:
-        return ("exited (code 0) without returning: something ended the process early "
-                "(os._exit(0), or a library that exits), so the other ranks would have waited for it")
+        return (
+            "exited (code 0) without returning: something ended the process early "
+            "(os._exit(0), or a library that exits), so the other ranks would have waited for it"
+        )
     return f"exited with code {returncode} without reporting an exception (os._exit() or a crash in native code)"
 
 
@@ -150,8 +153,10 @@ def _bound_log(path: str, limit: int) -> None:
             handle.seek(size - tail_size)
             tail = handle.read()
         cut = size - head_size - tail_size
-        mark = (f"\n[air_magic] {cut} bytes of this rank's output were cut here: its log keeps the first "
-                f"{_size(head_size)} and the last {_size(tail_size)} (AIR_MAGIC_LOG_LIMIT).\n").encode()
+        mark = (
+            f"\n[air_magic] {cut} bytes of this rank's output were cut here: its log keeps the first "
+            f"{_size(head_size)} and the last {_size(tail_size)} (AIR_MAGIC_LOG_LIMIT).\n"
+        ).encode()
         tmp = f"{path}.bounded"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as handle:
@@ -169,8 +174,11 @@ def _file_size(path: str) -> int:
 
 
 #: Frames of these files are torch's collectives and rendezvous: a rank in one waits for the others.
-_COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/rendezvous.py",
-                     "torch/distributed/c10d_logger.py")
+_COLLECTIVE_FILES = (
+    "torch/distributed/distributed_c10d.py",
+    "torch/distributed/rendezvous.py",
+    "torch/distributed/c10d_logger.py",
+)
 _FRAME = re.compile(r'^\s*(?:File "(?P<file>[^"]+)"|(?P<cell>Cell In\[\d+\])), line (?P<line>\d+) in (?P<func>\S+)')
 
 
@@ -186,18 +194,28 @@ def describe_stacks(stacks: dict[int, str], world_size: int) -> str:
     where: dict[int, tuple[str, str | None]] = {}
     for rank, text in sorted(stacks.items()):
         frames = _main_thread_frames(text)
-        collective = next((f["func"] for f in frames if any(f["file"].endswith(c) for c in _COLLECTIVE_FILES)
-                           and f["func"] != "wrapper"), None)
+        collective = next(
+            (
+                f["func"]
+                for f in frames
+                if any(f["file"].endswith(c) for c in _COLLECTIVE_FILES) and f["func"] != "wrapper"
+            ),
+            None,
+        )
         user = next((f for f in frames if _is_user_frame(f["file"])), None)
         at = f"{user['file']}, line {user['line']} in {user['func']}" if user else "(no frame of the launched code)"
         where[rank] = (at, collective)
     waiting = sorted(r for r, (_, c) in where.items() if c)
     lines = ["[air_magic] where each rank was:"]
     for rank, (at, collective) in sorted(where.items()):
-        line = f"  rank {rank}: " + (f"in {collective} (torch.distributed), called at {at}" if collective else f"at {at}")
+        line = f"  rank {rank}: " + (
+            f"in {collective} (torch.distributed), called at {at}" if collective else f"at {at}"
+        )
         if not collective and waiting:
             who = ", ".join(map(str, waiting))
-            line += f"  <- behind: rank{'s' if len(waiting) > 1 else ''} {who} wait{'' if len(waiting) > 1 else 's'} for it"
+            line += (
+                f"  <- behind: rank{'s' if len(waiting) > 1 else ''} {who} wait{'' if len(waiting) > 1 else 's'} for it"
+            )
         lines.append(line)
     missing = [r for r in range(world_size) if r not in where]
     if missing:
@@ -228,8 +246,13 @@ def _is_user_frame(filename: str) -> bool:
     if filename.startswith("Cell In["):
         return True
     parts = filename.replace(os.sep, "/")
-    return not ("/site-packages/" in parts or "/lib/python" in parts or parts.startswith("<frozen")
-                or "/air_magic/" in parts and os.path.dirname(filename) == _PACKAGE_DIR)
+    return not (
+        "/site-packages/" in parts
+        or "/lib/python" in parts
+        or parts.startswith("<frozen")
+        or "/air_magic/" in parts
+        and os.path.dirname(filename) == _PACKAGE_DIR
+    )
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -359,9 +382,7 @@ class Launch:
         self.log_dir = os.path.join(self.work_dir, "logs")
         self.shm_dir = os.path.join(launcher.shm_root, self.id) if launcher.shm_root else None
         self.world_size = placement.world_size
-        self.ranks = [
-            RankState(r, os.path.join(self.log_dir, f"rank-{r}.log")) for r in range(self.world_size)
-        ]
+        self.ranks = [RankState(r, os.path.join(self.log_dir, f"rank-{r}.log")) for r in range(self.world_size)]
         self.run_id: str | None = None
         self.run_url: str | None = None
         self.started_at = time.time()
@@ -552,9 +573,7 @@ class Launch:
         state.returncode = returncode
         state.ended_at = at
         # A stop signal after the stop began: air_magic ended it, not its own failure.
-        state.stopped = (
-            returncode in _STOP_EXITS and self._stop_at is not None and (at is None or at >= self._stop_at)
-        )
+        state.stopped = returncode in _STOP_EXITS and self._stop_at is not None and (at is None or at >= self._stop_at)
         # Exit code 0 without a result (os._exit(0)): its peers would wait for it in
         # init_process_group or a collective until the timeout. A failure: stop them now.
         state.left = returncode == 0 and not os.path.exists(_results.result_path(self.work_dir, rank))
@@ -572,8 +591,11 @@ class Launch:
             return False
         try:
             os.close(os.open(os.path.join(self.work_dir, f"left-{rank}"), os.O_WRONLY | os.O_CREAT, 0o600))
-            waiting = [r for r in range(self.world_size) if r != rank and self.ranks[r].returncode is None
-                       and os.path.exists(joined_path(self.work_dir, r))]
+            waiting = [
+                r
+                for r in range(self.world_size)
+                if r != rank and self.ranks[r].returncode is None and os.path.exists(joined_path(self.work_dir, r))
+            ]
         except OSError:
             return False
         return bool(waiting)
@@ -673,9 +695,7 @@ class Launch:
             return False, error
         if self._stop_reason in ("cancel", "kill") or (self._cancel_requested and not self._failures):
             self.status = "cancelled"
-            return False, LaunchCancelledError(
-                f"the launch of {self.label} was cancelled; {_stopped(n)}."
-            )
+            return False, LaunchCancelledError(f"the launch of {self.label} was cancelled; {_stopped(n)}.")
         if self._failures:
             self.status = "failed"
             return False, self._rank_error(self._root_failure())
@@ -689,7 +709,9 @@ class Launch:
                     f"rank {state.rank} of {n} exited (code {state.returncode}) without returning a "
                     "result: something in the code ended the process early (os._exit). "
                     f"Its log: {state.log_path}",
-                    rank=state.rank, world_size=n, returncode=state.returncode or 0,
+                    rank=state.rank,
+                    world_size=n,
+                    returncode=state.returncode or 0,
                     log_path=state.log_path,
                 )
             except Exception as exc:  # pickled on the rank, but cannot be loaded here
@@ -794,9 +816,7 @@ class Launch:
         n = self.world_size
         state = self.ranks[rank]
         others = self._others_ended(rank)
-        first = ", the first to fail," if any(
-            self._ending(r) == "failed" for r in range(n) if r != rank
-        ) else ""
+        first = ", the first to fail," if any(self._ending(r) == "failed" for r in range(n) if r != rank) else ""
         stopped = f"; {others}" if others else ""
         record = self._error_record(rank)
         log_text = _tail(state.log_path, 200)
@@ -804,8 +824,10 @@ class Launch:
             tail = _tail(state.log_path)
             how = describe_exit(state.returncode or 0)
             if state.returned_early:
-                how = ("returned without joining the process group that the other ranks wait for it in "
-                       "(every rank must call init_process_group())")
+                how = (
+                    "returned without joining the process group that the other ranks wait for it in "
+                    "(every rank must call init_process_group())"
+                )
             message = f"rank {rank} of {n}{first} {how}{stopped}."
             if tail:
                 message += f"\nIts last lines ({state.log_path}):\n{tail}"
@@ -834,8 +856,12 @@ class Launch:
             return attach_rank_rendering(rebuilt)
         error = RankFailedError(
             f"rank {rank} of {n}{first} raised {type_name}: {text}{stopped}.",
-            rank=rank, world_size=n, exc_type=type_name, exc_message=text,
-            traceback_text=traceback_text, log_path=state.log_path,
+            rank=rank,
+            world_size=n,
+            exc_type=type_name,
+            exc_message=text,
+            traceback_text=traceback_text,
+            log_path=state.log_path,
         )
         for hint in hints:
             error.add_note(hint)
@@ -887,11 +913,22 @@ class _Helper:
         log = open(os.path.join(launcher.session_dir, "helper.log"), "ab")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "air_magic._zygote", str(child_sock.fileno()), str(alive_r),
-                 launcher.session_dir, launcher.shm_root or ""],
+                [
+                    sys.executable,
+                    "-m",
+                    "air_magic._zygote",
+                    str(child_sock.fileno()),
+                    str(alive_r),
+                    launcher.session_dir,
+                    launcher.shm_root or "",
+                ],
                 pass_fds=(child_sock.fileno(), alive_r),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, env=env, cwd=launcher.session_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                cwd=launcher.session_dir,
             )
         finally:
             log.close()
@@ -1055,8 +1092,11 @@ class Launcher:
                         observer.before_start(launch, env)
                     launch.observers.append(observer)
             except Exception as exc:  # optional pieces never stop a launch
-                print(f"[air_magic] {getattr(factory, '__name__', 'observer')} is off for this launch: "
-                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
+                print(
+                    f"[air_magic] {getattr(factory, '__name__', 'observer')} is off for this launch: "
+                    f"{type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                )
         if not launch.spec.tracking:
             print("[air_magic] tracking is off: no MLflow run; mlflow calls in the ranks do nothing.")
         return {

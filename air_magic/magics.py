@@ -43,9 +43,7 @@ def _timeout_arg(text: str) -> float | None:
         try:
             value = float(text)
         except ValueError:
-            raise UsageError(
-                f"%%distributed: --timeout takes a number of seconds or 'none', got {text!r}"
-            ) from None
+            raise UsageError(f"%%distributed: --timeout takes a number of seconds or 'none', got {text!r}") from None
     try:
         return check_timeout(value, no_limit="--timeout none")
     except ConfigurationError as exc:
@@ -56,13 +54,11 @@ def _timeout_arg(text: str) -> float | None:
 class DistributedMagics(Magics):
     """Defaults of ``%%distributed``, settable with ``%config DistributedMagics.<name> = ...``."""
 
-    num_accelerators = CInt(
-        None, allow_none=True, help="Ranks per launch (default: every GPU, or 1 CPU rank)."
-    ).tag(config=True)
-    accelerator_type = Unicode(None, allow_none=True, help="Default accelerator type.").tag(config=True)
-    timeout = CFloat(DEFAULT_TIMEOUT, allow_none=True, help="Default timeout in seconds (None: none).").tag(
+    num_accelerators = CInt(None, allow_none=True, help="Ranks per launch (default: every GPU, or 1 CPU rank).").tag(
         config=True
     )
+    accelerator_type = Unicode(None, allow_none=True, help="Default accelerator type.").tag(config=True)
+    timeout = CFloat(DEFAULT_TIMEOUT, allow_none=True, help="Default timeout in seconds (None: none).").tag(config=True)
     tracking = Bool(True, help="Record each launch as an MLflow run.").tag(config=True)
     experiment = Unicode(None, allow_none=True, help="Default MLflow experiment.").tag(config=True)
     capture_warn_mb = CFloat(
@@ -85,17 +81,35 @@ class DistributedMagics(Magics):
         capture.settings.warn_mb = change["new"]
 
     @magic_arguments()
-    @argument("-n", "--num-accelerators", type=int, default=None, metavar="N",
-              help="Number of ranks (default: every GPU of this machine, or 1 CPU rank).")
-    @argument("--accelerator-type", default=None, metavar="TYPE",
-              help="GPU_<n>x<MODEL> (e.g. GPU_8xH100) or CPU; detected when omitted.")
-    @argument("--timeout", default=None, metavar="SECONDS|none",
-              help="Stop every rank after this many seconds (default 3 h); 'none' for no limit.")
+    @argument(
+        "-n",
+        "--num-accelerators",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Number of ranks (default: every GPU of this machine, or 1 CPU rank).",
+    )
+    @argument(
+        "--accelerator-type",
+        default=None,
+        metavar="TYPE",
+        help="GPU_<n>x<MODEL> (e.g. GPU_8xH100) or CPU; detected when omitted.",
+    )
+    @argument(
+        "--timeout",
+        default=None,
+        metavar="SECONDS|none",
+        help="Stop every rank after this many seconds (default 3 h); 'none' for no limit.",
+    )
     @argument("--no-tracking", action="store_true", help="Do not record the launch in MLflow.")
     @argument("--experiment", default=None, help="MLflow experiment of the launch's run.")
     @argument("--run-name", default=None, help="MLflow run name of the launch.")
-    @argument("--async", dest="run_async", action="store_true",
-              help="Return a Launch handle at once instead of waiting for the ranks.")
+    @argument(
+        "--async",
+        dest="run_async",
+        action="store_true",
+        help="Return a Launch handle at once instead of waiting for the ranks.",
+    )
     @argument("--backend", default=None, help="Where the ranks run: local (the default; ray is not available yet).")
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
@@ -140,7 +154,11 @@ class DistributedMagics(Magics):
         namespace = self.shell.user_ns if self.shell is not None else {}
         try:
             payload = capture.cell_payload(
-                cell, namespace, display=display, filename=filename, header=f"%%distributed {line}".rstrip(),
+                cell,
+                namespace,
+                display=display,
+                filename=filename,
+                header=f"%%distributed {line}".rstrip(),
                 argv=[display, *script_args],
             )
         except SyntaxError as exc:
@@ -187,7 +205,7 @@ def _split_line(line: str) -> tuple[list[str], list[str]]:
         raise UsageError(f"%%distributed: cannot read the options ({exc}): {line.strip()}") from None
     if "--" in words:
         cut = words.index("--")
-        return words[:cut], words[cut + 1:]
+        return words[:cut], words[cut + 1 :]
     return words, []
 
 
@@ -197,4 +215,3 @@ def _cell_number(shell: Any) -> int:
     if numbers:
         return max(numbers.values())
     return int(getattr(shell, "execution_count", 0) or 0)
-

@@ -105,8 +105,18 @@ _STATUS_STYLE = {
     "timed out": ("⏱", "#dc2626"),
     "cancelled": ("■", "#6b7280"),
 }
-_RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-                "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+_RANK_COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 _FONT = "font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:12px;line-height:1.45"
 _MONO = "font-family:var(--jp-code-font-family,monospace);font-size:11px"
 _CELL = "padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:nowrap"
@@ -134,7 +144,7 @@ def parse_tqdm(segment: str) -> dict[str, Any] | None:
     match = _TQDM_TOTAL.match(text)
     if match is not None:
         return {
-            "after": text[match.end():].strip(),
+            "after": text[match.end() :].strip(),
             "desc": match["desc"].strip().rstrip(":").strip(),
             "pct": float(match["pct"]),
             "n": match["n"],
@@ -147,7 +157,7 @@ def parse_tqdm(segment: str) -> dict[str, Any] | None:
     match = _TQDM_OPEN.match(text)
     if match is not None:
         return {
-            "after": text[match.end():].strip(),
+            "after": text[match.end() :].strip(),
             "desc": match["desc"].strip().rstrip(":").strip(),
             "pct": None,
             "n": match["n"] + match["unit"],
@@ -229,7 +239,7 @@ class LogTail:
             shown.pop()
         lines = shown[-_LOG_LINES:]
         while sum(len(line) + 1 for line in lines) > _LOG_CHARS and len(lines) > 1:
-            lines = lines[len(lines) // 4 or 1:]
+            lines = lines[len(lines) // 4 or 1 :]
         if len(lines) == 1 and len(lines[0]) > _LOG_CHARS:
             lines = ["…" + lines[0][-_LOG_CHARS:]]
         if lines != self.lines:
@@ -529,8 +539,7 @@ def _esc(text: Any) -> str:
 def chart_svg(key: str, series: dict[int, list[tuple[float, float]]], width: int = 300, height: int = 130) -> str:
     """One inline SVG: a polyline per rank of one metric against its step (no scripts, no CDN)."""
     clean = {
-        rank: [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
-        for rank, points in series.items()
+        rank: [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)] for rank, points in series.items()
     }
     clean = {rank: points for rank, points in clean.items() if points}
     if not clean:
@@ -824,7 +833,7 @@ def _table_html(state: LaunchState) -> str:
         )
     return (
         f'<table style="border-collapse:collapse;margin:4px 0"><thead><tr>{head}</tr></thead>'
-        f'<tbody>{"".join(rows)}</tbody></table>'
+        f"<tbody>{''.join(rows)}</tbody></table>"
     )
 
 
@@ -834,7 +843,9 @@ def _top_html(state: LaunchState) -> str:
     icon, color = _STATUS_STYLE.get(launch.status, ("●", "#6b7280"))
     outcome_html = (
         f'<div data-air-magic-outcome="1" style="color:{color};font-weight:bold;white-space:pre-wrap">'
-        f"{icon} {_esc(outcome)}</div>" if outcome else ""
+        f"{icon} {_esc(outcome)}</div>"
+        if outcome
+        else ""
     )
     return (
         f'<div class="air-magic-panel" data-air-magic-status="{_esc(launch.status)}" '
@@ -1306,11 +1317,21 @@ class PanelObserver:
 
         launch = self.launch
         top = w.HTML(value=_top_html(self.state))
-        stop = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
-                        tooltip="Cancel this launch", layout=w.Layout(width="80px"))
-        where = w.Button(description="Where?", icon="search", disabled=True,
-                         tooltip="Where is every rank now? (each rank's Python stack)",
-                         layout=w.Layout(width="90px"))
+        stop = w.Button(
+            description="Stop",
+            icon="stop",
+            button_style="danger",
+            disabled=True,
+            tooltip="Cancel this launch",
+            layout=w.Layout(width="80px"),
+        )
+        where = w.Button(
+            description="Where?",
+            icon="search",
+            disabled=True,
+            tooltip="Where is every rank now? (each rank's Python stack)",
+            layout=w.Layout(width="90px"),
+        )
         stacks = w.HTML(value="")
         note = w.HTML(value=f'<span style="{_FONT};{_MUTED}">{STOP_NOTE_BLOCKING}</span>')
         chart = w.HTML(value=_chart_html(self.state))
@@ -1322,9 +1343,18 @@ class PanelObserver:
         where.on_click(self._where_clicked)
         _clicks_where_sent(where)
         root = w.VBox([top, w.HBox([stop, where, note]), tabs], layout=w.Layout(width="100%"))
-        self.widgets = {"root": root, "top": top, "stop": stop, "where": where, "stacks": stacks, "note": note,
-                        "chart": chart, "tabs": tabs, "lint": lint,
-                        **{f"log{r}": log for r, log in enumerate(logs)}}
+        self.widgets = {
+            "root": root,
+            "top": top,
+            "stop": stop,
+            "where": where,
+            "stacks": stacks,
+            "note": note,
+            "chart": chart,
+            "tabs": tabs,
+            "lint": lint,
+            **{f"log{r}": log for r, log in enumerate(logs)},
+        }
         self._sent = {"top": top.value, "note": note.value, "chart": chart.value}
 
     def _widget_bundle(self) -> dict[str, Any]:

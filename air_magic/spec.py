@@ -133,10 +133,7 @@ class LaunchSpec:
                 allowed = f"{MAX_CPU_RANKS_ENV}={bound} allows at most {bound}"
                 advice = f"or raise {MAX_CPU_RANKS_ENV}"
             else:
-                allowed = (
-                    f"air_magic starts at most {bound} CPU ranks on it "
-                    f"({CPU_RANKS_PER_CORE} per core)"
-                )
+                allowed = f"air_magic starts at most {bound} CPU ranks on it ({CPU_RANKS_PER_CORE} per core)"
                 advice = f"or set the environment variable {MAX_CPU_RANKS_ENV} to allow more"
             raise TooManyCPURanksError(
                 f"num_accelerators={count} was asked for (CPU ranks), but this machine has "
@@ -211,8 +208,7 @@ def check_num_accelerators(value: object, name: str = "num_accelerators") -> int
         count = None
     if count is None:
         raise ConfigurationError(
-            f"{name} must be a positive integer (the number of ranks), got "
-            f"{type(value).__name__} {value!r}."
+            f"{name} must be a positive integer (the number of ranks), got {type(value).__name__} {value!r}."
         )
     if count <= 0:
         raise ConfigurationError(
@@ -232,8 +228,7 @@ def check_timeout(value: object, no_limit: str = "timeout=None") -> float | None
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigurationError(
-            f"timeout must be a number of seconds or None (no limit), got "
-            f"{type(value).__name__} {value!r}."
+            f"timeout must be a number of seconds or None (no limit), got {type(value).__name__} {value!r}."
         )
     try:
         seconds = float(value)
@@ -249,9 +244,7 @@ def check_timeout(value: object, no_limit: str = "timeout=None") -> float | None
         ) from None
     if math.isnan(seconds) or seconds <= 0:
         shown = repr(int(value)) if isinstance(value, numbers.Integral) else repr(seconds)
-        raise ConfigurationError(
-            f"timeout must be more than 0 seconds, got {shown}. Pass {no_limit} for no limit."
-        )
+        raise ConfigurationError(f"timeout must be more than 0 seconds, got {shown}. Pass {no_limit} for no limit.")
     # Huge finite values are kept as they are: the helper caps its own waits.
     return None if math.isinf(seconds) else seconds
 
@@ -278,9 +271,7 @@ def _user_stacklevel() -> int:
     level = 1
     while frame is not None:
         filename = frame.f_code.co_filename
-        machinery = filename.startswith("<decorator-gen-") or os.path.abspath(filename).startswith(
-            tuple(internal)
-        )
+        machinery = filename.startswith("<decorator-gen-") or os.path.abspath(filename).startswith(tuple(internal))
         if not machinery:
             return level
         frame = frame.f_back  # type: ignore[assignment]
@@ -344,8 +335,7 @@ def make_spec(
     checked_timeout = check_timeout(timeout)
     if remote is not False:
         raise ConfigurationError(
-            "remote=True has no meaning in air_magic: ranks always run on this machine. "
-            "Remove remote=...."
+            "remote=True has no meaning in air_magic: ranks always run on this machine. Remove remote=...."
         )
     if gpus is not None and num_accelerators is not None:
         raise ConfigurationError(
@@ -361,9 +351,7 @@ def make_spec(
     if not isinstance(tracking, bool):
         raise ConfigurationError(f"tracking must be True or False, got {tracking!r}.")
     if backend not in BACKENDS:
-        raise ConfigurationError(
-            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}."
-        )
+        raise ConfigurationError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}.")
     if backend != "local":  # known, not built yet: said at decoration, not at every launch
         raise ConfigurationError(
             f"backend={backend!r} is not available in this version of air_magic; "

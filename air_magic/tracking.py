@@ -222,9 +222,14 @@ class TrackingObserver:
             "air_magic.timeout": launch.spec.timeout,
         }
         return {
-            "tracking_uri": self.store_uri, "experiment_id": experiment_id, "experiment_name": experiment_name,
-            "run_name": launch.spec.run_name, "tags": tags, "params": {k: str(v) for k, v in config.items()},
-            "run_id": None, "params_logged": False,
+            "tracking_uri": self.store_uri,
+            "experiment_id": experiment_id,
+            "experiment_name": experiment_name,
+            "run_name": launch.spec.run_name,
+            "tags": tags,
+            "params": {k: str(v) for k, v in config.items()},
+            "run_id": None,
+            "params_logged": False,
             "sent": {str(rank): 0 for rank in range(launch.world_size)},  # one file per rank
         }
 
@@ -237,8 +242,10 @@ class TrackingObserver:
             spool = Spool.create(launch.id, journal)
         except OSError as exc:  # PrivateFolderError included; a full disk
             reason = str(exc) if isinstance(exc, PrivateFolderError) else f"cannot use {state_dir()}: {exc}."
-            _say(f"[air_magic] {reason} Set {STATE_DIR_ENV} to a folder only you can use; until then this "
-                 "launch's points are kept in the kernel's session folder and are lost if the kernel dies.")
+            _say(
+                f"[air_magic] {reason} Set {STATE_DIR_ENV} to a folder only you can use; until then this "
+                "launch's points are kept in the kernel's session folder and are lost if the kernel dies."
+            )
             spool = Spool.in_session(launch.id, launch.work_dir, journal)
         if spool.durable:
             _link_for_the_panel(launch, spool)
@@ -368,16 +375,20 @@ class _Writer:
         else:
             from ._mlflow_upload import store_name
 
-            line = (f"[air_magic] {store_name(self.observer.store_uri)} is unreachable ({reason}): this launch's "
-                    "points are only in the kernel's session folder and are lost if it does not answer by the end.")
+            line = (
+                f"[air_magic] {store_name(self.observer.store_uri)} is unreachable ({reason}): this launch's "
+                "points are only in the kernel's session folder and are lost if it does not answer by the end."
+            )
         self.observer.launch.notify(line, "stderr")
 
     def report(self) -> None:
         """What did not reach the run, told once, at the end of the launch."""
         uploader = self.uploader
         if uploader is not None and uploader.skipped:
-            _say(f"[air_magic] not everything the ranks logged reached MLflow run {self.run_id}: skipped what "
-                 f"the store refused: {uploader.skipped_text()}. Everything else was stored.")
+            _say(
+                f"[air_magic] not everything the ranks logged reached MLflow run {self.run_id}: skipped what "
+                f"the store refused: {uploader.skipped_text()}. Everything else was stored."
+            )
         if self.error is not None:
             _say(f"[air_magic] not everything the ranks logged reached MLflow run {self.run_id}: {self.error}")
 
@@ -455,8 +466,9 @@ class _Writer:
             publish_run(self.spool.folder, "!" + reason)
         except OSError:
             pass
-        self.observer.launch.notify(f"[air_magic] tracking is off for this launch: MLflow could not make its "
-                                    f"run: {reason}", "stderr")
+        self.observer.launch.notify(
+            f"[air_magic] tracking is off for this launch: MLflow could not make its run: {reason}", "stderr"
+        )
 
     def _make_run(self) -> None:
         assert self.uploader is not None
@@ -473,8 +485,9 @@ class _Writer:
 
             # Its start/stop INFO lines would land in every launch's cell.
             logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-            monitor = SystemMetricsMonitor(run_id, sampling_interval=2, samples_before_logging=1,
-                                           tracking_uri=self.observer.store_uri)
+            monitor = SystemMetricsMonitor(
+                run_id, sampling_interval=2, samples_before_logging=1, tracking_uri=self.observer.store_uri
+            )
             monitor.monitor = bounded(monitor.monitor)  # its requests are cut short like ours
             monitor.start()
             self._monitor = monitor
@@ -493,8 +506,7 @@ class _Writer:
             except Exception:
                 pass
         else:  # the store does not answer: let it give up on its own
-            threading.Thread(target=bounded(monitor.finish), name="air_magic-mlflow-monitor-stop",
-                             daemon=True).start()
+            threading.Thread(target=bounded(monitor.finish), name="air_magic-mlflow-monitor-stop", daemon=True).start()
 
     def _end(self) -> None:
         assert self.uploader is not None and self.status is not None

@@ -40,8 +40,10 @@ from typing import Any, Callable
 import torch
 
 if __name__ == "__main__" and not torch.cuda.is_available():
-    print("SKIP: no CUDA GPU here (torch.cuda.is_available() is False). "
-          "Run benchmarks/gpu_check.py on a machine with NVIDIA GPUs and a CUDA build of torch.")
+    print(
+        "SKIP: no CUDA GPU here (torch.cuda.is_available() is False). "
+        "Run benchmarks/gpu_check.py on a machine with NVIDIA GPUs and a CUDA build of torch."
+    )
     sys.exit(0)
 
 # Where MLflow writes unless the caller chose: a private sqlite store.
@@ -56,16 +58,20 @@ if __name__ == "__main__":
 # ---- the documentation's example, verbatim (only the decorator line differs) -------------
 
 import os
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
 
 def setup():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
 
+
 def cleanup():
     dist.destroy_process_group()
+
 
 class SimpleMLP(nn.Module):
     def __init__(self, input_dim=10, hidden_dim=64, output_dim=1):
@@ -77,13 +83,15 @@ class SimpleMLP(nn.Module):
             nn.Linear(hidden_dim, hidden_dim),
             nn.ReLU(),
             nn.Dropout(0.2),
-            nn.Linear(hidden_dim, output_dim)
+            nn.Linear(hidden_dim, output_dim),
         )
 
     def forward(self, x):
         return self.net(x)
 
+
 from air_magic import distributed
+
 
 @distributed(num_accelerators=torch.cuda.device_count())
 def run_train(num_epochs: int, batch_size: int) -> None:
@@ -131,6 +139,7 @@ def run_train(num_epochs: int, batch_size: int) -> None:
         print(f"Total loss for epoch {epoch}: {total_loss}")
 
     cleanup()
+
 
 # ---- the other checks ---------------------------------------------------------------------
 
@@ -198,7 +207,9 @@ def train_fsdp2(steps: int, checkpoint_dir: str) -> dict[str, Any]:
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=checkpoint_dir)
     set_state_dict(restored, restored_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    equal = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), restored.parameters(), strict=True))
+    equal = all(
+        torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), restored.parameters(), strict=True)
+    )
     cleanup()
     return {"shards": shards, "first": sum(losses[:10]) / 10, "last": sum(losses[-10:]) / 10, "reloaded_equal": equal}
 
@@ -215,8 +226,12 @@ def train_deepspeed(stage: int, steps: int) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
     full = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 256, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    config = {
+        "train_micro_batch_size_per_gpu": 256,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     generator = torch.Generator().manual_seed(dist.get_rank())
     direction = torch.randn(64, 1, generator=torch.Generator().manual_seed(0))
@@ -229,8 +244,15 @@ def train_deepspeed(stage: int, steps: int) -> dict[str, Any]:
         engine.step()
         losses.append(loss.item())
     held = sum(p.ds_tensor.numel() for p in engine.module.parameters()) if stage == 3 else full
-    result = {"stage": engine.zero_optimization_stage(), "device": str(engine.device), "backend": dist.get_backend(),
-              "first": sum(losses[:10]) / 10, "last": sum(losses[-10:]) / 10, "held": held, "full": full}
+    result = {
+        "stage": engine.zero_optimization_stage(),
+        "device": str(engine.device),
+        "backend": dist.get_backend(),
+        "first": sum(losses[:10]) / 10,
+        "last": sum(losses[-10:]) / 10,
+        "held": held,
+        "full": full,
+    }
     dist.destroy_process_group()
     return result
 
@@ -384,8 +406,10 @@ def check_kill_releases_memory(nvml: Nvml, args: argparse.Namespace) -> str:
     after = nvml.used_mib()
     assert released, f"memory still {after:.0f} MiB ({baseline:.0f} before the launch) {took:.0f} s after the kill"
     assert took <= args.release_limit, f"memory released only after {took:.1f} s (limit {args.release_limit} s)"
-    return (f"used {baseline:.0f} -> {during:.0f} -> {after:.0f} MiB; SIGKILL on rank {victim.rank}: launch failed in "
-            f"{ended:.1f} s, memory released in {took:.1f} s")
+    return (
+        f"used {baseline:.0f} -> {during:.0f} -> {after:.0f} MiB; SIGKILL on rank {victim.rank}: launch failed in "
+        f"{ended:.1f} s, memory released in {took:.1f} s"
+    )
 
 
 CHECKS: list[tuple[str, Callable[[Nvml, argparse.Namespace], str]]] = [
@@ -402,12 +426,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="air_magic on this machine's GPUs: DDP, FSDP2, DeepSpeed, a kill.")
     parser.add_argument("--quick", action="store_true", help="the documentation's example for 1 epoch instead of 3")
     parser.add_argument("--only", nargs="*", help="run only these checks")
-    parser.add_argument("--release-limit", type=float, default=10.0, help="seconds for GPU memory to come back after a kill")
+    parser.add_argument(
+        "--release-limit", type=float, default=10.0, help="seconds for GPU memory to come back after a kill"
+    )
     args = parser.parse_args(argv)
     nvml = Nvml()
     started = time.monotonic()
-    print(f"air_magic GPU check: {nvml.describe()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-          f"{NUM_GPUS} rank(s); this process holds a CUDA context ({nvml.used_mib():.0f} MiB used)", flush=True)
+    print(
+        f"air_magic GPU check: {nvml.describe()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"{NUM_GPUS} rank(s); this process holds a CUDA context ({nvml.used_mib():.0f} MiB used)",
+        flush=True,
+    )
     report = []
     for name, check in CHECKS:
         if args.only and name not in args.only:

@@ -1,6 +1,6 @@
 """Run a notebook headless in a real Jupyter kernel and print what each cell showed.
 
-    python scripts/run_notebook.py notebooks/quickstart.ipynb [--output executed.ipynb]
+python scripts/run_notebook.py notebooks/quickstart.ipynb [--output executed.ipynb]
 """
 
 from __future__ import annotations

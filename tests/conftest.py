@@ -10,7 +10,6 @@ from typing import Any, Iterator
 
 import psutil
 import pytest
-
 from harness import LIVE_KERNEL_PIDS, Kernel, describe, stray_processes, wait_until
 
 
@@ -92,5 +91,3 @@ def kernel(kernel_factory: Any) -> Iterator[Kernel]:
     k = kernel_factory()
     yield k
     k.shutdown()
-
-

@@ -160,8 +160,12 @@ class CellResult:
             self.execution_count = content.get("execution_count")
         elif kind == "error":
             tb = [strip_ansi(line) for line in content["traceback"]]
-            self.error = {"ename": content["ename"], "evalue": strip_ansi(content["evalue"]),
-                          "traceback": tb, "text": "\n".join(tb)}
+            self.error = {
+                "ename": content["ename"],
+                "evalue": strip_ansi(content["evalue"]),
+                "traceback": tb,
+                "text": "\n".join(tb),
+            }
         return kind == "status" and content["execution_state"] == "idle"
 
 

@@ -46,8 +46,9 @@ __all__ = [
 
 
 def _moved(old: str, new: str) -> None:
-    warnings.warn(f"{old} is the reference product's name; use air_magic.data.{new} instead.",
-                  FutureWarning, stacklevel=3)
+    warnings.warn(
+        f"{old} is the reference product's name; use air_magic.data.{new} instead.", FutureWarning, stacklevel=3
+    )
 
 
 def UCVolumeDataset(path: str, **kwargs: Any) -> StreamingDataset:  # noqa: N802 - the old name

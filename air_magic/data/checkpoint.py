@@ -34,7 +34,7 @@ def _is_local(url: str) -> bool:
 
 
 def _local(url: str) -> str:
-    return url[len("file://"):] if url.startswith("file://") else url
+    return url[len("file://") :] if url.startswith("file://") else url
 
 
 def checkpoint_writer(url: str, **kwargs: Any) -> Any:
@@ -50,8 +50,10 @@ def checkpoint_reader(url: str, **kwargs: Any) -> Any:
     """A DCP storage reader for ``url``; a missing checkpoint is a clear ``DataError``."""
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(f"{path.rstrip('/')}/.metadata"):
-        raise DataError(f"no checkpoint at {url!r} (its .metadata file is missing). Check the path, "
-                        "or that the save finished (async saves: wait for the returned future).")
+        raise DataError(
+            f"no checkpoint at {url!r} (its .metadata file is missing). Check the path, "
+            "or that the save finished (async saves: wait for the returned future)."
+        )
     if _is_local(url):
         return dcp.FileSystemReader(_local(url), **kwargs)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -75,8 +77,9 @@ def load_checkpoint(state_dict: dict[str, Any], url: str, **kwargs: Any) -> dict
     return state_dict
 
 
-def save_training_state(url: str, model: Any, optimizer: Any = None, dataloader: Any = None,
-                        *, asynchronous: bool = False) -> Any:
+def save_training_state(
+    url: str, model: Any, optimizer: Any = None, dataloader: Any = None, *, asynchronous: bool = False
+) -> Any:
     """Save model, optimizer and data-loader position together (call it on every rank)."""
     state = _training_state(model, optimizer)
     save = async_save_checkpoint if asynchronous else save_checkpoint
@@ -92,8 +95,9 @@ def load_training_state(url: str, model: Any, optimizer: Any = None, dataloader:
 
     state = _training_state(model, optimizer)
     load_checkpoint(state, url)
-    set_state_dict(model, _optimizers(optimizer),
-                   model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+    set_state_dict(
+        model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {})
+    )
     if dataloader is not None:
         _load_loader_state(url, dataloader)
 
@@ -132,7 +136,9 @@ def _load_loader_state(url: str, dataloader: Any) -> None:
     path = _loader_path(url)
     fs, local = fsspec.core.url_to_fs(path)
     if not fs.exists(local):
-        raise DataError(f"no data-loader state for this rank at {path!r}: the checkpoint was saved "
-                        "by fewer ranks. Resume with the same number of ranks, or without dataloader=.")
+        raise DataError(
+            f"no data-loader state for this rank at {path!r}: the checkpoint was saved "
+            "by fewer ranks. Resume with the same number of ranks, or without dataloader=."
+        )
     with fsspec.open(path, "rb") as handle:
         dataloader.load_state_dict(torch.load(handle, weights_only=False))

@@ -115,8 +115,10 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
         try:
             fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
         except (ImportError, ValueError) as exc:
-            raise DataError(f"cannot open {url!r}: {exc}. Install the fsspec backend for that URL "
-                            "(s3fs, gcsfs, adlfs ...) or check the URL.") from exc
+            raise DataError(
+                f"cannot open {url!r}: {exc}. Install the fsspec backend for that URL "
+                "(s3fs, gcsfs, adlfs ...) or check the URL."
+            ) from exc
         try:
             if fs.isdir(path):
                 files = fs.find(path)
@@ -125,13 +127,17 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
             elif fs.exists(path):
                 raise DataError(f"{url!r} is a file; pass the folder that holds the files, or a glob.")
             else:
-                raise DataError(f"the folder {url!r} does not exist. Check the path (and that the "
-                                "volume or bucket is mounted / reachable).")
+                raise DataError(
+                    f"the folder {url!r} does not exist. Check the path (and that the "
+                    "volume or bucket is mounted / reachable)."
+                )
         except DataError:
             raise
         except Exception as exc:
-            raise DataError(f"cannot list {url!r}: {type(exc).__name__}: {exc}. Check the storage is "
-                            "reachable and the credentials (storage_options).") from exc
+            raise DataError(
+                f"cannot list {url!r}: {type(exc).__name__}: {exc}. Check the storage is "
+                "reachable and the credentials (storage_options)."
+            ) from exc
         files = sorted(files)
         if not files:
             raise DataError(f"no files under {url!r}: the dataset would be empty.")
@@ -155,8 +161,10 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
         if self.drop_last:
             usable = len(order) - len(order) % world_size
             if usable == 0:
-                raise DataError(f"{len(order)} files cannot give each of {world_size} ranks one with "
-                                "drop_last=True; use drop_last=False (pads by repeating files).")
+                raise DataError(
+                    f"{len(order)} files cannot give each of {world_size} ranks one with "
+                    "drop_last=True; use drop_last=False (pads by repeating files)."
+                )
             order = order[:usable]
         else:
             padded = -(-len(order) // world_size) * world_size
@@ -188,8 +196,14 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
         """Where this stream is: epoch and items delivered (per worker under StatefulDataLoader)."""
         # Called after every item by StatefulDataLoader: no re-shuffling here.
         _, stream, streams = self._current if self._current is not None else self._stream()
-        return {"epoch": self.epoch, "delivered": self._delivered, "stream": stream, "streams": streams,
-                "seed": self.seed, "files": len(self.files)}
+        return {
+            "epoch": self.epoch,
+            "delivered": self._delivered,
+            "stream": stream,
+            "streams": streams,
+            "seed": self.seed,
+            "files": len(self.files),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state['epoch']`` skips what was delivered."""
@@ -275,4 +289,3 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
                     except FileNotFoundError:
                         pass
             self._cache_bytes = total
-

@@ -142,7 +142,9 @@ def lint_function(func: Callable[..., Any]) -> list[Diagnostic]:
     found = [
         _shifted(d, offset)
         for d in check(
-            source, path=filename, describe_line=lambda n: f"line {n + offset}",
+            source,
+            path=filename,
+            describe_line=lambda n: f"line {n + offset}",
             launched=[getattr(target, "__name__", "")],
         )
         if d.code != "AM306"  # a call elsewhere cannot be seen from here
@@ -158,7 +160,10 @@ def _shifted(d: Diagnostic, offset: int) -> Diagnostic:
     # The fix's byte offsets refer to the function's own text; they mean nothing in the
     # file, so a shifted finding carries no fix.
     return replace(
-        d, line=d.line + offset, end_line=d.end_line + offset, fix=None,
+        d,
+        line=d.line + offset,
+        end_line=d.end_line + offset,
+        fix=None,
         applicability=d.applicability,
     )
 
@@ -215,8 +220,11 @@ def _captured_at_runtime(func: Any, source: str, filename: str, offset: int) -> 
         fields = {"name": name, "func": label, "where": f"a {heavy[name]} in the notebook or module"}
         out.append(
             Diagnostic.from_rule(
-                "AM303", fields, path=filename,
-                line=node.lineno + offset, col=node.col_offset + 1,
+                "AM303",
+                fields,
+                path=filename,
+                line=node.lineno + offset,
+                col=node.col_offset + 1,
                 end_line=(node.end_lineno or node.lineno) + offset,
                 end_col=(node.end_col_offset or node.col_offset) + 1,
             )

@@ -84,8 +84,8 @@ def check_arguments(src: Source) -> None:
         remote = keywords.get("remote")
         if remote is not None and (overrides or bool_value(remote.value) is not False):
             src.report(
-                "AM206", remote, arg=src.text(remote).replace(" ", ""),
+                "AM206",
+                remote,
+                arg=src.text(remote).replace(" ", ""),
                 consequence="with_overrides() has no remote argument" if overrides else "rejects remote=True",
             )
-
-

@@ -70,9 +70,7 @@ def _notebook(path: str, fix: bool, unsafe: bool, write: bool) -> FileResult:
         raise
     except Exception as exc:  # not JSON, not a notebook, unreadable
         raise UnreadableFile(f"{path}: cannot read it as a notebook ({type(exc).__name__}: {exc})") from None
-    outcome = FileResult(
-        path, result.remaining_diagnostics, list(result.result.found), fixed=len(result.result.fixed)
-    )
+    outcome = FileResult(path, result.remaining_diagnostics, list(result.result.found), fixed=len(result.result.fixed))
     for index, (old, new) in enumerate(zip(result.before, result.result.sources)):
         if old is not None and new is not None and old != new:
             outcome.changes.append((index + 1, old, new))

@@ -111,7 +111,9 @@ def check_imports(src: Source) -> None:
             module = module_name(stmt)
             if module and legacy_package(module):
                 src.report(
-                    "AM104", stmt, old=f"{module}.*",
+                    "AM104",
+                    stmt,
+                    old=f"{module}.*",
                     hint="import each name you use by name; the equivalents are in air_magic and air_magic.data",
                 )
             continue
@@ -123,16 +125,11 @@ def check_imports(src: Source) -> None:
         if not legacy and not leftovers:
             continue
         plans = {
-            level: _plan_statement(src, stmt, aliases, level)
-            for level in (Applicability.SAFE, Applicability.UNSAFE)
+            level: _plan_statement(src, stmt, aliases, level) for level in (Applicability.SAFE, Applicability.UNSAFE)
         }
         for alias in aliases:
             if not alias.references and (alias in legacy or alias in leftovers):
-                why = (
-                    "; the legacy package is not installed outside Databricks"
-                    if alias in legacy
-                    else ""
-                )
+                why = "; the legacy package is not installed outside Databricks" if alias in legacy else ""
                 f = src.report("AM106", alias.node, old=alias.qualified, why=why)
                 f.edits = plans[Applicability.SAFE]
                 continue
@@ -224,7 +221,7 @@ def _plan_statement(
     line = src.parent(stmt)
     if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1:
         start = src.span(stmt)[0]
-        indent = src.data[src.line_start(start):start].decode("utf-8")
+        indent = src.data[src.line_start(start) : start].decode("utf-8")
         joiner = src.module.default_newline + indent if not indent.strip() else "; "
     else:
         joiner = "; "
@@ -294,5 +291,3 @@ def check_env_vars(src: Source) -> None:
         value = string_value(node)
         if value in LEGACY_ENV_VARS:
             src.report("AM105", node, name=value, instead=LEGACY_ENV_VARS[value])
-
-

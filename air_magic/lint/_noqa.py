@@ -21,7 +21,7 @@ __all__ = ["noqa_lines", "unsuppressed"]
 _NOQA = re.compile(r"#\s*noqa(?::\s?(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?", re.IGNORECASE)
 _SEPARATOR = re.compile(r"[,\s]+")
 
-#: Per line: the codes its ``# noqa`` names, or ``None`` for a bare ``# noqa`` (every code).
+#: Per line: the codes its noqa comment names, or ``None`` for a bare one (every code).
 NoqaLines = Mapping[int, "frozenset[str] | None"]
 
 
@@ -42,7 +42,7 @@ def noqa_lines(source: str) -> dict[int, frozenset[str] | None]:
         ]
     except (tokenize.TokenError, SyntaxError):
         # Grammar this Python cannot tokenize: a '#' outside strings is all we need here.
-        comments = [(n, line[line.index("#"):]) for n, line in enumerate(source.splitlines(), 1) if "#" in line]
+        comments = [(n, line[line.index("#") :]) for n, line in enumerate(source.splitlines(), 1) if "#" in line]
     table: dict[int, frozenset[str] | None] = {}
     for line, comment in comments:
         match = _NOQA.search(comment)

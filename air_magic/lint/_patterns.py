@@ -17,18 +17,71 @@ __all__ = ["check_torch_distributor", "check_launched_code", "check_rendezvous",
 #: of these read inside a launched function is not reported.
 _LIGHT_CALLS = frozenset(
     {
-        "int", "float", "str", "bool", "bytes", "complex", "len", "range", "dict", "list", "set",
-        "tuple", "frozenset", "sorted", "reversed", "min", "max", "sum", "abs", "round", "zip",
-        "enumerate", "object", "type", "print", "repr", "format", "getattr", "hash", "id", "iter",
-        "torch.device", "torch.dtype", "torch.cuda.device_count", "torch.cuda.is_available",
-        "torch.manual_seed", "torch.Generator",
+        "int",
+        "float",
+        "str",
+        "bool",
+        "bytes",
+        "complex",
+        "len",
+        "range",
+        "dict",
+        "list",
+        "set",
+        "tuple",
+        "frozenset",
+        "sorted",
+        "reversed",
+        "min",
+        "max",
+        "sum",
+        "abs",
+        "round",
+        "zip",
+        "enumerate",
+        "object",
+        "type",
+        "print",
+        "repr",
+        "format",
+        "getattr",
+        "hash",
+        "id",
+        "iter",
+        "torch.device",
+        "torch.dtype",
+        "torch.cuda.device_count",
+        "torch.cuda.is_available",
+        "torch.manual_seed",
+        "torch.Generator",
     }
 )
 _LIGHT_PREFIXES = (
-    "os.", "sys.", "pathlib.", "logging.", "argparse.", "re.", "collections.", "functools.",
-    "itertools.", "typing.", "dataclasses.", "datetime.", "time.", "math.", "json.", "uuid.",
-    "enum.", "string.", "textwrap.", "operator.", "warnings.", "air_magic.", "serverless_gpu.",
-    "databricks.air.", "mlflow.",
+    "os.",
+    "sys.",
+    "pathlib.",
+    "logging.",
+    "argparse.",
+    "re.",
+    "collections.",
+    "functools.",
+    "itertools.",
+    "typing.",
+    "dataclasses.",
+    "datetime.",
+    "time.",
+    "math.",
+    "json.",
+    "uuid.",
+    "enum.",
+    "string.",
+    "textwrap.",
+    "operator.",
+    "warnings.",
+    "air_magic.",
+    "serverless_gpu.",
+    "databricks.air.",
+    "mlflow.",
 )
 _SET_EXPERIMENT = frozenset({"mlflow.set_experiment", "mlflow.tracking.fluent.set_experiment"})
 _ENVIRON = frozenset({"os.environ"})
@@ -54,7 +107,9 @@ def check_torch_distributor(src: Source) -> None:
         deepspeed = src.matches(ctor.func, DEEPSPEED_DISTRIBUTOR_MATCHES)
         if deepspeed:
             src.report(
-                "AM302", ctor, what="DeepspeedTorchDistributor(...)",
+                "AM302",
+                ctor,
+                what="DeepspeedTorchDistributor(...)",
                 why="it configures DeepSpeed through Spark; call deepspeed.initialize(...) inside the "
                 "decorated function instead",
             )
@@ -73,9 +128,7 @@ def check_torch_distributor(src: Source) -> None:
             _convert_run(src, run, settings, removal)
 
 
-def _distributor_runs(
-    src: Source, ctor: cst.Call
-) -> tuple[list[cst.Call], list[Edit] | None, str | None]:
+def _distributor_runs(src: Source, ctor: cst.Call) -> tuple[list[cst.Call], list[Edit] | None, str | None]:
     """The ``.run(...)`` calls of this distributor, the edits that remove its variable (when
     it is stored in one), or why it cannot be followed."""
     parent = src.parent(ctor)
@@ -85,8 +138,12 @@ def _distributor_runs(
             return [outer], None, None
         return [], None, f"only `.run(...)` is converted, not `.{parent.attr.value}`"
     assign = src.parent(ctor)
-    if not (isinstance(assign, cst.Assign) and assign.value is ctor and len(assign.targets) == 1
-            and isinstance(assign.targets[0].target, cst.Name)):
+    if not (
+        isinstance(assign, cst.Assign)
+        and assign.value is ctor
+        and len(assign.targets) == 1
+        and isinstance(assign.targets[0].target, cst.Name)
+    ):
         return [], None, "it is not called as `TorchDistributor(...).run(...)` or stored in a variable"
     name = assign.targets[0].target
     scope = src.scopes.get(name)
@@ -97,8 +154,12 @@ def _distributor_runs(
     for access in assignments[0].references:
         attr = src.parent(access.node)
         call = src.parent(attr) if attr is not None else None
-        if not (isinstance(attr, cst.Attribute) and attr.attr.value == "run" and isinstance(call, cst.Call)
-                and call.func is attr):
+        if not (
+            isinstance(attr, cst.Attribute)
+            and attr.attr.value == "run"
+            and isinstance(call, cst.Call)
+            and call.func is attr
+        ):
             return [], None, f"`{name.value}` is used for more than `.run(...)`"
         runs.append(call)
     if not runs:
@@ -147,7 +208,9 @@ def _convert_run(src: Source, run: cst.Call, settings: dict[str, str], removal: 
     target = args[0].value
     if isinstance(target, (cst.SimpleString, cst.FormattedString, cst.ConcatenatedString)):
         src.report(
-            "AM302", run, what="TorchDistributor.run(" + src.text(target) + ", ...)",
+            "AM302",
+            run,
+            what="TorchDistributor.run(" + src.text(target) + ", ...)",
             why="it runs a script file; air_magic launches functions, so call the script's main "
             "function from a function decorated with @distributed",
         )
@@ -158,7 +221,7 @@ def _convert_run(src: Source, run: cst.Call, settings: dict[str, str], removal: 
         options += f", accelerator_type={settings['type']}"
     rest = ""
     if len(args) > 1:
-        rest = src.data[src.span(args[1])[0]:src.span(args[-1])[1]].decode("utf-8")
+        rest = src.data[src.span(args[1])[0] : src.span(args[-1])[1]].decode("utf-8")
     launch = f"{ref}({options})({src.text(target)}).distributed({rest})"
     if not isinstance(src.parent(run), cst.Expr):
         launch += "[0]"  # .run() returned rank 0's value; .distributed() returns every rank's
@@ -316,7 +379,7 @@ def check_rendezvous(src: Source) -> None:
         if src.matches(func, {"os.environ.setdefault", "os.putenv"}):
             key = string_value(call.args[0].value) if call.args else None
             if key in _RENDEZVOUS_VARS:
-                f = src.report("AM305", call, what=f"{src.text(func)}(\"{key}\", ...)")
+                f = src.report("AM305", call, what=f'{src.text(func)}("{key}", ...)')
                 stmt = _statement_of(src, call)
                 if isinstance(stmt, cst.Expr):
                     f.edits = src.delete_statement(stmt) or []
@@ -324,9 +387,7 @@ def check_rendezvous(src: Source) -> None:
             keys = {a.keyword.value for a in call.args if a.keyword is not None}
             for arg in call.args:
                 if isinstance(arg.value, cst.Dict):
-                    keys |= {
-                        string_value(el.key) or "" for el in arg.value.elements if isinstance(el, cst.DictElement)
-                    }
+                    keys |= {string_value(el.key) or "" for el in arg.value.elements if isinstance(el, cst.DictElement)}
             if keys & _RENDEZVOUS_VARS:
                 src.report("AM305", call, what="os.environ.update(MASTER_...)")
         elif src.matches(func, {"torch.distributed.init_process_group", "init_process_group"}) or (
@@ -334,7 +395,12 @@ def check_rendezvous(src: Source) -> None:
         ):
             for arg in call.args:
                 value = string_value(arg.value)
-                if arg.keyword is not None and arg.keyword.value == "init_method" and value and value.startswith("tcp://"):
+                if (
+                    arg.keyword is not None
+                    and arg.keyword.value == "init_method"
+                    and value
+                    and value.startswith("tcp://")
+                ):
                     f = src.report("AM305", arg, what=f"init_method={src.text(arg.value)}")
                     f.edits = [src.edit(call, EMPTY.code_for_node(_without_arg(call, arg)))]
 
@@ -350,9 +416,7 @@ def check_direct_calls(src: Source) -> None:
     if src.global_scope is None:
         return
     decorated = {
-        id(fn)
-        for fn in src.nodes.functions
-        if any(is_distributed(src, _decorator_callee(d)) for d in fn.decorators)
+        id(fn) for fn in src.nodes.functions if any(is_distributed(src, _decorator_callee(d)) for d in fn.decorators)
     }
     for assignment in src.global_scope.assignments:
         if not isinstance(assignment, Assignment):
@@ -364,7 +428,9 @@ def check_direct_calls(src: Source) -> None:
             stmt = src.parent(target) if isinstance(target, cst.AssignTarget) else None
             value = getattr(stmt, "value", None)
             wrapped = (
-                isinstance(stmt, cst.Assign) and isinstance(value, cst.Call) and isinstance(value.func, cst.Call)
+                isinstance(stmt, cst.Assign)
+                and isinstance(value, cst.Call)
+                and isinstance(value.func, cst.Call)
                 and is_distributed(src, value.func.func)
             )
         if not wrapped:
@@ -375,5 +441,3 @@ def check_direct_calls(src: Source) -> None:
                 f = src.report("AM306", call, func=assignment.name)
                 end = src.span(access.node)[1]
                 f.edits = [Edit(end, end, ".distributed")]
-
-

@@ -121,8 +121,19 @@ def _stands_bare(src: Source, node: cst.CSTNode) -> bool:
     if isinstance(parent, cst.IfExp):
         return parent.orelse is node
     return isinstance(
-        parent, (cst.Arg, cst.Assign, cst.AnnAssign, cst.AugAssign, cst.Return, cst.Expr, cst.Element,
-                 cst.DictElement, cst.Index, cst.Lambda)
+        parent,
+        (
+            cst.Arg,
+            cst.Assign,
+            cst.AnnAssign,
+            cst.AugAssign,
+            cst.Return,
+            cst.Expr,
+            cst.Element,
+            cst.DictElement,
+            cst.Index,
+            cst.Lambda,
+        ),
     )
 
 
@@ -151,7 +162,7 @@ def _report_conditional(
         new = f"({new})"
     start, end = src.span(node)
     outer = src.span(within) if within is not None else (start, end)
-    shown = src.data[outer[0]:start].decode("utf-8") + new + src.data[end:outer[1]].decode("utf-8")
+    shown = src.data[outer[0] : start].decode("utf-8") + new + src.data[end : outer[1]].decode("utf-8")
     f = src.report(code, within if within is not None else node, new=shown, **fields)
     if test is not None:  # else ``torch`` names something else here: said, not rewritten
         f.edits = [src.edit(node, new)]
@@ -201,7 +212,7 @@ def _check_set_device(src: Source, call: cst.Call) -> None:
         # Continuation lines move with the statement (inside a string they would be text).
         offset = src.line_end(start)
         while offset < end:
-            if src.data[offset:offset + 1] not in (b"\n", b"\r"):
+            if src.data[offset : offset + 1] not in (b"\n", b"\r"):
                 f.edits.append(Edit(offset, offset, unit))
             offset = src.line_end(offset)
     f.needs = [need] if need else []

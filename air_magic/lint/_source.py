@@ -352,10 +352,15 @@ class Source:
             pos = self.positions[f.node]
             out.append(
                 Diagnostic.from_rule(
-                    f.code, f.fields, path=path,
-                    line=pos.start.line, col=pos.start.column + 1,
-                    end_line=pos.end.line, end_col=pos.end.column + 1,
-                    applicability=applicability, fix=fix,
+                    f.code,
+                    f.fields,
+                    path=path,
+                    line=pos.start.line,
+                    col=pos.start.column + 1,
+                    end_line=pos.end.line,
+                    end_col=pos.end.column + 1,
+                    applicability=applicability,
+                    fix=fix,
                 )
             )
         out.sort(key=lambda d: (d.line, d.col, d.code))

@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     lint.add_argument("paths", nargs="+", metavar="PATH", help=".py files, .ipynb notebooks or folders")
     lint.add_argument("--fix", action="store_true", help="rewrite the files with every safe fix applied")
     lint.add_argument(
-        "--unsafe-fixes", action="store_true",
+        "--unsafe-fixes",
+        action="store_true",
         help="also apply fixes that may change behaviour (with --fix or --diff)",
     )
     lint.add_argument("--diff", action="store_true", help="show what --fix would change; write nothing")
@@ -87,7 +88,10 @@ def _process(path: str, fix: bool, diff: bool, unsafe: bool) -> _Outcome:
             if cell is None:
                 outcome.diff.extend(
                     difflib.unified_diff(
-                        old.splitlines(keepends=True), new.splitlines(keepends=True), fromfile=path, tofile=path,
+                        old.splitlines(keepends=True),
+                        new.splitlines(keepends=True),
+                        fromfile=path,
+                        tofile=path,
                     )
                 )
             else:

@@ -75,6 +75,11 @@ def syntax_error(source: str, exc: Exception, path: str, what: str = "this code"
     except (ValueError, RecursionError):
         pass
     return Diagnostic.from_rule(
-        "AM001", {"what": what, "error": f"syntax error: {message}"},
-        path=path, line=line, col=col, end_line=line, end_col=col,
+        "AM001",
+        {"what": what, "error": f"syntax error: {message}"},
+        path=path,
+        line=line,
+        col=col,
+        end_line=line,
+        end_col=col,
     )

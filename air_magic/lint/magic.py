@@ -21,15 +21,23 @@ class LintMagics(Magics):
     """The ``%air_lint`` line magic."""
 
     @magic_arguments()
-    @argument("target", nargs="?", default=None,
-              help="a function of the notebook, a cell number (In[N]) or a .py/.ipynb path; "
-              "default: this notebook's file when known, else every cell run so far")
-    @argument("--fix", action="store_true",
-              help="print the fixed code of every cell that changes (the notebook is not rewritten)")
+    @argument(
+        "target",
+        nargs="?",
+        default=None,
+        help="a function of the notebook, a cell number (In[N]) or a .py/.ipynb path; "
+        "default: this notebook's file when known, else every cell run so far",
+    )
+    @argument(
+        "--fix",
+        action="store_true",
+        help="print the fixed code of every cell that changes (the notebook is not rewritten)",
+    )
     @argument("--diff", action="store_true", help="print what --fix would change, as a diff")
     @argument("--unsafe-fixes", action="store_true", help="include fixes that may change behaviour")
-    @argument("--history", action="store_true",
-              help="lint the cells run in this session even when the notebook file is known")
+    @argument(
+        "--history", action="store_true", help="lint the cells run in this session even when the notebook file is known"
+    )
     @line_magic
     def air_lint(self, line: str) -> None:
         """Find code written for serverless_gpu, databricks.air or TorchDistributor.
@@ -110,9 +118,7 @@ class LintMagics(Magics):
 
         ns = self.shell.user_ns if self.shell is not None else {}
         if name not in ns:
-            raise UsageError(
-                f"%air_lint: {name!r} is neither a function of this notebook, a cell number nor a file"
-            )
+            raise UsageError(f"%air_lint: {name!r} is neither a function of this notebook, a cell number nor a file")
         diagnostics = lint_function(ns[name])
         self._report(diagnostics, label=None)
 
@@ -153,9 +159,17 @@ class LintMagics(Magics):
             return
         for name, old, new in changed:
             if as_diff:
-                print("".join(difflib.unified_diff(
-                    lines(old), lines(new), fromfile=name, tofile=name + " (fixed)",
-                )), end="")
+                print(
+                    "".join(
+                        difflib.unified_diff(
+                            lines(old),
+                            lines(new),
+                            fromfile=name,
+                            tofile=name + " (fixed)",
+                        )
+                    ),
+                    end="",
+                )
             else:
                 print(f"# {name}, fixed:")
                 print(new.rstrip("\n"))

@@ -67,7 +67,7 @@ def mask_magics(source: str, token: str) -> tuple[str, dict[str, str]]:
     continued = False
     for line in source.splitlines(keepends=True):
         body = line.rstrip("\r\n")
-        ending = line[len(body):]
+        ending = line[len(body) :]
         if continued or _LINE_MAGIC.match(body) or _ASSIGNED_MAGIC.match(body) or _HELP.match(body):
             key = f"{token}_{len(masks)}"
             masks[key] = body
@@ -87,7 +87,7 @@ def unmask(text: str, masks: dict[str, str]) -> str:
     for line in text.splitlines(keepends=True):
         body = line.rstrip("\r\n")
         match = pattern.match(body)
-        lines.append(masks[match.group(1)] + line[len(body):] if match else line)
+        lines.append(masks[match.group(1)] + line[len(body) :] if match else line)
     return "".join(lines)
 
 
@@ -166,7 +166,7 @@ class _Joined:
 
     def _check_header(self, cell: _Cell) -> None:
         assert cell.header is not None
-        line = cell.header[len("%%distributed"):]
+        line = cell.header[len("%%distributed") :]
         try:
             args = _parse_header(line)
         except ImportError:
@@ -174,9 +174,14 @@ class _Joined:
         except (Exception, SystemExit) as exc:
             self.early.append(
                 Diagnostic.from_rule(
-                    "AM001", {"what": "the %%distributed line", "error": str(exc)},
-                    path=self.path, cell=self.numbers[cell.index],
-                    line=1, col=1, end_line=1, end_col=len(cell.header) + 1,
+                    "AM001",
+                    {"what": "the %%distributed line", "error": str(exc)},
+                    path=self.path,
+                    cell=self.numbers[cell.index],
+                    line=1,
+                    col=1,
+                    end_line=1,
+                    end_col=len(cell.header) + 1,
                     fix_title="Fix the options (%%distributed? lists them)",
                 )
             )
@@ -198,8 +203,14 @@ class _Joined:
         if replacement is None:
             self.early.append(
                 Diagnostic.from_rule(
-                    "AM204", {"old": value}, path=self.path, cell=number,
-                    line=1, col=col, end_line=1, end_col=match.end(3) + 1,
+                    "AM204",
+                    {"old": value},
+                    path=self.path,
+                    cell=number,
+                    line=1,
+                    col=col,
+                    end_line=1,
+                    end_col=match.end(3) + 1,
                 )
             )
             return
@@ -207,9 +218,16 @@ class _Joined:
         start = len(cell.header[: match.start(3)].encode("utf-8"))
         edit = Edit(start, start + len(match.group(3).encode("utf-8")), new)
         diagnostic = Diagnostic.from_rule(
-            "AM207", {"old": value, "new": new, "reason": reason}, path=self.path, cell=number,
-            line=1, col=col, end_line=1, end_col=match.end(3) + 1,
-            applicability=Applicability.SAFE, fix=Fix(Applicability.SAFE, (edit,)),
+            "AM207",
+            {"old": value, "new": new, "reason": reason},
+            path=self.path,
+            cell=number,
+            line=1,
+            col=col,
+            end_line=1,
+            end_col=match.end(3) + 1,
+            applicability=Applicability.SAFE,
+            fix=Fix(Applicability.SAFE, (edit,)),
         )
         self.early.append(diagnostic)
         self.header_fixes.setdefault(cell.index, []).append((diagnostic, edit))
@@ -238,7 +256,9 @@ class _Joined:
                 end_cell, end_line = self.locate(d.end_line) if d.end_line else (cell, line)
                 found.append(
                     replace(
-                        d, cell=self.numbers[cell.index], line=line,
+                        d,
+                        cell=self.numbers[cell.index],
+                        line=line,
                         end_line=end_line if end_cell is cell else line,
                     )
                 )
@@ -254,7 +274,7 @@ class _Joined:
         out = {}
         for n, (mark, cell) in enumerate(zip(marks, linted)):
             end = marks[n + 1].start() if n + 1 < len(marks) else len(text)
-            body = text[mark.end():end]
+            body = text[mark.end() : end]
             if cell.added_newline and body.endswith("\n"):
                 body = body[:-1]
             out[cell.index] = unmask(body, cell.masks)
@@ -437,9 +457,7 @@ class NotebookFixResult:
         return list(self.result.remaining)
 
 
-def fix_notebook_file(
-    path: str | os.PathLike[str], *, unsafe: bool = False, write: bool = True
-) -> NotebookFixResult:
+def fix_notebook_file(path: str | os.PathLike[str], *, unsafe: bool = False, write: bool = True) -> NotebookFixResult:
     """Fix a notebook's code cells and (with ``write``) save it, replacing only the
     ``source`` of the cells that changed."""
     nb = _read(path)
@@ -470,8 +488,6 @@ def _write_sources(path: str, nb: Any, before: Sequence[str | None], after: Sequ
         if new is not None and new != old:
             cell["source"] = new.splitlines(keepends=True) if isinstance(cell["source"], list) else new
     indent = re.match(r"\{\r?\n([ \t]*)", text)
-    out = json.dumps(
-        data, indent=len(indent.group(1)) if indent else 1, ensure_ascii="\\u" in text and text.isascii()
-    )
+    out = json.dumps(data, indent=len(indent.group(1)) if indent else 1, ensure_ascii="\\u" in text and text.isascii())
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(out + ("\n" if text.endswith("\n") else ""))

@@ -121,7 +121,7 @@ RULES: tuple[Rule, ...] = (
         fix_title="Use `{new}` (review the difference)",
         fix=UNSAFE,
         before='from databricks.air.data import UCVolumeDataset\n\nds = UCVolumeDataset("/Volumes/main/raw")\n',
-        after='from air_magic.data import StreamingDataset\n\n'
+        after="from air_magic.data import StreamingDataset\n\n"
         'ds = StreamingDataset("/Volumes/main/raw", shuffle=False)\n',
         fixture="AM103",
     ),
@@ -212,8 +212,7 @@ RULES: tuple[Rule, ...] = (
         code="AM205",
         name="conflicting-arguments",
         kind="arguments",
-        message="`{old}` and `{new}` are both given; `{old}` is the old name of `{new}` and air_magic "
-        "rejects the pair",
+        message="`{old}` and `{new}` are both given; `{old}` is the old name of `{new}` and air_magic rejects the pair",
         fix_title="Keep only `{new}`",
         fix=DISPLAY_ONLY,
         before="from air_magic import distributed\n\n"
@@ -265,8 +264,7 @@ RULES: tuple[Rule, ...] = (
         name="torch-distributor-manual",
         kind="patterns",
         message="`{what}` cannot be converted automatically: {why}",
-        fix_title="Decorate the training function with `@distributed(num_accelerators=N)` and call "
-        "`.distributed(...)`",
+        fix_title="Decorate the training function with `@distributed(num_accelerators=N)` and call `.distributed(...)`",
         fix=DISPLAY_ONLY,
         before="from pyspark.ml.torch.distributor import TorchDistributor\n\n\ndef train():\n    return 0\n\n\n"
         "TorchDistributor(num_processes=16, local_mode=False).run(train)\n",
@@ -298,9 +296,9 @@ RULES: tuple[Rule, ...] = (
         "`experiment=...` to `@distributed`",
         fix=DISPLAY_ONLY,
         before="import mlflow\nfrom air_magic import distributed\n\n\n@distributed()\ndef train():\n"
-        "    mlflow.set_experiment(\"/exp\")\n",
-        after="import mlflow\nfrom air_magic import distributed\n\n\n@distributed(experiment=\"/exp\")\ndef train():\n"
-        "    mlflow.log_metric(\"loss\", 0.1)\n",
+        '    mlflow.set_experiment("/exp")\n',
+        after='import mlflow\nfrom air_magic import distributed\n\n\n@distributed(experiment="/exp")\ndef train():\n'
+        '    mlflow.log_metric("loss", 0.1)\n',
         fixture="AM304",
     ),
     Rule(
@@ -312,7 +310,7 @@ RULES: tuple[Rule, ...] = (
         fix_title="Remove it: `init_process_group()` reads the MASTER_ADDR and MASTER_PORT air_magic sets",
         fix=UNSAFE,
         before='import os\n\nos.environ["MASTER_PORT"] = "29500"\n',
-        after='import os\n\n',
+        after="import os\n\n",
         fixture="AM305",
     ),
     Rule(
@@ -342,7 +340,7 @@ RULES: tuple[Rule, ...] = (
         fix_title="Use `{new}`",
         fix=SAFE,
         before='import torch\nimport torch.distributed as dist\n\ndist.init_process_group("nccl")\n',
-        after='import torch\nimport torch.distributed as dist\n\n'
+        after="import torch\nimport torch.distributed as dist\n\n"
         'dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")\n',
         fixture="AM401",
     ),
@@ -354,7 +352,7 @@ RULES: tuple[Rule, ...] = (
         fix_title="Call it only where CUDA is available: `if {check}:`",
         fix=SAFE,
         before='import os\nimport torch\n\ntorch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n',
-        after='import os\nimport torch\n\nif torch.cuda.is_available():\n'
+        after="import os\nimport torch\n\nif torch.cuda.is_available():\n"
         '    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n',
         fixture="AM402",
     ),

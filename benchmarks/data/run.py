@@ -28,7 +28,6 @@ def epoch(folder: str, mode: str, files: int, size: int) -> dict:
     import shutil
 
     import fsspec
-    import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader as TorchLoader
     from torch.utils.data import Dataset, DistributedSampler
@@ -51,7 +50,11 @@ def epoch(folder: str, mode: str, files: int, size: int) -> dict:
         loader = TorchLoader(Files(), sampler=DistributedSampler(Files(), seed=0), batch_size=None, num_workers=2)
         runs = {"plain DataLoader (local files)": loader}
     elif mode == "local":
-        runs = {"StreamingDataset (local files)": DataLoader(StreamingDataset(folder, output="bytes"), batch_size=None, num_workers=2)}
+        runs = {
+            "StreamingDataset (local files)": DataLoader(
+                StreamingDataset(folder, output="bytes"), batch_size=None, num_workers=2
+            )
+        }
     else:
         fs = fsspec.filesystem("memory")
         payload = b"x" * size
@@ -92,12 +95,16 @@ def main() -> None:
             seconds = max(r[name][1] for r in per_rank)
             table[name] = {"items": items, "seconds": seconds, "items_per_s": items / seconds}
     base = table["plain DataLoader (local files)"]["items_per_s"]
-    print(f"{args.files} files of {args.size} B, 2 ranks x 2 workers, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}\n")
+    print(
+        f"{args.files} files of {args.size} B, 2 ranks x 2 workers, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}\n"
+    )
     print("| reader | items | seconds | items/s | ÷ plain DataLoader |\n|---|---|---|---|---|")
     for name, row in table.items():
-        print(f"| {name} | {row['items']} | {row['seconds']:.2f} | {row['items_per_s']:.0f} | "
-              f"{row['items_per_s'] / base:.2f} |")
+        print(
+            f"| {name} | {row['items']} | {row['seconds']:.2f} | {row['items_per_s']:.0f} | "
+            f"{row['items_per_s'] / base:.2f} |"
+        )
     out = Path(__file__).with_name("results.json")
     out.write_text(json.dumps({"files": args.files, "size": args.size, "results": table}, indent=1))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 from jupyter_client import KernelManager
 
-TAG_VAR = "AIRBENCH_SESSION"   # set in every kernel's env; children inherit it
+TAG_VAR = "AIRBENCH_SESSION"  # set in every kernel's env; children inherit it
 RUN_VAR = "AIRBENCH_RUN"
 
 
@@ -34,19 +34,22 @@ class CellError(Exception):
 def write_kernelspec(root: Path, name: str, argv: list[str], interrupt_mode: str = "signal") -> None:
     d = root / "kernels" / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / "kernel.json").write_text(json.dumps({
-        "argv": argv,
-        "display_name": name,
-        "language": "python",
-        "interrupt_mode": interrupt_mode,
-    }))
+    (d / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": argv,
+                "display_name": name,
+                "language": "python",
+                "interrupt_mode": interrupt_mode,
+            }
+        )
+    )
 
 
 class KernelSession:
     """One kernel, driven over ZMQ the way a notebook front end does."""
 
-    def __init__(self, kernel_name: str, env: dict, cwd: str, ready_timeout: float = 180,
-                 log_path: Path | None = None):
+    def __init__(self, kernel_name: str, env: dict, cwd: str, ready_timeout: float = 180, log_path: Path | None = None):
         self.km = KernelManager(kernel_name=kernel_name)
         self.log_path = log_path
         # The kernel's own stdout/stderr (and so any rank process that inherits
@@ -72,8 +75,9 @@ class KernelSession:
         self._drain_iopub(None, [], [], block=False)
         w_send = time.time()
         t0 = time.perf_counter()
-        msg_id = kc.execute(code, silent=False, store_history=True,
-                            user_expressions=user_expressions or {}, allow_stdin=False)
+        msg_id = kc.execute(
+            code, silent=False, store_history=True, user_expressions=user_expressions or {}, allow_stdin=False
+        )
         deadline = t0 + timeout
         out: list[str] = []
         errs: list[str] = []
@@ -88,14 +92,13 @@ class KernelSession:
             except queue.Empty:
                 self._drain_iopub(msg_id, out, errs, block=False)
                 if not self.km.is_alive():
-                    raise KernelDied("kernel process exited")
+                    raise KernelDied("kernel process exited") from None
                 continue
             if msg["parent_header"].get("msg_id") == msg_id:
                 t1 = time.perf_counter()
                 reply = msg["content"]
         self._drain_iopub(msg_id, out, errs, block=True, limit=10.0)
-        return {"client_s": t1 - t0, "w_send": w_send, "reply": reply,
-                "stdout": "".join(out), "errors": errs}
+        return {"client_s": t1 - t0, "w_send": w_send, "reply": reply, "stdout": "".join(out), "errors": errs}
 
     def _drain_iopub(self, msg_id, out, errs, block: bool, limit: float = 0.0):
         end = time.perf_counter() + limit
@@ -184,9 +187,7 @@ def bracket(body: str) -> str:
         "import time as _bench_time\n"
         "_bench_rec = {'w0': _bench_time.time(), 'p0': _bench_time.perf_counter()}\n"
         "_bench_out = None\n"
-        "try:\n"
-        + textwrap.indent(body.rstrip() + "\n", "    ")
-        + "    _bench_rec['ok'] = True\n"
+        "try:\n" + textwrap.indent(body.rstrip() + "\n", "    ") + "    _bench_rec['ok'] = True\n"
         "except BaseException as _bench_e:\n"
         "    import traceback as _bench_tb\n"
         "    _bench_rec['ok'] = False\n"
@@ -277,13 +278,13 @@ def summarize(xs: list[float]) -> dict | None:
     if not xs:
         return None
     s = sorted(xs)
-    p90 = s[max(0, math.ceil(0.9 * len(s)) - 1)]   # nearest-rank
-    return {"n": len(s), "median": statistics.median(s), "p90": p90,
-            "min": s[0], "max": s[-1], "all": xs}
+    p90 = s[max(0, math.ceil(0.9 * len(s)) - 1)]  # nearest-rank
+    return {"n": len(s), "median": statistics.median(s), "p90": p90, "min": s[0], "max": s[-1], "all": xs}
 
 
 def free_port() -> int:
     import socket
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

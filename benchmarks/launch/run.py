@@ -41,16 +41,25 @@ def _reexec_in_venv() -> None:
 _reexec_in_venv()
 sys.path.insert(0, str(HERE))
 
-import psutil  # noqa: E402
-
 import harness as H  # noqa: E402
+import psutil  # noqa: E402
 import split as S  # noqa: E402
 import tools as T  # noqa: E402
 
 RESULTS = HERE / "results"
-PEER_DISTS = ["torch", "accelerate", "torchpod", "nbdistributed", "ipyparallel",
-              "jupyter-distributed", "air_magic", "ipykernel", "jupyter_client", "pyzmq",
-              "cloudpickle"]
+PEER_DISTS = [
+    "torch",
+    "accelerate",
+    "torchpod",
+    "nbdistributed",
+    "ipyparallel",
+    "jupyter-distributed",
+    "air_magic",
+    "ipykernel",
+    "jupyter_client",
+    "pyzmq",
+    "cloudpickle",
+]
 DEFAULT_TOOLS = [t.name for t in T.ALL_TOOLS] + ["bigreturn", "split"]
 
 
@@ -70,37 +79,44 @@ class Env:
         logs.mkdir(parents=True, exist_ok=True)
         self.jupyter_path = root / "jupyter"
         self.kernel_name = "airbench-python"
-        H.write_kernelspec(self.jupyter_path, self.kernel_name,
-                           [str(VENV_PY), "-m", "ipykernel_launcher", "-f", "{connection_file}"])
+        H.write_kernelspec(
+            self.jupyter_path, self.kernel_name, [str(VENV_PY), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        )
         os.environ["JUPYTER_PATH"] = str(self.jupyter_path)  # harness finds the spec
         self.script = root / "payload_script.py"
         self.script.write_text(T.PAYLOAD_SCRIPT)
         self.torchrun = str(VENV / "bin" / "torchrun")
 
     def kernel_env(self, session: str) -> dict:
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "PYTHONPATH")}
-        env.update({
-            "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '')}",
-            "VIRTUAL_ENV": str(VENV),
-            "JUPYTER_PATH": str(self.jupyter_path),
-            "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"),
-            "JUPYTER_DATA_DIR": str(self.root / "data"),
-            "JUPYTER_CONFIG_DIR": str(self.root / "config"),
-            "IPYTHONDIR": str(self.root / "ipython"),
-            "AIR_MAGIC_STATE_DIR": str(self.root / "state"),
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONWARNINGS": "ignore",
-            H.RUN_VAR: self.run_id,
-            H.TAG_VAR: session,
-        })
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "PYTHONPATH")
+        }
+        env.update(
+            {
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '')}",
+                "VIRTUAL_ENV": str(VENV),
+                "JUPYTER_PATH": str(self.jupyter_path),
+                "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"),
+                "JUPYTER_DATA_DIR": str(self.root / "data"),
+                "JUPYTER_CONFIG_DIR": str(self.root / "config"),
+                "IPYTHONDIR": str(self.root / "ipython"),
+                "AIR_MAGIC_STATE_DIR": str(self.root / "state"),
+                "HF_HUB_OFFLINE": "1",
+                "PYTHONWARNINGS": "ignore",
+                H.RUN_VAR: self.run_id,
+                H.TAG_VAR: session,
+            }
+        )
         return env
 
 
 def machine_info() -> dict:
     from importlib import metadata
+
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -130,11 +146,15 @@ def machine_info() -> dict:
 def air_magic_status() -> tuple[bool, str]:
     """Is air_magic importable in the bench venv (outside the repo tree)?"""
     import subprocess
-    code = ("import air_magic\n"
-            f"assert hasattr(air_magic, 'load_ipython_extension'), 'no load_ipython_extension (cannot %load_ext)'\n"
-            "from air_magic import distributed\n")
-    r = subprocess.run([str(VENV_PY), "-c", code], capture_output=True, text=True,
-                       cwd=tempfile.gettempdir(), timeout=120)
+
+    code = (
+        "import air_magic\n"
+        "assert hasattr(air_magic, 'load_ipython_extension'), 'no load_ipython_extension (cannot %load_ext)'\n"
+        "from air_magic import distributed\n"
+    )
+    r = subprocess.run(
+        [str(VENV_PY), "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=120
+    )
     if r.returncode == 0:
         return True, ""
     tail = (r.stderr.strip().splitlines() or ["?"])[-1]
@@ -145,10 +165,21 @@ def air_magic_status() -> tuple[bool, str]:
 # one (tool, N) session
 # ---------------------------------------------------------------------------
 def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
-    res = {"tool": tool.name, "n": n, "status": "ok", "reason": None, "returns": tool.returns,
-           "model": tool.model, "timing": ("client" if tool.kernel_mode == "proxy" else "kernel"),
-           "init_s": None, "cold": {}, "warm": {}, "warm_runs_requested": warm,
-           "failures": [], "notes": []}
+    res = {
+        "tool": tool.name,
+        "n": n,
+        "status": "ok",
+        "reason": None,
+        "returns": tool.returns,
+        "model": tool.model,
+        "timing": ("client" if tool.kernel_mode == "proxy" else "kernel"),
+        "init_s": None,
+        "cold": {},
+        "warm": {},
+        "warm_runs_requested": warm,
+        "failures": [],
+        "notes": [],
+    }
     session = f"{env.run_id}-{tool.name}-{n}"
     sd = env.root / "stamps" / f"{tool.name}-{n}"
     sd.mkdir(parents=True, exist_ok=True)
@@ -161,31 +192,30 @@ def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
         if tool.kernel_mode == "proxy":
             ks, cold_init = _start_proxy(env, tool, n, kenv)
             res["init_s"] = cold_init["dt"]
-            res["notes"].append("init = proxy kernel start (client-side); its N rank kernels start "
-                                "on the first cell, so they are in cold TTR, not in init")
+            res["notes"].append(
+                "init = proxy kernel start (client-side); its N rank kernels start "
+                "on the first cell, so they are in cold TTR, not in init"
+            )
         else:
             cwd = env.root
             if tool.fresh_folder:  # a new notebook folder: no mlflow.db yet
                 cwd = env.root / "folders" / session
                 cwd.mkdir(parents=True)
-            ks = H.KernelSession(env.kernel_name, kenv, cwd=str(cwd),
-                                 log_path=env.logs / f"{tool.name}-{n}.log")
+            ks = H.KernelSession(env.kernel_name, kenv, cwd=str(cwd), log_path=env.logs / f"{tool.name}-{n}.log")
             ks.run_plain(_setup_code(c, tool), timeout=60)
             cold_init = None
         res["kernel_start_s"] = ks.start_s
 
         for i in range(1 + warm):
             if i > 0 and time.perf_counter() - t_session > cfg.tool_budget:
-                res["notes"].append(f"stopped after {i - 1} warm runs: per-tool budget "
-                                    f"{cfg.tool_budget:.0f} s reached")
+                res["notes"].append(f"stopped after {i - 1} warm runs: per-tool budget {cfg.tool_budget:.0f} s reached")
                 break
             if i == 0 and tool.kernel_mode != "proxy":
                 H.clear_stamps(sd)
                 r = ks.run_bracketed(tool.init_body(c), timeout=cfg.init_timeout)
                 if not r["rec"]["ok"]:
                     raise H.CellError("init cell failed: " + r["rec"].get("err", "")[-1500:])
-                cold_init = {"w0": r["rec"]["w0"], "dt": r["rec"]["p1"] - r["rec"]["p0"],
-                             "client_s": r["client_s"]}
+                cold_init = {"w0": r["rec"]["w0"], "dt": r["rec"]["p1"] - r["rec"]["p0"], "client_s": r["client_s"]}
                 res["init_s"] = cold_init["dt"]
                 if tool.post_init(c):
                     ks.run_plain(tool.post_init(c), timeout=60)
@@ -207,8 +237,10 @@ def run_tool(env: Env, tool: T.Tool, n: int, warm: int, cfg) -> dict:
                 }
             else:
                 runs.append(one)
-            log(f"  {tool.name} N={n} {'cold' if i == 0 else 'warm %d' % i}: "
-                f"ttfl={one['ttfl_s']:.3f}s ttr={one['ttr_s']:.3f}s client={one['client_s']:.3f}s")
+            log(
+                f"  {tool.name} N={n} {'cold' if i == 0 else 'warm %d' % i}: "
+                f"ttfl={one['ttfl_s']:.3f}s ttr={one['ttr_s']:.3f}s client={one['client_s']:.3f}s"
+            )
     except Exception as e:  # noqa: BLE001 - one broken peer must not stop the run
         # A failure after the cold launch keeps the runs measured so far.
         res["status"] = "partial" if res["cold"] and runs else "failed"
@@ -249,13 +281,20 @@ def _setup_code(c: T.Ctx, tool: T.Tool) -> str:
 
 def _start_proxy(env: Env, tool: T.Tool, n: int, kenv: dict):
     name = f"airbench-jd-{n}"
-    H.write_kernelspec(env.jupyter_path, name,
-                       [str(VENV_PY), "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
-                       interrupt_mode="message")
+    H.write_kernelspec(
+        env.jupyter_path,
+        name,
+        [str(VENV_PY), "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
+        interrupt_mode="message",
+    )
     kenv = dict(kenv)
-    kenv.update({"JUPYTER_DISTRIBUTED_WORLD_SIZE": str(n),
-                 "JUPYTER_DISTRIBUTED_BASE_KERNEL": env.kernel_name,
-                 "JUPYTER_DISTRIBUTED_CWD": str(env.root)})
+    kenv.update(
+        {
+            "JUPYTER_DISTRIBUTED_WORLD_SIZE": str(n),
+            "JUPYTER_DISTRIBUTED_BASE_KERNEL": env.kernel_name,
+            "JUPYTER_DISTRIBUTED_CWD": str(env.root),
+        }
+    )
     w0 = time.time()
     t0 = time.perf_counter()
     ks = H.KernelSession(name, kenv, cwd=str(env.root), log_path=env.logs / f"{tool.name}-{n}.log")
@@ -270,8 +309,7 @@ def _one_launch(ks: H.KernelSession, tool: T.Tool, c: T.Ctx, sd: Path, cfg) -> d
         if tool.kernel_mode == "proxy":
             r = ks.execute(tool.launch_body(c, port), timeout=cfg.launch_timeout)
             if r["reply"].get("status") != "ok" or r["errors"]:
-                return {"error": f"cell error: {r['errors'] or r['reply'].get('evalue')} "
-                                 f"{r['stdout'][-500:]}"}
+                return {"error": f"cell error: {r['errors'] or r['reply'].get('evalue')} {r['stdout'][-500:]}"}
             w0, ttr = r["w_send"], r["client_s"]
         else:
             r = ks.run_bracketed(tool.launch_body(c, port), timeout=cfg.launch_timeout)
@@ -286,15 +324,19 @@ def _one_launch(ks: H.KernelSession, tool: T.Tool, c: T.Ctx, sd: Path, cfg) -> d
         raise H.CellTimeout(f"launch: {e}") from e
     starts, dones = H.read_stamps(sd)
     if len(starts) != c.n or len(dones) != c.n or any(abs(v - c.n) > 1e-6 for v in dones):
-        return {"error": f"expected {c.n} ranks reducing to {c.n}: saw {len(starts)} start "
-                         f"stamps, done values {dones}; stdout tail: {r['stdout'][-600:]}"}
+        return {
+            "error": f"expected {c.n} ranks reducing to {c.n}: saw {len(starts)} start "
+            f"stamps, done values {dones}; stdout tail: {r['stdout'][-600:]}"
+        }
     if tool.check_returns and tool.kernel_mode != "proxy":
         vals = r["rec"].get("out_list")
-        if not (isinstance(vals, list) and len(vals) == c.n
-                and all(isinstance(v, list) and len(v) == 2 and abs(v[1] - c.n) < 1e-6 for v in vals)):
+        if not (
+            isinstance(vals, list)
+            and len(vals) == c.n
+            and all(isinstance(v, list) and len(v) == 2 and abs(v[1] - c.n) < 1e-6 for v in vals)
+        ):
             return {"error": f"return value is not a per-rank list of (t0, {c.n}): {r['rec'].get('out')}"}
-    return {"ttfl_s": max(starts) - w0, "ttr_s": ttr, "client_s": r["client_s"],
-            "max_start": max(starts)}
+    return {"ttfl_s": max(starts) - w0, "ttr_s": ttr, "client_s": r["client_s"], "max_start": max(starts)}
 
 
 # ---------------------------------------------------------------------------
@@ -315,8 +357,9 @@ def run_bigreturn(env: Env, reps: int, have_air: bool, air_reason: str, cfg) -> 
         session = f"{env.run_id}-bigreturn-{key}"
         ks = None
         try:
-            ks = H.KernelSession(env.kernel_name, env.kernel_env(session), cwd=str(env.root),
-                                 log_path=env.logs / f"bigreturn-{key}.log")
+            ks = H.KernelSession(
+                env.kernel_name, env.kernel_env(session), cwd=str(env.root), log_path=env.logs / f"bigreturn-{key}.log"
+            )
             setup = T.RSS_SAMPLER + (T.PIPE_BASELINE if key == "pipe" else T.air_magic_big_setup(numel))
             ks.run_plain(setup, timeout=cfg.init_timeout)
             big = "_pipe_return(%d, 2)" % numel if key == "pipe" else "_am_big.distributed()"
@@ -333,11 +376,14 @@ def run_bigreturn(env: Env, reps: int, have_air: bool, air_reason: str, cfg) -> 
                     want = [[numel if kind == "big" else 1]] * 2
                     if rec.get("shapes") != want or not rec.get("ok_values"):
                         raise H.CellError(f"unexpected result shapes {rec.get('shapes')}")
-                    samples[kind].append({"s": rec["call_s"],
-                                          "rss_delta_mib": (rec["rss_peak"] - rec["rss_base"]) / 2**20})
+                    samples[kind].append(
+                        {"s": rec["call_s"], "rss_delta_mib": (rec["rss_peak"] - rec["rss_base"]) / 2**20}
+                    )
                     ks.run_plain(T.BIG_CLEANUP, timeout=60)
-                    log(f"  bigreturn {key} {kind}: {samples[kind][-1]['s']:.3f}s "
-                        f"peak RSS +{samples[kind][-1]['rss_delta_mib']:.0f} MiB")
+                    log(
+                        f"  bigreturn {key} {kind}: {samples[kind][-1]['s']:.3f}s "
+                        f"peak RSS +{samples[kind][-1]['rss_delta_mib']:.0f} MiB"
+                    )
             row["tiny"] = H.summarize([s["s"] for s in samples["tiny"]])
             row["big"] = H.summarize([s["s"] for s in samples["big"]])
             row["rss_delta_mib"] = H.summarize([s["rss_delta_mib"] for s in samples["big"]])
@@ -367,47 +413,72 @@ def _med(s):
 def render_markdown(data: dict) -> str:
     m = data["machine"]
     lines = ["# Launch latency: notebook launchers for torch.distributed", ""]
-    lines.append(f"Run {data['started']} ({'quick' if data['config']['quick'] else 'full'} mode, "
-                 f"{data['config']['warm']} warm runs requested per tool, "
-                 f"{data['config']['warm_fresh']} for tools that start fresh interpreters per launch).")
+    lines.append(
+        f"Run {data['started']} ({'quick' if data['config']['quick'] else 'full'} mode, "
+        f"{data['config']['warm']} warm runs requested per tool, "
+        f"{data['config']['warm_fresh']} for tools that start fresh interpreters per launch)."
+    )
     lines.append("")
-    lines.append(f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs, {m['ram_gib']} GiB RAM, "
-                 f"{m['os']}, Python {m['python']}.  Load average at start "
-                 f"{', '.join('%.2f' % x for x in m['loadavg_start'])}, at end "
-                 f"{', '.join('%.2f' % x for x in data.get('loadavg_end', [0, 0, 0]))}.")
-    lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) +
-                 ("; not installed: " + ", ".join(k for k, v in m["versions"].items() if not v)
-                  if any(not v for v in m["versions"].values()) else ""))
+    lines.append(
+        f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs, {m['ram_gib']} GiB RAM, "
+        f"{m['os']}, Python {m['python']}.  Load average at start "
+        f"{', '.join('%.2f' % x for x in m['loadavg_start'])}, at end "
+        f"{', '.join('%.2f' % x for x in data.get('loadavg_end', [0, 0, 0]))}."
+    )
+    lines.append(
+        "Versions: "
+        + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
+        + (
+            "; not installed: " + ", ".join(k for k, v in m["versions"].items() if not v)
+            if any(not v for v in m["versions"].values())
+            else ""
+        )
+    )
     if data.get("merged_with_run"):
         la = data.get("merged_run_loadavg") or [None, None]
-        la_txt = (f" (load average {', '.join('%.2f' % x for x in la[0])} at its start, "
-                  f"{', '.join('%.2f' % x for x in la[1])} at its end)" if la[0] and la[1] else "")
-        lines.append(f"Merged with the run of {data['merged_with_run']}{la_txt}: rows not re-measured now come "
-                     "from that run (see `measured` in launch.json); compare rows from different runs with care.")
+        la_txt = (
+            f" (load average {', '.join('%.2f' % x for x in la[0])} at its start, "
+            f"{', '.join('%.2f' % x for x in la[1])} at its end)"
+            if la[0] and la[1]
+            else ""
+        )
+        lines.append(
+            f"Merged with the run of {data['merged_with_run']}{la_txt}: rows not re-measured now come "
+            "from that run (see `measured` in launch.json); compare rows from different runs with care."
+        )
     if data.get("plain_kernel_start_s") is not None:
-        lines.append(f"Plain ipykernel start (not counted in any number below): "
-                     f"{data['plain_kernel_start_s']:.2f} s.")
+        lines.append(f"Plain ipykernel start (not counted in any number below): {data['plain_kernel_start_s']:.2f} s.")
     lines.append("")
-    lines.append("TTFL = time to first user line (kernel `time.time()` before the call → latest rank's "
-                 "first-line stamp).  TTR = time to result (kernel-side `perf_counter` bracket around "
-                 "the call; jupyter-distributed: client-side execute_request → execute_reply, marked †).  "
-                 "Cold = import/start cell + first launch in a fresh kernel.  Seconds; warm = median / p90 "
-                 "(nearest rank) over the warm runs.  Ratios: warm TTR median ÷ the same for torchrun / "
-                 "air_magic at the same N.")
+    lines.append(
+        "TTFL = time to first user line (kernel `time.time()` before the call → latest rank's "
+        "first-line stamp).  TTR = time to result (kernel-side `perf_counter` bracket around "
+        "the call; jupyter-distributed: client-side execute_request → execute_reply, marked †).  "
+        "Cold = import/start cell + first launch in a fresh kernel.  Seconds; warm = median / p90 "
+        "(nearest rank) over the warm runs.  Ratios: warm TTR median ÷ the same for torchrun / "
+        "air_magic at the same N."
+    )
     by_n: dict[int, list] = {}
     for r in data["launch"]:
         by_n.setdefault(r["n"], []).append(r)
     for n in sorted(by_n):
         rows = by_n[n]
         title = f"## N = {n}" + (" (oversubscribed: more ranks than the 2 cores)" if n > m["usable_cpus"] else "")
-        lines += ["", title, "",
-                  "| tool | init | cold TTFL | cold TTR | warm TTFL med / p90 | warm TTR med / p90 | "
-                  "warm client med | runs | returns values | × torchrun | × air_magic |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        ref_tr = next((_med(r["warm"].get("ttr")) for r in rows if r["tool"] == "torchrun"
-                       and r["status"] in ("ok", "partial")), None)
-        ref_am = next((_med(r["warm"].get("ttr")) for r in rows if r["tool"] == "air_magic"
-                       and r["status"] in ("ok", "partial")), None)
+        lines += [
+            "",
+            title,
+            "",
+            "| tool | init | cold TTFL | cold TTR | warm TTFL med / p90 | warm TTR med / p90 | "
+            "warm client med | runs | returns values | × torchrun | × air_magic |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        ref_tr = next(
+            (_med(r["warm"].get("ttr")) for r in rows if r["tool"] == "torchrun" and r["status"] in ("ok", "partial")),
+            None,
+        )
+        ref_am = next(
+            (_med(r["warm"].get("ttr")) for r in rows if r["tool"] == "air_magic" and r["status"] in ("ok", "partial")),
+            None,
+        )
         for r in rows:
             if r["status"] not in ("ok", "partial"):
                 lines.append(f"| {r['tool']} | **{r['status']}** (see notes) |" + " — |" * 9)
@@ -425,25 +496,32 @@ def render_markdown(data: dict) -> str:
                 f"{_f(ttfl and ttfl['median'], 3)} / {_f(ttfl and ttfl['p90'], 3)} | "
                 f"{_f(ttr and ttr['median'], 3)} / {_f(ttr and ttr['p90'], 3)}{dag} | "
                 f"{_f(_med(w.get('ttr_client')), 3)} | {ttr['n'] if ttr else 0} | "
-                f"{r['returns'].split(' ')[0]} | {x_tr} | {x_am} |")
+                f"{r['returns'].split(' ')[0]} | {x_tr} | {x_am} |"
+            )
     big = data.get("bigreturn")
     if big:
-        lines += ["", f"## Returning a {big['mib_per_rank']:.0f} MiB float32 tensor from each of "
-                      f"{big['ranks']} ranks", "",
-                  "Warm launches (one untimed warm-up first).  Time = kernel-side `perf_counter` around the "
-                  "call; tiny = same call returning 1 element; transfer ≈ big − tiny (medians).  Peak RSS = "
-                  "kernel process peak above its level before the call, sampled every ~1 ms over the call "
-                  "plus one read of every returned element (so shared-memory results are counted once "
-                  f"touched); the {2 * big['mib_per_rank']:.0f} MiB of results themselves are included.", "",
-                  "| method | big: median s (runs) | tiny: median s | transfer ≈ s | peak kernel RSS Δ MiB |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Returning a {big['mib_per_rank']:.0f} MiB float32 tensor from each of {big['ranks']} ranks",
+            "",
+            "Warm launches (one untimed warm-up first).  Time = kernel-side `perf_counter` around the "
+            "call; tiny = same call returning 1 element; transfer ≈ big − tiny (medians).  Peak RSS = "
+            "kernel process peak above its level before the call, sampled every ~1 ms over the call "
+            "plus one read of every returned element (so shared-memory results are counted once "
+            f"touched); the {2 * big['mib_per_rank']:.0f} MiB of results themselves are included.",
+            "",
+            "| method | big: median s (runs) | tiny: median s | transfer ≈ s | peak kernel RSS Δ MiB |",
+            "|---|---|---|---|---|",
+        ]
         for r in big["rows"]:
             if r["status"] != "ok":
                 lines.append(f"| {r['method']} | **{r['status']}**: {_oneline(r['reason'])} | — | — | — |")
                 continue
-            lines.append(f"| {r['method']} | {_f(r['big']['median'], 3)} ({r['big']['n']}) | "
-                         f"{_f(r['tiny']['median'], 3)} | {_f(r['transfer_estimate_s'], 3)} | "
-                         f"{_f(r['rss_delta_mib']['max'], 0)} |")
+            lines.append(
+                f"| {r['method']} | {_f(r['big']['median'], 3)} ({r['big']['n']}) | "
+                f"{_f(r['tiny']['median'], 3)} | {_f(r['transfer_estimate_s'], 3)} | "
+                f"{_f(r['rss_delta_mib']['max'], 0)} |"
+            )
     lines += S.render(data.get("split") or [])
     notes = []
     seen = set()
@@ -456,8 +534,12 @@ def render_markdown(data: dict) -> str:
             where = "all N" if r["status"] == "skipped" else f"N={r['n']}"
             notes.append((r["tool"], where, f"{r['status']}: {_oneline(r['reason'], 600)}"))
     notes += [(r["tool"], f"N={r['n']}", x) for r in data["launch"] for x in r.get("notes", [])]
-    notes += [(r["tool"], f"N={r['n']}", f"run {f['run']} failed: {_oneline(f['error'], 300)}")
-              for r in data["launch"] for f in r.get("failures", []) if r["status"] in ("ok", "partial")]
+    notes += [
+        (r["tool"], f"N={r['n']}", f"run {f['run']} failed: {_oneline(f['error'], 300)}")
+        for r in data["launch"]
+        for f in r.get("failures", [])
+        if r["status"] in ("ok", "partial")
+    ]
     if notes:
         grouped: dict[tuple, list] = {}
         for t, n, x in notes:
@@ -508,24 +590,36 @@ def merge_results(old: dict, new: dict) -> dict:
 # ---------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: N=1,2, 3 warm runs, 1 big-return rep (numbers are indicative only)")
-    ap.add_argument("--tools", default=None,
-                    help="comma list from: " + ",".join(DEFAULT_TOOLS) + " (default: all)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: N=1,2, 3 warm runs, 1 big-return rep (numbers are indicative only)",
+    )
+    ap.add_argument("--tools", default=None, help="comma list from: " + ",".join(DEFAULT_TOOLS) + " (default: all)")
     ap.add_argument("--ranks", default=None, help="comma list of N (default 1,2,4; quick 1,2)")
     ap.add_argument("--warm", type=int, default=None, help="warm runs per tool (default 10; quick 3)")
-    ap.add_argument("--warm-fresh", type=int, default=None,
-                    help="warm runs for tools that start fresh interpreters per launch "
-                         "(torchrun, torchpod; default 5; quick 3)")
+    ap.add_argument(
+        "--warm-fresh",
+        type=int,
+        default=None,
+        help="warm runs for tools that start fresh interpreters per launch (torchrun, torchpod; default 5; quick 3)",
+    )
     ap.add_argument("--big-reps", type=int, default=None, help="big-return repetitions (default 3; quick 1)")
     ap.add_argument("--init-timeout", type=float, default=300.0)
     ap.add_argument("--launch-timeout", type=float, default=180.0)
-    ap.add_argument("--tool-budget", type=float, default=None,
-                    help="seconds per (tool, N) session before warm runs stop (default 600; quick 180)")
+    ap.add_argument(
+        "--tool-budget",
+        type=float,
+        default=None,
+        help="seconds per (tool, N) session before warm runs stop (default 600; quick 180)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "launch.json"))
-    ap.add_argument("--merge", action="store_true",
-                    help="merge into an existing --out file: rows for the (tool, N) measured now "
-                         "replace the old ones, the rest are kept (marked with their run time)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge into an existing --out file: rows for the (tool, N) measured now "
+        "replace the old ones, the rest are kept (marked with their run time)",
+    )
     cfg = ap.parse_args()
     cfg.ranks = [int(x) for x in (cfg.ranks or ("1,2" if cfg.quick else "1,2,4")).split(",")]
     cfg.warm = cfg.warm if cfg.warm is not None else (3 if cfg.quick else 10)
@@ -554,21 +648,34 @@ def main() -> int:
         signal.signal(sig, lambda s, f: sys.exit(128 + s))
 
     env = Env(run_id, root, Path(cfg.out).parent / "logs")
-    data = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_info(),
-            "config": {"quick": cfg.quick, "ranks": cfg.ranks, "warm": cfg.warm,
-                       "warm_fresh": cfg.warm_fresh, "big_reps": cfg.big_reps, "tools": names},
-            "launch": [], "bigreturn": None}
+    data = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "machine": machine_info(),
+        "config": {
+            "quick": cfg.quick,
+            "ranks": cfg.ranks,
+            "warm": cfg.warm,
+            "warm_fresh": cfg.warm_fresh,
+            "big_reps": cfg.big_reps,
+            "tools": names,
+        },
+        "launch": [],
+        "bigreturn": None,
+    }
     have_air, air_reason = air_magic_status()
     if not have_air:
-        log(f"air_magic: SKIPPED - {air_reason}.  Install it (bash {HERE / 'setup_env.sh'}) and rerun "
-            f"`run.py --tools air_magic,air_magic_decorator,bigreturn` to measure it.")
+        log(
+            f"air_magic: SKIPPED - {air_reason}.  Install it (bash {HERE / 'setup_env.sh'}) and rerun "
+            f"`run.py --tools air_magic,air_magic_decorator,bigreturn` to measure it."
+        )
     data["air_magic_available"] = have_air
     data["air_magic_reason"] = air_reason or None
 
     # reference: what a plain kernel start costs (excluded from every cold number)
     try:
-        ks = H.KernelSession(env.kernel_name, env.kernel_env(f"{run_id}-plain"), cwd=str(root),
-                             log_path=env.logs / "plain-kernel.log")
+        ks = H.KernelSession(
+            env.kernel_name, env.kernel_env(f"{run_id}-plain"), cwd=str(root), log_path=env.logs / "plain-kernel.log"
+        )
         data["plain_kernel_start_s"] = ks.start_s
         ks.shutdown()
     except Exception as e:  # noqa: BLE001
@@ -583,9 +690,19 @@ def main() -> int:
             tool = T.TOOLS_BY_NAME[name]
             for n in cfg.ranks:
                 if tool.dist == "air_magic" and not have_air:
-                    data["launch"].append({"tool": name, "n": n, "status": "skipped", "reason": air_reason,
-                                           "returns": tool.returns, "model": tool.model, "warm": {},
-                                           "cold": {}, "notes": []})
+                    data["launch"].append(
+                        {
+                            "tool": name,
+                            "n": n,
+                            "status": "skipped",
+                            "reason": air_reason,
+                            "returns": tool.returns,
+                            "model": tool.model,
+                            "warm": {},
+                            "cold": {},
+                            "notes": [],
+                        }
+                    )
                     continue
                 warm = cfg.warm_fresh if tool.fresh_interpreters else cfg.warm
                 log(f"{name} N={n}: fresh kernel, 1 cold + {warm} warm launches")
@@ -598,8 +715,18 @@ def main() -> int:
             for n in [n for n in cfg.ranks if n > 1]:
                 for tracking in (False, True):
                     log(f"split: where a warm launch spends its time, N={n}, tracking {'on' if tracking else 'off'}")
-                    data["split"].append(S.run_split(env, env.kernel_name, n, tracking, cfg.warm, 3, env.logs,
-                                                     f"{run_id}-split-{n}-{int(tracking)}"))
+                    data["split"].append(
+                        S.run_split(
+                            env,
+                            env.kernel_name,
+                            n,
+                            tracking,
+                            cfg.warm,
+                            3,
+                            env.logs,
+                            f"{run_id}-split-{n}-{int(tracking)}",
+                        )
+                    )
     except KeyboardInterrupt:
         log("interrupted: writing partial results")
         data["interrupted"] = True

@@ -17,7 +17,7 @@ from typing import Any
 
 import harness as H
 
-SETUP = '''
+SETUP = """
 import json
 from air_magic import distributed
 
@@ -35,12 +35,12 @@ def _split_payload():
     return (t0, t1, t2, t3)
 
 _split_rows = []
-'''
+"""
 
-LAUNCH = '''
+LAUNCH = """
 _v = _split_payload.distributed()
 _split_rows.append((dict(_split_payload.last_launch.timings), _v))
-'''
+"""
 
 #: (label, how it is computed from one launch) in the order of a launch.
 PARTS = [
@@ -81,14 +81,23 @@ def parts_of(timings: dict[str, float], stamps: list[list[float]]) -> dict[str, 
         "total": t["returned"] - t["call"],
     }
     # user_end - first_line = the three user parts, with their overlap across ranks
-    accounted = (out["prepare"] + out["fork"] + out["rank_start"] + (user_end - first_line) + out["result"]
-                 + out["read"] + out["mlflow_end"] + out["panel_end"])
+    accounted = (
+        out["prepare"]
+        + out["fork"]
+        + out["rank_start"]
+        + (user_end - first_line)
+        + out["result"]
+        + out["read"]
+        + out["mlflow_end"]
+        + out["panel_end"]
+    )
     out["other"] = out["total"] - accounted
     return out
 
 
-def run_split(env: Any, kernel_name: str, n: int, tracking: bool, launches: int, warmup: int,
-              logs: Path, session: str) -> dict[str, Any]:
+def run_split(
+    env: Any, kernel_name: str, n: int, tracking: bool, launches: int, warmup: int, logs: Path, session: str
+) -> dict[str, Any]:
     """One kernel: ``warmup`` untimed launches, then ``launches`` measured; medians in ms."""
     folder = env.root / "folders" / session
     folder.mkdir(parents=True)
@@ -105,7 +114,7 @@ def run_split(env: Any, kernel_name: str, n: int, tracking: bool, launches: int,
     finally:
         ks.shutdown()
         H.reap(H.TAG_VAR, session)
-    rows = json.loads(out[out.index("SPLIT") + 5:].strip().splitlines()[0])
+    rows = json.loads(out[out.index("SPLIT") + 5 :].strip().splitlines()[0])
     parts = [parts_of(timings, stamps) for timings, stamps in rows]
     medians = {key: 1000 * statistics.median(p[key] for p in parts) for _, key in PARTS}
     return {"n": n, "tracking": tracking, "launches": len(parts), "median_ms": medians}
@@ -115,11 +124,17 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     heads = [f"{r['n']} ranks, tracking {'on' if r['tracking'] else 'off'}" for r in rows]
-    lines = ["", "## Where a warm air_magic launch spends its time (medians, ms)", "",
-             "From `Launch.timings` (kernel, helper) and `time.monotonic()` stamps in the ranks (one clock "
-             "for every process).  Parts overlap a little across ranks, so they do not add up exactly; "
-             "'the rest' is the total minus the parts.", "",
-             "| part | " + " | ".join(heads) + " |", "|---|" + "---|" * len(rows)]
+    lines = [
+        "",
+        "## Where a warm air_magic launch spends its time (medians, ms)",
+        "",
+        "From `Launch.timings` (kernel, helper) and `time.monotonic()` stamps in the ranks (one clock "
+        "for every process).  Parts overlap a little across ranks, so they do not add up exactly; "
+        "'the rest' is the total minus the parts.",
+        "",
+        "| part | " + " | ".join(heads) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
     for label, key in PARTS:
         lines.append(f"| {label} | " + " | ".join(f"{r['median_ms'][key]:.1f}" for r in rows) + " |")
     lines.append("| launches measured | " + " | ".join(str(r["launches"]) for r in rows) + " |")

@@ -46,7 +46,7 @@ TENSOR_256MB_NUMEL = 64 * 1024 * 1024  # float32 -> 256 MiB per rank
 # ``rank`` is given only by tools that do not export torchrun-style variables
 # themselves; then the payload sets them (MASTER_ADDR/PORT, RANK, WORLD_SIZE)
 # so the call stays ``init_process_group("gloo")`` for every tool.
-PAYLOAD_FUNCTION = '''
+PAYLOAD_FUNCTION = """
 def _bench_payload(sd, port=None, rank=None, world=None):
     import os, time, torch, torch.distributed as dist
     t0 = time.time()
@@ -62,10 +62,10 @@ def _bench_payload(sd, port=None, rank=None, world=None):
     with open(os.path.join(sd, "done-%d" % os.getpid()), "w") as f:
         f.write(repr(x.item()))
     return (t0, x.item())
-'''
+"""
 
 # Script form, for torchrun (stamp dir in argv[1]).
-PAYLOAD_SCRIPT = '''\
+PAYLOAD_SCRIPT = """\
 import os, sys, time, torch, torch.distributed as dist
 t0 = time.time()
 with open(os.path.join(sys.argv[1], "start-%d" % os.getpid()), "w") as f:
@@ -77,7 +77,7 @@ dist.destroy_process_group()
 with open(os.path.join(sys.argv[1], "done-%d" % os.getpid()), "w") as f:
     f.write(repr(x.item()))
 print("rank", os.environ["RANK"], "t0", t0, "value", x.item())
-'''
+"""
 
 
 def payload_cell(sd: str, *, init: bool = True, pre: str = "") -> str:
@@ -87,8 +87,9 @@ def payload_cell(sd: str, *, init: bool = True, pre: str = "") -> str:
     (nbdistributed): the cell only all-reduces on it.
     """
     if init:
-        collective = ('dist.init_process_group("gloo"); x = torch.ones(1); '
-                      'dist.all_reduce(x); dist.destroy_process_group()')
+        collective = (
+            'dist.init_process_group("gloo"); x = torch.ones(1); dist.all_reduce(x); dist.destroy_process_group()'
+        )
     else:
         collective = "x = torch.ones(1); dist.all_reduce(x)"
     lines = [
@@ -118,15 +119,15 @@ class Ctx:
 
 class Tool:
     name = ""
-    dist = ""                 # distribution name, for the version line
-    module = ""               # import name, for the availability check
-    returns = ""              # what comes back to the kernel
-    model = ""                # process model, for the fairness notes
+    dist = ""  # distribution name, for the version line
+    module = ""  # import name, for the availability check
+    returns = ""  # what comes back to the kernel
+    model = ""  # process model, for the fairness notes
     fresh_interpreters = False  # every launch starts new Python processes
     kernel_mode = "in_kernel"
-    check_returns = False     # _bench_out must be a per-rank list of (t0, N)
-    fresh_folder = False      # the kernel starts in a new, empty notebook folder
-    settle_s = 0.0            # untimed pause between the init cell and the first launch
+    check_returns = False  # _bench_out must be a per-rank list of (t0, N)
+    fresh_folder = False  # the kernel starts in a new, empty notebook folder
+    settle_s = 0.0  # untimed pause between the init cell and the first launch
 
     def setup(self, c: Ctx) -> str:
         return ""
@@ -174,8 +175,10 @@ class Accelerate(Tool):
     dist = "accelerate"
     module = "accelerate"
     returns = "no (notebook_launcher returns None)"
-    model = ("forks the kernel (torch elastic agent in the kernel, start_method=fork) for N>1; "
-             "N=1 runs the function in the kernel process itself")
+    model = (
+        "forks the kernel (torch elastic agent in the kernel, start_method=fork) for N>1; "
+        "N=1 runs the function in the kernel process itself"
+    )
 
     def init_body(self, c):
         return "from accelerate import notebook_launcher"
@@ -186,8 +189,7 @@ class Accelerate(Tool):
             args = f"(SD, {port}, 0, 1)"
         else:
             args = "(SD,)"
-        return (f"_bench_out = notebook_launcher(_bench_payload, args={args}, "
-                f"num_processes={c.n}, use_port='{port}')")
+        return f"_bench_out = notebook_launcher(_bench_payload, args={args}, num_processes={c.n}, use_port='{port}')"
 
 
 class Torchpod(Tool):
@@ -195,8 +197,10 @@ class Torchpod(Tool):
     dist = "torchpod"
     module = "torchpod"
     returns = "no (decorator returns a Job handle)"
-    model = ("decorator; each call starts a local agent process that fork+execs N fresh "
-             "`python3 -m torchpod.worker` interpreters; function shipped with cloudpickle")
+    model = (
+        "decorator; each call starts a local agent process that fork+execs N fresh "
+        "`python3 -m torchpod.worker` interpreters; function shipped with cloudpickle"
+    )
     fresh_interpreters = True
 
     def setup(self, c):
@@ -216,8 +220,7 @@ class Torchpod(Tool):
         return "import torchpod"
 
     def launch_body(self, c, port):
-        return (f"_bench_out = _tp_make({c.n}, {port})()\n"
-                "_bench_job = _bench_out")
+        return f"_bench_out = _tp_make({c.n}, {port})()\n_bench_job = _bench_out"
 
     def post_launch(self, c):
         # Job.stop() terminates the agent this call started (not timed).
@@ -229,9 +232,11 @@ class NbDistributed(Tool):
     dist = "nbdistributed"
     module = "nbdistributed"
     returns = "no (per-rank output text is printed; values stay on the workers)"
-    model = ("persistent workers started by %dist_init (N fresh interpreters that import torch and "
-             "init_process_group at start; %dist_init sleeps a fixed 2 s); each %%distributed cell is sent "
-             "over ZMQ and only all-reduces on the workers' existing group")
+    model = (
+        "persistent workers started by %dist_init (N fresh interpreters that import torch and "
+        "init_process_group at start; %dist_init sleeps a fixed 2 s); each %%distributed cell is sent "
+        "over ZMQ and only all-reduces on the workers' existing group"
+    )
 
     def init_body(self, c):
         return textwrap.dedent(f"""\
@@ -285,8 +290,10 @@ class IpyParallel(Tool):
     dist = "ipyparallel"
     module = "ipyparallel"
     returns = "yes (map_sync returns per-rank values)"
-    model = ("persistent engines (controller + N engine interpreters) started once; each launch is "
-             "view.map_sync of the payload, which inits/destroys a gloo group on a fresh port every call")
+    model = (
+        "persistent engines (controller + N engine interpreters) started once; each launch is "
+        "view.map_sync of the payload, which inits/destroys a gloo group on a fresh port every call"
+    )
     check_returns = True
 
     def init_body(self, c):
@@ -299,8 +306,10 @@ class IpyParallel(Tool):
 
     def launch_body(self, c, port):
         n = c.n
-        return (f"_bench_out = _ipp_view.map_sync(_bench_payload, [SD] * {n}, [{port}] * {n}, "
-                f"list(range({n})), [{n}] * {n})")
+        return (
+            f"_bench_out = _ipp_view.map_sync(_bench_payload, [SD] * {n}, [{port}] * {n}, "
+            f"list(range({n})), [{n}] * {n})"
+        )
 
     def teardown(self, c):
         return textwrap.dedent("""\
@@ -316,9 +325,11 @@ class AirMagicCell(Tool):
     dist = "air_magic"
     module = "air_magic"
     returns = "yes (cell value: per-rank list)"
-    model = ("%%distributed cell magic: per launch, N fresh ranks forked from a per-kernel helper process "
-             "(started by %load_ext) that imported torch once; results come back as pickles, large "
-             "tensors through /dev/shm")
+    model = (
+        "%%distributed cell magic: per launch, N fresh ranks forked from a per-kernel helper process "
+        "(started by %load_ext) that imported torch once; results come back as pickles, large "
+        "tensors through /dev/shm"
+    )
     check_returns = True
 
     def init_body(self, c):
@@ -333,8 +344,10 @@ class AirMagicCell(Tool):
 class AirMagicTracking(AirMagicCell):
     name = "air_magic_tracking"
     returns = "yes (cell value: per-rank list)"
-    model = ("%%distributed with MLflow tracking on (the default), in a fresh notebook folder: the "
-             "first launch's run goes into a new sqlite store (mlflow.db)")
+    model = (
+        "%%distributed with MLflow tracking on (the default), in a fresh notebook folder: the "
+        "first launch's run goes into a new sqlite store (mlflow.db)"
+    )
     fresh_folder = True
 
     def launch_body(self, c, port):
@@ -360,8 +373,10 @@ class AirMagicDecorator(Tool):
     dist = "air_magic"
     module = "air_magic"
     returns = "yes (f.distributed() returns a per-rank list)"
-    model = ("@distributed decorator, f.distributed(): same launcher as the cell magic (decorating "
-             "starts the helper process)")
+    model = (
+        "@distributed decorator, f.distributed(): same launcher as the cell magic (decorating "
+        "starts the helper process)"
+    )
     check_returns = True
 
     def init_body(self, c):
@@ -388,17 +403,29 @@ class JupyterDistributed(Tool):
     dist = "jupyter-distributed"
     module = "jupyter_distributed"
     returns = "no (each rank's output is rendered per rank; no object in a coordinator)"
-    model = ("proxy kernel + N persistent rank ipykernels (started on the first cell); every cell runs "
-             "on all ranks; the payload cell inits/destroys a gloo group on a fresh port each time")
+    model = (
+        "proxy kernel + N persistent rank ipykernels (started on the first cell); every cell runs "
+        "on all ranks; the payload cell inits/destroys a gloo group on a fresh port each time"
+    )
     kernel_mode = "proxy"
 
     def launch_body(self, c, port):
         return payload_cell(c.sd, pre=f'os.environ["MASTER_PORT"] = "{port}"')
 
 
-ALL_TOOLS = [Torchrun(), Accelerate(), Torchpod(), NbDistributed(), IpyParallel(),
-             JupyterDistributed(), AirMagicCell(), AirMagicSettled(), AirMagicTracking(),
-             AirMagicTrackingSettled(), AirMagicDecorator()]
+ALL_TOOLS = [
+    Torchrun(),
+    Accelerate(),
+    Torchpod(),
+    NbDistributed(),
+    IpyParallel(),
+    JupyterDistributed(),
+    AirMagicCell(),
+    AirMagicSettled(),
+    AirMagicTracking(),
+    AirMagicTrackingSettled(),
+    AirMagicDecorator(),
+]
 TOOLS_BY_NAME = {t.name: t for t in ALL_TOOLS}
 
 
@@ -427,7 +454,7 @@ class _RSSPeak:
         return False
 '''
 
-PIPE_BASELINE = '''
+PIPE_BASELINE = """
 import multiprocessing as _bench_mp, pickle as _bench_pickle, gc as _bench_gc
 import torch
 def _pipe_child(conn, numel):
@@ -448,7 +475,7 @@ def _pipe_return(numel, nproc=2):
     for p in procs:
         p.join()
     return out
-'''
+"""
 
 
 def air_magic_big_setup(numel: int) -> str:

@@ -138,9 +138,14 @@ class Kernel:
                     break
                 continue
             size = len(json.dumps(msg["content"])) + sum(len(b) for b in msg.get("buffers") or [])
-            group = {"stream": "stream", "comm_open": "widget setup", "comm_close": "widget setup",
-                     "comm_msg": "widget updates", "display_data": "display",
-                     "update_display_data": "display"}.get(kind, "other")
+            group = {
+                "stream": "stream",
+                "comm_open": "widget setup",
+                "comm_close": "widget setup",
+                "comm_msg": "widget updates",
+                "display_data": "display",
+                "update_display_data": "display",
+            }.get(kind, "other")
             counts[group] = counts.get(group, 0) + 1
             sizes[group] = sizes.get(group, 0) + size
             if kind == "execute_result":
@@ -194,16 +199,21 @@ def main(argv: list[str] | None = None) -> int:
             kernels[mode].ok(TRAINING.format(steps=20, size=args.size))
         training: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
         for repeat in range(args.repeats):
-            for mode in (MODES if repeat % 2 == 0 else MODES[::-1]):  # take turns, both orders
+            for mode in MODES if repeat % 2 == 0 else MODES[::-1]:  # take turns, both orders
                 run = kernels[mode].run(TRAINING.format(steps=args.steps, size=args.size))
                 training[mode].append(run)
-                print(f"training {mode:6s} #{repeat}: ranks {[[round(x, 2) for x in v] for v in run['result']]} s, "
-                      f"{sum(run['messages'].values())} messages", file=sys.stderr)
+                print(
+                    f"training {mode:6s} #{repeat}: ranks {[[round(x, 2) for x in v] for v in run['result']]} s, "
+                    f"{sum(run['messages'].values())} messages",
+                    file=sys.stderr,
+                )
         flood: dict[str, dict[str, Any]] = {}
         for mode in MODES:
             flood[mode] = kernels[mode].run(FLOOD.format(lines=args.lines))
-            print(f"flood {mode:6s}: {flood[mode]['wall_s']:.1f} s, {sum(flood[mode]['bytes'].values())} B",
-                  file=sys.stderr)
+            print(
+                f"flood {mode:6s}: {flood[mode]['wall_s']:.1f} s, {sum(flood[mode]['bytes'].values())} B",
+                file=sys.stderr,
+            )
     finally:
         for kernel in kernels.values():
             kernel.close()
@@ -268,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             "rss_after_growth_mb": f["rss_after_mb"] - f["rss_before_mb"],
         }
     payload = {
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "cpus": os.cpu_count()},
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()},
         "settings": vars(args),
         "summary": summary,
         "runs": {"training": training, "flood": flood},

@@ -232,9 +232,7 @@ def table(results: dict[str, Any]) -> str:
     ]
     for mode, row in modes.items():
         ratio = f"{row['wall_s'] / base:.2f}" if base else "–"
-        stored = (
-            f"{row['loss_points_stored']} / {row['loss_points_logged']}" if "loss_points_stored" in row else "–"
-        )
+        stored = f"{row['loss_points_stored']} / {row['loss_points_logged']}" if "loss_points_stored" in row else "–"
         lines.append(
             f"| {LABELS[mode]} | {row['wall_s']:.1f} | {ratio} | {row['log_median_us']:.1f} | "
             f"{row['log_p90_us']:.1f} | {max(r['log_total_s'] for r in row['ranks']):.2f} | {stored} |"

@@ -40,9 +40,22 @@ DEFAULT_STEPS = {"cpu": {"ddp": 3000, "fsdp2": 600}, "cuda": {"ddp": 3000, "fsdp
 def run_torchrun(kind: str, args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench-torchrun-") as out:
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-            str(HERE / "train.py"), "--kind", kind, "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--device", args.device, "--out", out,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            str(HERE / "train.py"),
+            "--kind",
+            kind,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--device",
+            args.device,
+            "--out",
+            out,
         ]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:
@@ -98,7 +111,9 @@ class Kernel:
             raise RuntimeError("cell failed:\n" + "\n".join(error))
         return "".join(out)
 
-    def launch(self, kind: str, args: argparse.Namespace, tracking: bool) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    def launch(
+        self, kind: str, args: argparse.Namespace, tracking: bool
+    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """The ranks' reports, and how much CPU the kernel and the helper used meanwhile
         (percent of one core over the launch)."""
         name = "bench" if tracking else "bench_untracked"
@@ -110,7 +125,7 @@ class Kernel:
         after, wall = self._cpu_seconds(), time.monotonic() - started
         line = next(line for line in text.splitlines() if line.startswith("RESULT "))
         usage = {key: 100 * (after.get(key, 0.0) - before.get(key, 0.0)) / wall for key in after}
-        return json.loads(line[len("RESULT "):]), usage
+        return json.loads(line[len("RESULT ") :]), usage
 
     def _cpu_seconds(self) -> dict[str, float]:
         import psutil
@@ -144,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--kinds", nargs="+", choices=("ddp", "fsdp2"), default=["ddp", "fsdp2"])
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per run (default: about 20 s of training each: ddp 3000, fsdp2 600 on CPU)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per run (default: about 20 s of training each: ddp 3000, fsdp2 600 on CPU)",
+    )
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
@@ -178,9 +197,17 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         ranks, usage = kernel.launch(kind, per_kind[kind], tracking=launcher == "air_magic")
                     value = statistics.fmean(r["steps_per_s"] for r in ranks)
-                    runs.append({"repeat": repeat, "kind": kind, "launcher": launcher, "steps_per_s": value,
-                                 "threads": sorted({r["threads"] for r in ranks}), "cpu_percent_of_a_core": usage,
-                                 "ranks": ranks})
+                    runs.append(
+                        {
+                            "repeat": repeat,
+                            "kind": kind,
+                            "launcher": launcher,
+                            "steps_per_s": value,
+                            "threads": sorted({r["threads"] for r in ranks}),
+                            "cpu_percent_of_a_core": usage,
+                            "ranks": ranks,
+                        }
+                    )
                     extra = "".join(f", {key} {pct:.1f}% of a core" for key, pct in usage.items())
                     print(f"[bench] repeat {repeat} {kind:5s} {launcher:24s} {value:8.2f} steps/s{extra}", flush=True)
     finally:
@@ -189,51 +216,86 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for kind in args.kinds:
         medians = {
-            launcher: statistics.median(r["steps_per_s"] for r in runs if r["kind"] == kind and r["launcher"] == launcher)
+            launcher: statistics.median(
+                r["steps_per_s"] for r in runs if r["kind"] == kind and r["launcher"] == launcher
+            )
             for launcher in LAUNCHERS
         }
         reference = {r["repeat"]: r["steps_per_s"] for r in runs if r["kind"] == kind and r["launcher"] == "torchrun"}
         for launcher in LAUNCHERS:
             # Each repeat's run against the torchrun run of the same repeat (they ran minutes apart
             # at most): the spread of these ratios is the noise the comparison has to beat.
-            paired = sorted(r["steps_per_s"] / reference[r["repeat"]]
-                            for r in runs if r["kind"] == kind and r["launcher"] == launcher)
-            kernel_cpu = [r["cpu_percent_of_a_core"].get("kernel", 0.0) + r["cpu_percent_of_a_core"].get("helper", 0.0)
-                          for r in runs if r["kind"] == kind and r["launcher"] == launcher]
-            table.append({"kind": kind, "launcher": launcher, "median_steps_per_s": medians[launcher],
-                          "ratio_to_torchrun": medians[launcher] / medians["torchrun"],
-                          "paired_ratio_median": statistics.median(paired),
-                          "paired_ratio_range": [paired[0], paired[-1]],
-                          "spread_of_own_runs": _spread([r["steps_per_s"] for r in runs
-                                                         if r["kind"] == kind and r["launcher"] == launcher]),
-                          "kernel_and_helper_cpu_percent": statistics.median(kernel_cpu)})
+            paired = sorted(
+                r["steps_per_s"] / reference[r["repeat"]]
+                for r in runs
+                if r["kind"] == kind and r["launcher"] == launcher
+            )
+            kernel_cpu = [
+                r["cpu_percent_of_a_core"].get("kernel", 0.0) + r["cpu_percent_of_a_core"].get("helper", 0.0)
+                for r in runs
+                if r["kind"] == kind and r["launcher"] == launcher
+            ]
+            table.append(
+                {
+                    "kind": kind,
+                    "launcher": launcher,
+                    "median_steps_per_s": medians[launcher],
+                    "ratio_to_torchrun": medians[launcher] / medians["torchrun"],
+                    "paired_ratio_median": statistics.median(paired),
+                    "paired_ratio_range": [paired[0], paired[-1]],
+                    "spread_of_own_runs": _spread(
+                        [r["steps_per_s"] for r in runs if r["kind"] == kind and r["launcher"] == launcher]
+                    ),
+                    "kernel_and_helper_cpu_percent": statistics.median(kernel_cpu),
+                }
+            )
     import torch
 
     results = {
         "what": "steps/s of the same training script after warm-up, measured inside the ranks",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "load_average_at_end": os.getloadavg()},
-        "config": {"nproc": args.nproc, "device": args.device, "steps": steps, "warmup": args.warmup,
-                   "repeats": args.repeats, "omp_num_threads": env["OMP_NUM_THREADS"],
-                   "model": "MLP 4 x (Linear(256, 256) + ReLU) + Linear(256, 1), batch 64 per rank, AdamW"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "load_average_at_end": os.getloadavg(),
+        },
+        "config": {
+            "nproc": args.nproc,
+            "device": args.device,
+            "steps": steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "omp_num_threads": env["OMP_NUM_THREADS"],
+            "model": "MLP 4 x (Linear(256, 256) + ReLU) + Linear(256, 1), batch 64 per rank, AdamW",
+        },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "summary": table,
         "runs": runs,
     }
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     shown = ", ".join(f"{kind} {n}" for kind, n in steps.items())
-    print(f"\n{args.nproc} ranks on {args.device}, steps timed: {shown} ({args.warmup} warm-up first), "
-          f"median of {args.repeats}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}\n")
-    print("| script | launcher | steps/s (median) | vs torchrun (medians) | vs torchrun, paired by repeat: median [min, max] "
-          "| own runs' spread | kernel + helper CPU |")
+    print(
+        f"\n{args.nproc} ranks on {args.device}, steps timed: {shown} ({args.warmup} warm-up first), "
+        f"median of {args.repeats}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}\n"
+    )
+    print(
+        "| script | launcher | steps/s (median) | vs torchrun (medians) | vs torchrun, paired by repeat: median [min, max] "
+        "| own runs' spread | kernel + helper CPU |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for row in table:
         cpu = "" if row["launcher"] == "torchrun" else f"{row['kernel_and_helper_cpu_percent']:.1f}% of a core"
         low, high = row["paired_ratio_range"]
-        paired = "" if row["launcher"] == "torchrun" else (
-            f"{(row['paired_ratio_median'] - 1) * 100:+.1f}% [{(low - 1) * 100:+.1f}%, {(high - 1) * 100:+.1f}%]")
-        print(f"| {row['kind']} | {row['launcher']} | {row['median_steps_per_s']:.2f} | "
-              f"{(row['ratio_to_torchrun'] - 1) * 100:+.1f}% | {paired} | ±{row['spread_of_own_runs'] * 100:.1f}% | {cpu} |")
+        paired = (
+            ""
+            if row["launcher"] == "torchrun"
+            else (f"{(row['paired_ratio_median'] - 1) * 100:+.1f}% [{(low - 1) * 100:+.1f}%, {(high - 1) * 100:+.1f}%]")
+        )
+        print(
+            f"| {row['kind']} | {row['launcher']} | {row['median_steps_per_s']:.2f} | "
+            f"{(row['ratio_to_torchrun'] - 1) * 100:+.1f}% | {paired} | ±{row['spread_of_own_runs'] * 100:.1f}% | {cpu} |"
+        )
     print(f"\nwritten to {args.out}")
     return 0
 

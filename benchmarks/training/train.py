@@ -19,8 +19,15 @@ import time
 from typing import Any
 
 
-def train(kind: str = "ddp", steps: int = 400, warmup: int = 100, device: str = "cpu",
-          batch: int = 64, width: int = 256, depth: int = 4) -> dict[str, Any]:
+def train(
+    kind: str = "ddp",
+    steps: int = 400,
+    warmup: int = 100,
+    device: str = "cpu",
+    batch: int = 64,
+    width: int = 256,
+    depth: int = 4,
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -57,8 +64,10 @@ def train(kind: str = "ddp", steps: int = 400, warmup: int = 100, device: str = 
         raise ValueError(f"kind must be 'ddp' or 'fsdp2', got {kind!r}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(rank)
-    data = [(torch.randn(batch, width, generator=generator).to(dev), torch.randn(batch, 1, generator=generator).to(dev))
-            for _ in range(16)]
+    data = [
+        (torch.randn(batch, width, generator=generator).to(dev), torch.randn(batch, 1, generator=generator).to(dev))
+        for _ in range(16)
+    ]
     loss_fn = nn.MSELoss()
 
     stamps = []

@@ -17,7 +17,9 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "data_and_checkpo
 def test_data_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     result_cell = notebook.cells[2]
     shown = next(o for o in result_cell.outputs if o.output_type == "execute_result").data["text/plain"]
     results = ast.literal_eval(shown)

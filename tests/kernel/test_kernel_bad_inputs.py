@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from harness import CellResult, Kernel
 
 pytestmark = pytest.mark.kernel
@@ -106,7 +105,12 @@ def test_the_catalogue_covers_every_front_and_at_least_forty_inputs() -> None:
     assert [row.number for row in ROWS] == list(range(1, len(ROWS) + 1))
     assert len({row.cell for row in ROWS}) == len(ROWS), "two rows with the same input"
     assert {row.where for row in ROWS} == {
-        "decorator", "magic line", "launch call", "captured values", "hardware", "environment"
+        "decorator",
+        "magic line",
+        "launch call",
+        "captured values",
+        "hardware",
+        "environment",
     }
     assert {row.machine for row in ROWS} <= set(MACHINES)
 

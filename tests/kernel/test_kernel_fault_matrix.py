@@ -17,7 +17,6 @@ from typing import Any, Iterator
 
 import psutil
 import pytest
-
 from harness import Kernel, helper_processes, rank_processes, wait_until
 
 pytestmark = pytest.mark.kernel
@@ -27,7 +26,7 @@ POINTS = 5  # each rank logs this many points before the fault
 
 #: Every rank logs POINTS points; then the last rank meets the fault while the others
 #: wait for it in an all_reduce (or in the rendezvous, for a rank that leaves).
-FAULTY = f'''
+FAULTY = f"""
 from air_magic import distributed
 
 @distributed(accelerator_type="CPU")
@@ -82,7 +81,7 @@ def ended_at():
 def folders():
     from air_magic.launcher import get_launcher
     return get_launcher().session_dir, get_launcher().shm_root
-'''
+"""
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from typing import Any, Iterator
 
 import psutil
 import pytest
-
 from harness import Kernel, helper_processes
 
 pytestmark = pytest.mark.kernel
@@ -40,6 +39,7 @@ def _split_db(targets: list[str]) -> tuple[list[str], int]:
     db = [t for t in targets if t.endswith("mlflow.db")]
     ours = [t for t in targets if not t.endswith("mlflow.db") and "/.ipython/profile_default" not in t]
     return ours, len(db)
+
 
 ALL_REDUCE = (
     "%%distributed -n 2\n"
@@ -74,7 +74,7 @@ def test_twenty_five_launches_leave_no_growth_in_the_kernel(k: Kernel) -> None:
     assert threads_25 <= threads_1, (threads_1, threads_25)
     other_1, db_1 = _split_db(fds_1)
     other_25, db_25 = _split_db(fds_25)
-    assert other_25 == other_1, (sorted(set(other_1) ^ set(other_25)))
+    assert other_25 == other_1, sorted(set(other_1) ^ set(other_25))
     assert db_25 <= 5, db_25  # SQLAlchemy's default pool size
     assert env_25 == env_1
     assert sigint_25 == sigint_1
@@ -137,4 +137,3 @@ def test_the_rendezvous_has_no_socket_anyone_could_connect_to(k: Kernel) -> None
     probe = socket.socket()
     probe.bind(("127.0.0.1", port))
     probe.close()
-

@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 import psutil
 import pytest
-
 from harness import Kernel, air_magic_processes, describe, helper_processes, rank_processes, wait_until
 
 pytestmark = pytest.mark.kernel

@@ -7,17 +7,16 @@ import time
 from typing import Any, Iterator
 
 import pytest
-
 from harness import Kernel, strip_ansi
 
 pytestmark = pytest.mark.kernel
 
-LAUNCH_DIRS = '''
+LAUNCH_DIRS = """
 def _launch_dirs():
     import os, re
     from air_magic.launcher import get_launcher
     return sorted(n for n in os.listdir(get_launcher().session_dir) if re.match(r"\\d{4}-", n))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +219,14 @@ def test_help_lists_options_and_example(k: Kernel) -> None:
     assert pages, res.reply
     text = strip_ansi(pages[0])
     for option in (
-        "-n N, --num-accelerators N", "--accelerator-type TYPE", "--timeout <SECONDS|none>",
-        "--no-tracking", "--experiment EXPERIMENT", "--run-name RUN_NAME", "--async", "--backend",
+        "-n N, --num-accelerators N",
+        "--accelerator-type TYPE",
+        "--timeout <SECONDS|none>",
+        "--no-tracking",
+        "--experiment EXPERIMENT",
+        "--run-name RUN_NAME",
+        "--async",
+        "--backend",
     ):
         assert option in text, option
     assert "%%distributed -n 2" in text
@@ -232,7 +237,10 @@ def test_help_lists_options_and_example(k: Kernel) -> None:
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("-n 0", "UsageError: %%distributed: num_accelerators must be a positive integer (the number of ranks), got 0."),
+        (
+            "-n 0",
+            "UsageError: %%distributed: num_accelerators must be a positive integer (the number of ranks), got 0.",
+        ),
         ("-n abc", "UsageError: argument -n/--num-accelerators: invalid int value: 'abc'"),
         ("--timeout abc", "UsageError: %%distributed: --timeout takes a number of seconds or 'none', got 'abc'"),
         (
@@ -270,8 +278,17 @@ def test_config_timeout_default_applies(k: Kernel) -> None:
 # -- the rank environment -------------------------------------------------------------------------
 
 ENV_KEYS = [
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PYTHONUNBUFFERED",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
 ]
 
 
@@ -327,9 +344,7 @@ def test_kernel_state_at_launch_time_reaches_ranks(k: Kernel, tmp_path: Any) -> 
         assert out_value(res) == [expected, expected]
     finally:
         k.ok(
-            f"os.chdir({old_cwd!r})\n"
-            'del os.environ["AIR_MAGIC_SET_AFTER_LOAD"]\n'
-            f"sys.path.remove({str(module_dir)!r})\n"
+            f'os.chdir({old_cwd!r})\ndel os.environ["AIR_MAGIC_SET_AFTER_LOAD"]\nsys.path.remove({str(module_dir)!r})\n'
         )
     # removed again in the kernel: gone from the ranks at the next launch
     res = k.run('%%distributed -n 2\nimport os\n(os.getcwd(), os.environ.get("AIR_MAGIC_SET_AFTER_LOAD"))')

@@ -7,7 +7,6 @@ import time
 from typing import Any, Iterator
 
 import pytest
-
 from harness import Kernel, user_lines
 
 pytestmark = pytest.mark.kernel
@@ -49,11 +48,7 @@ def test_rank_zero_prints_stream_into_the_cell_in_order(k: Kernel) -> None:
 
 def test_output_arrives_while_the_cell_is_still_running(k: Kernel) -> None:
     msg_id = k.execute(
-        "%%distributed -n 2\n"
-        "import time\n"
-        'print("first", flush=True)\n'
-        "time.sleep(1.5)\n"
-        'print("second", flush=True)\n'
+        '%%distributed -n 2\nimport time\nprint("first", flush=True)\ntime.sleep(1.5)\nprint("second", flush=True)\n'
     )
     start = time.monotonic()
     early = k.collect(msg_id, timeout=30, until=lambda r: "first" in r.stdout)
@@ -68,7 +63,7 @@ def test_async_launch_handle_and_rank_one_log(k: Kernel) -> None:
     res = k.run(
         "%%distributed -n 2 --async\n"
         "import os\n"
-        'print(f"hello from rank {os.environ[\'RANK\']}")\n'
+        "print(f\"hello from rank {os.environ['RANK']}\")\n"
         'int(os.environ["RANK"])'
     )
     assert res.error is None, res.error_text
@@ -141,4 +136,3 @@ def test_output_is_bounded(kernel_factory: Any) -> None:
         assert log_lines == 200_000
     finally:
         big.shutdown()
-

@@ -7,19 +7,18 @@ import ast
 from typing import Any, Iterator
 
 import pytest
-
 from harness import Kernel
 
 pytestmark = pytest.mark.kernel
 
-ARGPARSE = '''
+ARGPARSE = """
 import argparse, sys
 parser = argparse.ArgumentParser(description="a training script")
 parser.add_argument("--lr", type=float, default=0.1)
 parser.add_argument("--name", default="run")
 parser.add_argument("data", nargs="?")
 args = parser.parse_args()
-(args.lr, args.name, args.data, sys.argv)'''
+(args.lr, args.name, args.data, sys.argv)"""
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +45,10 @@ def test_an_argparse_script_takes_its_defaults_and_argv_is_the_cell_name(k: Kern
 def test_arguments_after_double_dash_reach_the_script_split_like_a_shell(k: Kernel) -> None:
     res = k.run("%%distributed -n 2 --timeout 60 -- --lr 0.5 --name 'my run' data.csv" + ARGPARSE)
     n = res.reply["execution_count"]
-    assert values(res) == [(0.5, "my run", "data.csv", [f"Cell In[{n}]", "--lr", "0.5", "--name", "my run", "data.csv"])] * 2
+    assert (
+        values(res)
+        == [(0.5, "my run", "data.csv", [f"Cell In[{n}]", "--lr", "0.5", "--name", "my run", "data.csv"])] * 2
+    )
 
 
 def test_a_script_s_own_usage_error_names_the_cell_and_both_ranks(k: Kernel) -> None:
@@ -79,7 +81,9 @@ def test_hydra_reads_its_overrides_from_the_magic_line(k: Kernel) -> None:
 def test_an_unbalanced_quote_on_the_magic_line_is_a_usage_error(k: Kernel) -> None:
     res = k.run("%%distributed -n 2 -- --name 'oops\n1")
     assert res.reply["status"] == "error"
-    assert "UsageError: %%distributed: cannot read the options (No closing quotation): -n 2 -- --name 'oops" in res.stderr
+    assert (
+        "UsageError: %%distributed: cannot read the options (No closing quotation): -n 2 -- --name 'oops" in res.stderr
+    )
 
 
 def test_the_help_says_how_to_pass_script_arguments(k: Kernel) -> None:
@@ -116,7 +120,9 @@ def test_exit_and_quit_in_a_notebook_function_do_not_stop_it_from_launching(k: K
 
 
 def test_exit_in_a_cell_ends_the_rank_like_sys_exit(k: Kernel) -> None:
-    assert values(k.run("%%distributed -n 2\nimport os\nif os.environ['RANK'] == '0':\n    exit()\nos.environ['RANK']")) == [None, "1"]
+    assert values(
+        k.run("%%distributed -n 2\nimport os\nif os.environ['RANK'] == '0':\n    exit()\nos.environ['RANK']")
+    ) == [None, "1"]
 
 
 def test_in_out_and_get_ipython_are_never_captured(k: Kernel) -> None:
@@ -137,20 +143,14 @@ def test_in_out_and_get_ipython_are_never_captured(k: Kernel) -> None:
 
 
 def test_display_in_a_rank_shows_the_text_form_in_the_cell(k: Kernel) -> None:
-    res = k.run(
-        "%%distributed -n 2\n"
-        "import os\n"
-        "display({'rank': int(os.environ['RANK']), 'ok': True}, 'text')\n"
-    )
+    res = k.run("%%distributed -n 2\nimport os\ndisplay({'rank': int(os.environ['RANK']), 'ok': True}, 'text')\n")
     assert res.error is None, res.error_text
     assert "{'rank': 0, 'ok': True}\n'text'\n" in res.stdout  # rank 0's output, as IPython shows it
 
 
 # -- CUDA code on CPU ranks ----------------------------------------------------------------------
 
-CPU_HINT = (
-    "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for CUDA or NCCL."
-)
+CPU_HINT = "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for CUDA or NCCL."
 
 
 @pytest.mark.parametrize(
@@ -215,6 +215,6 @@ def test_an_interrupt_says_where_each_rank_was_at_the_cells_lines(k: Kernel) -> 
     res = k.collect(msg_id, timeout=30)
     n = res.reply["execution_count"]
     assert res.error is not None and res.error["ename"] == "KeyboardInterrupt"
-    where = res.stderr[res.stderr.index("[air_magic] where each rank was:"):].splitlines()
+    where = res.stderr[res.stderr.index("[air_magic] where each rank was:") :].splitlines()
     assert where[1] == f"  rank 0: in all_reduce (torch.distributed), called at Cell In[{n}], line 8 in <module>"
     assert where[2] == f"  rank 1: at Cell In[{n}], line 6 in <module>  <- behind: rank 0 waits for it"

@@ -57,7 +57,9 @@ def test_ranks_do_not_inherit_the_kernels_torch_state(kernel_factory: Any) -> No
         assert ranks[0][8] != ranks[1][8]
         # and the kernel kept its own settings
         assert kernel.value("(str(torch.get_default_dtype()), torch.initial_seed(), torch.is_grad_enabled())") == (
-            "torch.float64", 1234, False,
+            "torch.float64",
+            1234,
+            False,
         )
     finally:
         kernel.shutdown()  # its helper must not outlive the test

@@ -23,7 +23,7 @@ SEPARATOR = "# %%\n"
 
 def read_cells(text: str) -> list[str | None]:
     assert text.startswith(SEPARATOR), "a .cells file starts with '# %%'"
-    return [chunk.rstrip("\n") for chunk in text[len(SEPARATOR):].split(SEPARATOR)]
+    return [chunk.rstrip("\n") for chunk in text[len(SEPARATOR) :].split(SEPARATOR)]
 
 
 def write_cells(cells: list[str | None]) -> str:

@@ -12,7 +12,7 @@ from types import ModuleType
 
 from air_magic.lint import RULES, Applicability, Diagnostic, lint_function, lint_path, lint_source
 
-MODULE = '''\
+MODULE = """\
 import torch
 from air_magic import distributed
 
@@ -31,7 +31,7 @@ def train():
 
 def helper(x):
     return x + 1
-'''
+"""
 
 
 def _load(tmp_path: Path) -> ModuleType:
@@ -76,7 +76,12 @@ def test_lint_path_and_diagnostic_shape(tmp_path: Path) -> None:
     d = found[0]
     assert isinstance(d, Diagnostic)
     assert (d.path, d.cell, d.line, d.col, d.applicability, d.name) == (
-        str(path), None, 1, 28, Applicability.SAFE, "legacy-import"
+        str(path),
+        None,
+        1,
+        28,
+        Applicability.SAFE,
+        "legacy-import",
     )
     assert d.fixable and d.location == f"{path}:1:28"
     assert lint_source("") == []

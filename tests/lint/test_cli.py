@@ -50,8 +50,20 @@ def test_folders_are_searched_for_py_and_ipynb(project: Path, capsys: pytest.Cap
     found = json.loads(capsys.readouterr().out)
     assert {Path(d["path"]).name for d in found} == {"legacy.py", "seeds.ipynb"}
     first = found[0]
-    assert set(first) == {"code", "name", "message", "path", "cell", "line", "col", "end_line", "end_col",
-                          "applicability", "fix_title", "fixable"}
+    assert set(first) == {
+        "code",
+        "name",
+        "message",
+        "path",
+        "cell",
+        "line",
+        "col",
+        "end_line",
+        "end_col",
+        "applicability",
+        "fix_title",
+        "fixable",
+    }
     notebook = [d for d in found if d["path"].endswith(".ipynb")]
     assert (notebook[0]["cell"], notebook[0]["line"], notebook[0]["code"]) == (3, 1, "AM101")
     assert {d["applicability"] for d in found} == {"safe", "display-only"}
@@ -99,8 +111,9 @@ def test_unsafe_fixes_need_the_flag(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["lint", "missing.py"], "air-magic lint: error: missing.py: no such file or folder"),
     ],
 )
-def test_usage_errors_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
-                             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_usage_errors_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     assert message in capsys.readouterr().err

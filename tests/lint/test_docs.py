@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def _table() -> dict[str, list[str]]:
     text = README.read_text()
-    section = text[text.index("## Migration linter"):]
+    section = text[text.index("## Migration linter") :]
     section = section[: section.index("\n## ", 1)]
     rows = {}
     for line in section.splitlines():

@@ -36,11 +36,15 @@ def test_offsets_are_utf8_bytes() -> None:
 
 
 def test_windows_line_endings_are_kept() -> None:
-    source = "import serverless_gpu\r\nfrom pyspark.ml.torch.distributor import TorchDistributor\r\n\r\n" \
-             "def train():\r\n    return 1\r\n\r\nTorchDistributor(num_processes=2).run(train)\r\n"
+    source = (
+        "import serverless_gpu\r\nfrom pyspark.ml.torch.distributor import TorchDistributor\r\n\r\n"
+        "def train():\r\n    return 1\r\n\r\nTorchDistributor(num_processes=2).run(train)\r\n"
+    )
     fixed = fix_source(source)
-    assert fixed == "from air_magic import distributed\r\n\r\ndef train():\r\n    return 1\r\n\r\n" \
-                    "distributed(num_accelerators=2)(train).distributed()\r\n"
+    assert (
+        fixed == "from air_magic import distributed\r\n\r\ndef train():\r\n    return 1\r\n\r\n"
+        "distributed(num_accelerators=2)(train).distributed()\r\n"
+    )
 
 
 def test_unrelated_lines_keep_their_exact_text() -> None:

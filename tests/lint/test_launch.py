@@ -11,7 +11,7 @@ from lint_support import FIXTURES
 from air_magic import decorator
 from air_magic.lint import fix_source, lint_source
 
-SPARK_CODE = '''\
+SPARK_CODE = """\
 from pyspark.ml.torch.distributor import TorchDistributor
 
 
@@ -30,7 +30,7 @@ def train(learning_rate):
 
 distributor = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)
 result = distributor.run(train, 0.5)
-'''
+"""
 
 
 @pytest.mark.process
@@ -61,8 +61,10 @@ DDP_SECTIONS = ("Complete example: the model and utility functions", "Import the
 def _page_sections(text: str) -> dict[str, str]:
     """``# -- Title ---`` sections of a seeds page, each with its marker line."""
     marks = list(re.finditer(r"^# -- (.+?) -+\n", text, flags=re.M))
-    return {m.group(1): text[m.start():(marks[i + 1].start() if i + 1 < len(marks) else len(text))]
-            for i, m in enumerate(marks)}
+    return {
+        m.group(1): text[m.start() : (marks[i + 1].start() if i + 1 < len(marks) else len(text))]
+        for i, m in enumerate(marks)
+    }
 
 
 @pytest.mark.process
@@ -72,9 +74,9 @@ def test_fixed_documentation_ddp_example_trains_on_two_cpu_ranks() -> None:
     assert lint_source(fixed) == []
     # What makes it run without a GPU: the portability fixes.
     for line in (
-        "    if torch.cuda.is_available():\n        torch.cuda.set_device(int(os.environ[\"LOCAL_RANK\"]))\n",
+        '    if torch.cuda.is_available():\n        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n',
         '    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")\n',
-        "    device = torch.device(f\"cuda:{int(os.environ['LOCAL_RANK'])}\" if torch.cuda.is_available() else \"cpu\")\n",
+        '    device = torch.device(f"cuda:{int(os.environ[\'LOCAL_RANK\'])}" if torch.cuda.is_available() else "cpu")\n',
         "    model = DDP(model, device_ids=[device] if torch.cuda.is_available() else None)\n",
     ):
         assert line in fixed

@@ -49,8 +49,10 @@ def test_history_is_linted_cell_by_cell(shell: Any, capsys: pytest.CaptureFixtur
     run(shell, "%air_lint --fix --history")
     out = capsys.readouterr().out
     assert f"# In [{first}], fixed:\nfrom air_magic import distributed\n" in out
-    assert (f"# In [{second}], fixed:\n@distributed(num_accelerators=8, accelerator_type='GPU_8xH100')\n"
-            "def train():\n    return 0\n") in out
+    assert (
+        f"# In [{second}], fixed:\n@distributed(num_accelerators=8, accelerator_type='GPU_8xH100')\n"
+        "def train():\n    return 0\n"
+    ) in out
 
 
 def test_one_cell_by_number_and_as_a_diff(shell: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -58,7 +60,7 @@ def test_one_cell_by_number_and_as_a_diff(shell: Any, capsys: pytest.CaptureFixt
     capsys.readouterr()
     run(shell, f"%air_lint {number}")
     out = capsys.readouterr().out
-    assert out.startswith(f"In [{number}]:2:1: AM305 `os.environ[\"MASTER_PORT\"] = ...` replaces")
+    assert out.startswith(f'In [{number}]:2:1: AM305 `os.environ["MASTER_PORT"] = ...` replaces')
     run(shell, f"%air_lint --diff --unsafe-fixes {number}")
     out = capsys.readouterr().out
     assert f"--- In [{number}]\n+++ In [{number}] (fixed)\n" in out

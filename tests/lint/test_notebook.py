@@ -30,8 +30,14 @@ def test_masking_round_trips_every_ipython_line() -> None:
     )
     masked, masks = mask_magics(source, "T")
     assert masked.splitlines()[:8] == [
-        "pass  # T_0", "pass  # T_1", "pass  # T_2", "for f in files:", "    pass  # T_3",
-        "pass  # T_4", "pass  # T_5", "pass  # T_6",
+        "pass  # T_0",
+        "pass  # T_1",
+        "pass  # T_2",
+        "for f in files:",
+        "    pass  # T_3",
+        "pass  # T_4",
+        "pass  # T_5",
+        "pass  # T_6",
     ]
     assert masked.splitlines()[8:] == ["x = 1 % 2", "y = a != b"]
     compile(masked, "cell", "exec")
@@ -47,8 +53,12 @@ def test_an_import_in_one_cell_is_seen_in_another() -> None:
     ]
     assert codes(cells) == [(4, 1, "AM101"), (4, 1, "AM201")]
     fixed = fix_cells(cells)
-    assert fixed.sources == ("import air_magic as sg", cells[1], None,
-                             "@sg.distributed(num_accelerators=2)\ndef train():\n    return 0")
+    assert fixed.sources == (
+        "import air_magic as sg",
+        cells[1],
+        None,
+        "@sg.distributed(num_accelerators=2)\ndef train():\n    return 0",
+    )
     assert fixed.fixed == ("AM101", "AM201")
     assert fixed.remaining == ()
 
@@ -71,7 +81,9 @@ def test_other_cell_magics_are_skipped_and_python_bodies_linted() -> None:
     assert codes(cells) == [(2, 2, "AM101"), (2, 3, "AM201")]
     fixed = fix_cells(cells).sources
     assert fixed == (
-        cells[0], "%%time\nfrom air_magic import distributed\ntrain = distributed(num_accelerators=2)(print)", cells[2]
+        cells[0],
+        "%%time\nfrom air_magic import distributed\ntrain = distributed(num_accelerators=2)(print)",
+        cells[2],
     )
 
 

@@ -33,13 +33,7 @@ def test_code_already_behind_the_cuda_test_is_not_reported() -> None:
 
 
 def test_the_cpu_branch_of_the_cuda_test_is_reported() -> None:
-    source = (
-        "import torch\n"
-        "if torch.cuda.is_available():\n"
-        "    pass\n"
-        "else:\n"
-        "    torch.cuda.set_device(0)\n"
-    )
+    source = "import torch\nif torch.cuda.is_available():\n    pass\nelse:\n    torch.cuda.set_device(0)\n"
     assert codes(source) == [(5, "AM402")]
 
 
@@ -53,7 +47,9 @@ def test_torch_is_imported_when_only_a_submodule_is() -> None:
 
 def test_an_alias_of_torch_is_used_as_it_is() -> None:
     source = 'import torch as th\n\ndevice = th.device("cuda")\n'
-    assert fix_source(source) == 'import torch as th\n\ndevice = th.device("cuda" if th.cuda.is_available() else "cpu")\n'
+    assert (
+        fix_source(source) == 'import torch as th\n\ndevice = th.device("cuda" if th.cuda.is_available() else "cpu")\n'
+    )
 
 
 def test_a_torch_name_that_means_something_else_is_reported_not_rewritten() -> None:
@@ -67,11 +63,7 @@ def test_a_torch_name_that_means_something_else_is_reported_not_rewritten() -> N
 
 
 def test_a_conditional_is_parenthesized_where_the_call_stood_in_an_expression() -> None:
-    source = (
-        "import torch\n"
-        'kind = torch.device("cuda", 0).type\n'
-        'maybe = torch.device("cuda", 0) if pinned else None\n'
-    )
+    source = 'import torch\nkind = torch.device("cuda", 0).type\nmaybe = torch.device("cuda", 0) if pinned else None\n'
     fixed = fix_source(source)
     assert fixed.splitlines()[1:] == [
         'kind = (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")).type',

@@ -39,7 +39,7 @@ def _sections(text: str) -> dict[str, str]:
     """The code under each ``# -- Title ---`` line, without the blank lines around it."""
     marks = list(re.finditer(r"^# -- (.+?) -+\n", text, flags=re.M))
     return {
-        m.group(1): text[m.end():(marks[i + 1].start() if i + 1 < len(marks) else len(text))].strip("\n")
+        m.group(1): text[m.end() : (marks[i + 1].start() if i + 1 < len(marks) else len(text))].strip("\n")
         for i, m in enumerate(marks)
     }
 

@@ -29,8 +29,15 @@ EXTRA_IMPORTS = [
     "import torch.distributed as dist",
 ]
 COUNTS = ["", "gpus=8", "gpus=1", "num_accelerators=2", "gpus=2, num_accelerators=2", "4"]
-TYPES = ["", "gpu_type='H100'", 'gpu_type="a10g"', "gpu_type=GPUType.B300", 'accelerator_type="H100"',
-         "accelerator_type='GPU_8xH100'", 'gpu_type="H100", accelerator_type="GPU_1xH100"']
+TYPES = [
+    "",
+    "gpu_type='H100'",
+    'gpu_type="a10g"',
+    "gpu_type=GPUType.B300",
+    'accelerator_type="H100"',
+    "accelerator_type='GPU_8xH100'",
+    'gpu_type="H100", accelerator_type="GPU_1xH100"',
+]
 OTHER = ["", "remote=True", "timeout=600", "remote=False"]
 DATA = [
     "",
@@ -62,8 +69,9 @@ LAUNCHES = [
 
 @st.composite
 def programs(draw: st.DrawFn) -> str:
-    args = ", ".join(a for a in (draw(st.sampled_from(COUNTS)), draw(st.sampled_from(TYPES)),
-                                 draw(st.sampled_from(OTHER))) if a)
+    args = ", ".join(
+        a for a in (draw(st.sampled_from(COUNTS)), draw(st.sampled_from(TYPES)), draw(st.sampled_from(OTHER))) if a
+    )
     parts = [
         draw(st.sampled_from(IMPORTS)),
         draw(st.sampled_from(EXTRA_IMPORTS)),

@@ -20,9 +20,17 @@ SEEDS = FIXTURES / "seeds"
 PAGES = ["serverless_gpu_page", "databricks_air_page"]
 
 #: What each finding's column must point at.
-TOKENS = {"AM101": "distributed", "AM106": "serverless_gpu", "AM201": "gpus", "AM202": "gpu_type",
-          "AM207": "H100", "AM401": '"nccl"', "AM402": "torch.cuda.set_device", "AM403": "torch.device",
-          "AM404": "device_ids"}
+TOKENS = {
+    "AM101": "distributed",
+    "AM106": "serverless_gpu",
+    "AM201": "gpus",
+    "AM202": "gpu_type",
+    "AM207": "H100",
+    "AM401": '"nccl"',
+    "AM402": "torch.cuda.set_device",
+    "AM403": "torch.device",
+    "AM404": "device_ids",
+}
 
 
 def _source(page: str) -> str:
@@ -31,18 +39,27 @@ def _source(page: str) -> str:
 
 def _points_at_its_token(source: str, d: Any) -> bool:
     line = source.splitlines()[d.line - 1]
-    return line[d.col - 1:].startswith(TOKENS[d.code])
+    return line[d.col - 1 :].startswith(TOKENS[d.code])
 
 
 def test_serverless_gpu_page_findings_point_at_the_right_lines() -> None:
     source = _source("serverless_gpu_page")
     findings = lint_source(source, filename="serverless_gpu_page.py")
     assert [(d.line, d.code) for d in findings] == [
-        (6, "AM101"), (10, "AM201"), (10, "AM202"),                 # quickstart
-        (24, "AM402"), (25, "AM401"),                               # complete example: setup()
-        (47, "AM106"), (48, "AM101"), (51, "AM201"), (51, "AM202"),  # its imports and decorator
-        (60, "AM403"), (64, "AM404"),                               # its device and DDP
-        (102, "AM101"), (106, "AM201"), (106, "AM202"),             # FAQ
+        (6, "AM101"),
+        (10, "AM201"),
+        (10, "AM202"),  # quickstart
+        (24, "AM402"),
+        (25, "AM401"),  # complete example: setup()
+        (47, "AM106"),
+        (48, "AM101"),
+        (51, "AM201"),
+        (51, "AM202"),  # its imports and decorator
+        (60, "AM403"),
+        (64, "AM404"),  # its device and DDP
+        (102, "AM101"),
+        (106, "AM201"),
+        (106, "AM202"),  # FAQ
     ]
     assert all(_points_at_its_token(source, d) for d in findings)
     assert all(d.fixable for d in findings)
@@ -52,10 +69,16 @@ def test_databricks_air_page_findings_point_at_the_right_lines() -> None:
     source = _source("databricks_air_page")
     findings = lint_source(source, filename="databricks_air_page.py")
     assert [(d.line, d.code) for d in findings] == [
-        (5, "AM101"), (17, "AM402"), (18, "AM403"), (19, "AM401"),  # quickstart
-        (33, "AM402"), (34, "AM401"),                               # setup()
-        (56, "AM101"), (68, "AM403"), (72, "AM404"),                # the training function
-        (110, "AM101"),                                             # FAQ
+        (5, "AM101"),
+        (17, "AM402"),
+        (18, "AM403"),
+        (19, "AM401"),  # quickstart
+        (33, "AM402"),
+        (34, "AM401"),  # setup()
+        (56, "AM101"),
+        (68, "AM403"),
+        (72, "AM404"),  # the training function
+        (110, "AM101"),  # FAQ
     ]
     assert all(_points_at_its_token(source, d) for d in findings)
 
@@ -126,16 +149,24 @@ def test_seeds_notebook_findings_point_at_cells_and_lines() -> None:
     path = SEEDS / "seeds.ipynb"
     findings = lint_notebook(path)
     assert [(d.cell, d.line, d.code) for d in findings] == [
-        (3, 1, "AM101"), (3, 5, "AM201"), (3, 5, "AM202"),   # quickstart
-        (4, 8, "AM402"), (4, 9, "AM401"),                    # setup()
-        (5, 1, "AM106"), (5, 2, "AM101"),                    # imports
-        (6, 1, "AM201"), (6, 1, "AM202"),                    # the training function
-        (6, 10, "AM403"), (6, 14, "AM404"),                  # its device and DDP
-        (8, 9, "AM001"),                                     # the FAQ's "...." as printed
-        (10, 1, "AM101"),                                    # databricks.air quickstart
-        (10, 13, "AM402"), (10, 14, "AM403"), (10, 15, "AM401"),
-        (11, 1, "AM207"),                                    # %%distributed --accelerator-type H100
-        (11, 3, "AM403"),                                    # its device
+        (3, 1, "AM101"),
+        (3, 5, "AM201"),
+        (3, 5, "AM202"),  # quickstart
+        (4, 8, "AM402"),
+        (4, 9, "AM401"),  # setup()
+        (5, 1, "AM106"),
+        (5, 2, "AM101"),  # imports
+        (6, 1, "AM201"),
+        (6, 1, "AM202"),  # the training function
+        (6, 10, "AM403"),
+        (6, 14, "AM404"),  # its device and DDP
+        (8, 9, "AM001"),  # the FAQ's "...." as printed
+        (10, 1, "AM101"),  # databricks.air quickstart
+        (10, 13, "AM402"),
+        (10, 14, "AM403"),
+        (10, 15, "AM401"),
+        (11, 1, "AM207"),  # %%distributed --accelerator-type H100
+        (11, 3, "AM403"),  # its device
     ]
     nb = nbformat.read(path, as_version=4)
     for d in findings:
@@ -156,7 +187,11 @@ def test_seeds_notebook_fix_keeps_magics_outputs_and_metadata(tmp_path: Path) ->
     assert after.metadata == before.metadata
     for old, new in zip(before.cells, after.cells):
         assert (old.cell_type, old.metadata, old.get("outputs"), old.get("execution_count"), old.get("id")) == (
-            new.cell_type, new.metadata, new.get("outputs"), new.get("execution_count"), new.get("id")
+            new.cell_type,
+            new.metadata,
+            new.get("outputs"),
+            new.get("execution_count"),
+            new.get("id"),
         )
     sources = [c.source for c in after.cells]
     assert sources[1] == before.cells[1].source  # %pip and ! lines survive
@@ -164,7 +199,7 @@ def test_seeds_notebook_fix_keeps_magics_outputs_and_metadata(tmp_path: Path) ->
     assert sources[4] == "from air_magic import distributed"
     assert sources[10].startswith(
         "%%distributed -n 8 --accelerator-type GPU_8xH100\nsetup()\n"
-        "device = torch.device(f\"cuda:{int(os.environ['LOCAL_RANK'])}\" if torch.cuda.is_available() else \"cpu\")\n"
+        'device = torch.device(f"cuda:{int(os.environ[\'LOCAL_RANK\'])}" if torch.cuda.is_available() else "cpu")\n'
     )
     assert "@distributed(num_accelerators=8, accelerator_type='GPU_8xH100')" in sources[5]
     # Unchanged cells keep their exact text, and fixing again changes nothing.

@@ -40,7 +40,7 @@ def test_quickstart_runs_on_cpu_ranks(tmp_path: Path, monkeypatch: pytest.Monkey
     # One value per rank: the documentation's function returns nothing.
     assert "returned per rank: [None, None]" in everything
     # Each rank's total loss over its half of the data, in MLflow: one epoch, two ranks.
-    line = next(l for l in everything.splitlines() if l.startswith("'total_loss' of every epoch on every rank:"))
+    line = next(text for text in everything.splitlines() if text.startswith("'total_loss' of every epoch on every rank:"))
     losses = ast.literal_eval(line.split(":", 1)[1].strip())
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
     assert "FINISHED" in everything

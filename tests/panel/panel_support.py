@@ -185,7 +185,7 @@ class Panel:
         raise AssertionError("the panel's VBox was not opened")
 
     def child(self, index: int) -> Model:
-        return self.wire.model(self.root.opened["children"][index][len("IPY_MODEL_"):])
+        return self.wire.model(self.root.opened["children"][index][len("IPY_MODEL_") :])
 
     @property
     def html(self) -> str:
@@ -206,24 +206,24 @@ class Panel:
     @property
     def stop(self) -> Model:
         row = self.child(1)
-        return self.wire.model(row.opened["children"][0][len("IPY_MODEL_"):])
+        return self.wire.model(row.opened["children"][0][len("IPY_MODEL_") :])
 
     @property
     def where(self) -> Model:
         row = self.child(1)
-        return self.wire.model(row.opened["children"][1][len("IPY_MODEL_"):])
+        return self.wire.model(row.opened["children"][1][len("IPY_MODEL_") :])
 
     @property
     def note(self) -> Model:
         row = self.child(1)
-        return self.wire.model(row.opened["children"][2][len("IPY_MODEL_"):])
+        return self.wire.model(row.opened["children"][2][len("IPY_MODEL_") :])
 
     @property
     def tabs(self) -> Model:
         return self.child(2)
 
     def tab(self, index: int) -> Model:
-        return self.wire.model(self.tabs.state["children"][index][len("IPY_MODEL_"):])
+        return self.wire.model(self.tabs.state["children"][index][len("IPY_MODEL_") :])
 
     def comm_ids(self) -> set[str]:
         """The comm ids of every model reachable from the panel's VBox (layouts included)."""
@@ -239,13 +239,12 @@ class Panel:
                 refs = value if isinstance(value, list) else [value]
                 for ref in refs:
                     if isinstance(ref, str) and ref.startswith("IPY_MODEL_"):
-                        stack.append(ref[len("IPY_MODEL_"):])
+                        stack.append(ref[len("IPY_MODEL_") :])
         return found
 
     def updates_between(self, start: float, end: float) -> int:
         return sum(
-            1 for comm_id in self.comm_ids()
-            for t in self.wire.models[comm_id].update_times if start <= t <= end
+            1 for comm_id in self.comm_ids() for t in self.wire.models[comm_id].update_times if start <= t <= end
         )
 
 

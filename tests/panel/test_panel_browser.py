@@ -44,11 +44,22 @@ NOTEBOOK_CELLS = [
 ]
 
 CHROMIUM_FLAGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--no-first-run", "--no-default-browser-check", "--disable-quic", "--disable-extensions",
-    "--disable-default-apps", "--mute-audio", "--window-size=1280,1600",
-    "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-quic",
+    "--disable-extensions",
+    "--disable-default-apps",
+    "--mute-audio",
+    "--window-size=1280,1600",
+    "--remote-debugging-address=127.0.0.1",
+    "--remote-debugging-port=0",
 ]
 
 # Everything the page shows of the panels, once per poll.
@@ -84,8 +95,12 @@ def _free_port() -> int:
 
 
 def _chromium() -> str | None:
-    for candidate in (os.environ.get("CHROMIUM_PATH"), "/usr/bin/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser")):
+    for candidate in (
+        os.environ.get("CHROMIUM_PATH"),
+        "/usr/bin/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+    ):
         if candidate and os.path.exists(candidate):
             return candidate
     return None
@@ -124,7 +139,6 @@ class DevTools:
         return result["result"].get("value")
 
 
-
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """JupyterLab on 127.0.0.1 with a token; its root, config and state in ``tmp_path``."""
@@ -135,10 +149,20 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     root = tmp_path / "root"
     root.mkdir()
     notebook = {
-        "cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {},
-                   "outputs": [], "source": source} for i, source in enumerate(NOTEBOOK_CELLS)],
+        "cells": [
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "id": f"c{i}",
+                "metadata": {},
+                "outputs": [],
+                "source": source,
+            }
+            for i, source in enumerate(NOTEBOOK_CELLS)
+        ],
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-        "nbformat": 4, "nbformat_minor": 5,
+        "nbformat": 4,
+        "nbformat_minor": 5,
     }
     (root / "panel.ipynb").write_text(json.dumps(notebook))
     port, token = _free_port(), uuid.uuid4().hex
@@ -156,13 +180,21 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               JUPYTER_DATA_DIR=str(tmp_path / "data"))
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        JUPYTER_DATA_DIR=str(tmp_path / "data"),
+    )
     env.pop("AIR_MAGIC_PANEL", None)  # the page is a widget front end: found by itself
     with open(tmp_path / "lab.log", "wb") as log:  # the server keeps its own descriptor
         server = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", f"--config={config}"],
-            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -201,7 +233,9 @@ def browser(lab: dict[str, Any]) -> Iterator[DevTools]:
     with open(lab["tmp"] / "chromium.log", "wb") as log:
         proc = subprocess.Popen(
             [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
         )
     try:
         port_file = profile / "DevToolsActivePort"

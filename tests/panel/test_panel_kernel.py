@@ -112,7 +112,7 @@ def test_async_returns_at_once_and_stop_is_live(wire: Wire) -> None:
     n = res.reply["execution_count"]
     out, _ = wire.ok(f"h = Out[{n}]\n(h.result(timeout=30), h.status, h.done())")
     assert ast.literal_eval(out.result) == ([0, 1], "finished", True)
-    assert wire.wait_for(lambda: panel.status == "finished", 5)
+    assert wire.wait_for(lambda panel=panel: panel.status == "finished", 5)
     # A background panel stays open with its final state; Stop is off now.
     assert not panel.root.closed and panel.stop.state["disabled"] is True
     # Shown again later, a finished launch is its static summary.
@@ -139,9 +139,11 @@ def test_submit_then_cancel_and_stop_button(wire: Wire) -> None:
     second = wire.panel(_last_launch_id(msgs))
     assert wire.wait_for(lambda: second.stop.state["disabled"] is False, 5)
     kc = wire.kernel.kc
-    kc.shell_channel.send(kc.session.msg(
-        "comm_msg", {"comm_id": second.stop.comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
-    ))
+    kc.shell_channel.send(
+        kc.session.msg(
+            "comm_msg", {"comm_id": second.stop.comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
+        )
+    )
     assert wire.wait_for(lambda: second.status == "cancelled", 20), second.statuses()
     assert wire.wait_for(lambda: "stopped from the panel" in second.note.state["value"], 5)
     assert wire.kernel.value("h2.status") == "cancelled"
@@ -154,9 +156,11 @@ def test_the_where_button_shows_every_rank_s_stack_in_a_tab(wire: Wire) -> None:
     assert wire.wait_for(lambda: wire.kernel.value("h3.status") == "running", 10)
     time.sleep(0.5)  # into the sleep
     kc = wire.kernel.kc
-    kc.shell_channel.send(kc.session.msg(
-        "comm_msg", {"comm_id": panel.where.comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
-    ))
+    kc.shell_channel.send(
+        kc.session.msg(
+            "comm_msg", {"comm_id": panel.where.comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
+        )
+    )
     try:
         assert wire.wait_for(lambda: panel.tabs.state["titles"][-1:] == ["where"], 10), panel.tabs.state
         assert wire.wait_for(lambda: "where each rank was" in panel.tab(3).state["value"], 5)
@@ -177,7 +181,7 @@ def test_several_launches_at_once(wire: Wire) -> None:
     assert ast.literal_eval(out.result) == ([0, 1], [0, 1])
     for launch_id in ids:
         panel = wire.panel(launch_id)
-        assert wire.wait_for(lambda: panel.status == "finished", 5)
+        assert wire.wait_for(lambda panel=panel: panel.status == "finished", 5)
         assert "running" in panel.statuses()
 
 
@@ -242,11 +246,7 @@ def test_a_chatty_rank_sends_few_updates(wire: Wire) -> None:
 def test_the_linter_findings_for_the_launched_code(wire: Wire) -> None:
     pytest.importorskip("air_magic.lint")
     res, msgs = wire.ok(
-        "%%distributed -n 2\n"
-        "import os, time\n"
-        "os.environ['MASTER_PORT'] = '29500'\n"
-        "time.sleep(1.5)\n"
-        "1",
+        "%%distributed -n 2\nimport os, time\nos.environ['MASTER_PORT'] = '29500'\ntime.sleep(1.5)\n1",
         timeout=60,
     )
     panel = wire.panel(_last_launch_id(msgs))
@@ -298,7 +298,7 @@ def test_metrics_feed_the_table_and_the_chart(kernel_factory: Any) -> None:
         assert 'data-metric="loss"' in live_charts[-1] and 'data-metric="acc"' in live_charts[-1]
         summary = displays(msgs, "update_display_data")[-1]["data"]
         assert "MLflow run" in summary["text/plain"]
-        final_chart = summary["text/html"][summary["text/html"].index("<svg"):]
+        final_chart = summary["text/html"][summary["text/html"].index("<svg") :]
         assert 'data-metric="loss"' in final_chart and 'data-metric="acc"' in final_chart
         assert final_chart.count("<polyline") == 4  # 2 metrics x 2 ranks
         for chart in (*live_charts, final_chart):  # nothing fetched: inline SVG only

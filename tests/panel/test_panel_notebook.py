@@ -35,8 +35,9 @@ CELLS = [
 def test_headless_run_prints_status_lines_and_saves_a_summary(tmp_path: Path) -> None:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in CELLS]
-    NotebookClient(notebook, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     path = tmp_path / "executed.ipynb"
     nbformat.write(notebook, path)
     saved = nbformat.read(path, as_version=4)
@@ -56,8 +57,9 @@ def test_headless_run_prints_status_lines_and_saves_a_summary(tmp_path: Path) ->
     stdout = "".join(o.text for o in launch if o.output_type == "stream")
     lines = [ln for ln in stdout.replace("\r", "\n").splitlines() if ln.startswith("[air_magic] Cell In[2]")]
     assert lines, stdout[-1500:]
-    assert any(re.search(r"\[air_magic\] Cell In\[2\] 0:\d\d running · r0 epoch 1 \d+% \d+/80 · r1 ", line)
-               for line in lines), lines
+    assert any(
+        re.search(r"\[air_magic\] Cell In\[2\] 0:\d\d running · r0 epoch 1 \d+% \d+/80 · r1 ", line) for line in lines
+    ), lines
     assert "rank 0 done" in stdout
     assert launch[-1].output_type == "execute_result" and launch[-1].data["text/plain"] == "[0, 1]"
 

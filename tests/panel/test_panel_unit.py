@@ -23,11 +23,23 @@ def fake_launch(tmp_path: Path, n: int = 2, status: str = "running", tracking: b
     logs.mkdir(exist_ok=True)
     ranks = [RankState(r, str(logs / f"rank-{r}.log"), pid=4_000_000 + r) for r in range(n)]
     launch = SimpleNamespace(
-        id="0007-abcdef12", label="train", kind="function", world_size=n, ranks=ranks,
-        work_dir=str(tmp_path), log_paths=[r.log_path for r in ranks], status=status,
-        spec=SimpleNamespace(tracking=tracking), placement=SimpleNamespace(device="cpu"),
-        run_id=None, run_url=None, started_at=time.time() - 12.5, ended_at=None, _outcome=None,
-        sources={}, launcher=SimpleNamespace(launches={}),
+        id="0007-abcdef12",
+        label="train",
+        kind="function",
+        world_size=n,
+        ranks=ranks,
+        work_dir=str(tmp_path),
+        log_paths=[r.log_path for r in ranks],
+        status=status,
+        spec=SimpleNamespace(tracking=tracking),
+        placement=SimpleNamespace(device="cpu"),
+        run_id=None,
+        run_url=None,
+        started_at=time.time() - 12.5,
+        ended_at=None,
+        _outcome=None,
+        sources={},
+        launcher=SimpleNamespace(launches={}),
     )
     launch.done = lambda: launch.ended_at is not None
     return launch
@@ -272,8 +284,12 @@ def test_importing_the_panel_imports_no_widgets() -> None:
 
 def test_cpu_usage_of_a_process_and_its_children(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-         "'import time; time.sleep(30)']); t = time.time()\nwhile time.time() - t < 30: pass"],
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(30)']); t = time.time()\nwhile time.time() - t < 30: pass",
+        ],
     )
     try:
         psutil = __import__("psutil")

@@ -56,22 +56,31 @@ def probe() -> dict[str, Any]:
         "env": dict(os.environ),
         "argv": list(sys.argv),
         "main_name": main.__name__,
-        "flags": {k: getattr(sys.flags, k) for k in dir(sys.flags)
-                  if not k.startswith(("_", "n_")) and not callable(getattr(sys.flags, k))},
+        "flags": {
+            k: getattr(sys.flags, k)
+            for k in dir(sys.flags)
+            if not k.startswith(("_", "n_")) and not callable(getattr(sys.flags, k))
+        },
         "signals": signals,
         "blocked_signals": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
         "umask": umask,
         "stdin": os.readlink("/proc/self/fd/0"),
-        "rlimits": {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")},
+        "rlimits": {
+            n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")
+        },
         "threads": threading.active_count(),
         "os_threads": len(os.listdir("/proc/self/task")),
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "own_session": os.getsid(0) == os.getpid(),
-        "stdout": [sys.stdout.encoding, sys.stdout.errors, sys.stdout.line_buffering,
-                   sys.stdout.write_through, sys.stdout.isatty()],
-        "stderr": [sys.stderr.encoding, sys.stderr.errors, sys.stderr.line_buffering,
-                   sys.stderr.write_through],
+        "stdout": [
+            sys.stdout.encoding,
+            sys.stdout.errors,
+            sys.stdout.line_buffering,
+            sys.stdout.write_through,
+            sys.stdout.isatty(),
+        ],
+        "stderr": [sys.stderr.encoding, sys.stderr.errors, sys.stderr.line_buffering, sys.stderr.write_through],
         "recursion_limit": sys.getrecursionlimit(),
         "switch_interval": sys.getswitchinterval(),
         "excepthook": sys.excepthook is sys.__excepthook__,
@@ -79,8 +88,7 @@ def probe() -> dict[str, Any]:
         "gc": [gc.isenabled(), list(gc.get_threshold())],
         "faulthandler": __import__("faulthandler").is_enabled(),
         "warning_filters": len(warnings.filters),
-        "multiprocessing": [multiprocessing.get_start_method(allow_none=True),
-                            multiprocessing.current_process().name],
+        "multiprocessing": [multiprocessing.get_start_method(allow_none=True), multiprocessing.current_process().name],
         "root_logger": [len(logging.getLogger().handlers), logging.getLogger().level],
         "torch_default_dtype": str(torch.get_default_dtype()),
         "torch_grad": torch.is_grad_enabled(),

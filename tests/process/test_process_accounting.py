@@ -7,14 +7,16 @@ import subprocess
 import sys
 
 import pytest
+from harness import TEST_MARK, air_magic_processes, stray_processes, wait_until
 
 from air_magic import distributed
-from harness import TEST_MARK, air_magic_processes, stray_processes, wait_until
 
 pytestmark = pytest.mark.process
 
 
-def test_a_process_started_from_a_folder_named_air_magic_is_not_taken_for_a_rank(tmp_path: pytest.TempPathFactory) -> None:
+def test_a_process_started_from_a_folder_named_air_magic_is_not_taken_for_a_rank(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
     # A clone in a folder named air_magic puts the name in every command line (an MLflow
     # server started from the clone's virtual environment, with the tests' environment).
     folder = os.path.join(str(tmp_path), "air_magic", ".venv", "bin")
@@ -58,7 +60,9 @@ def start_a_program_and_wait(report: str) -> None:
     time.sleep(60)
 
 
-def test_ranks_and_the_programs_they_execute_are_recognised_and_go_with_the_launch(tmp_path: pytest.TempPathFactory) -> None:
+def test_ranks_and_the_programs_they_execute_are_recognised_and_go_with_the_launch(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
     report = os.path.join(str(tmp_path), "pids")
     launch = start_a_program_and_wait.submit(report)
     assert wait_until(lambda: os.path.exists(report), timeout=20)

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import cloudpickle
 import pytest
+from harness import air_magic_processes, helper_processes, wait_until
 
 import air_magic
 from air_magic import (
@@ -21,7 +22,6 @@ from air_magic import (
     distributed,
 )
 from air_magic.errors import RankTraceback
-from harness import air_magic_processes, helper_processes, wait_until
 
 pytestmark = pytest.mark.process
 

@@ -20,9 +20,9 @@ from typing import Any, Iterator
 
 import cloudpickle
 import pytest
+from harness import helper_processes, wait_until
 
 from air_magic import LaunchError, LaunchTimeoutError, RankCrashedError, distributed
-from harness import helper_processes, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -324,9 +324,20 @@ def test_another_user_can_neither_reach_nor_read_the_rendezvous(tmp_path: Any) -
             "print(' '.join(out))\n"
         )
         done = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", attack,
-             port, work_dir],
-            capture_output=True, text=True, timeout=30,
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                sys.executable,
+                "-c",
+                attack,
+                port,
+                work_dir,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert done.stdout.split() == ["ConnectionRefusedError", "PermissionError", "PermissionError"], done
     finally:
@@ -382,7 +393,7 @@ def test_stacks_on_demand_show_every_rank_and_name_the_one_behind() -> None:
         )
     finally:
         handle.cancel()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - ended by the cancel: only that it ends is asserted
         handle.result(timeout=30)
 
 
@@ -405,7 +416,7 @@ def test_a_straggler_is_named_when_every_rank_has_been_quiet_a_while(
     with pytest.raises(LaunchTimeoutError):
         one_rank_lags.with_overrides(timeout=6).distributed()
     err = capsys.readouterr().err
-    report = err[err.index("[air_magic] no rank has written anything for 1.5 s."):].splitlines()
+    report = err[err.index("[air_magic] no rank has written anything for 1.5 s.") :].splitlines()
     assert report[1] == "[air_magic] where each rank was:"
     assert report[2].startswith("  rank 0: in all_reduce (torch.distributed), called at ")
     assert report[3].endswith("in one_rank_lags  <- behind: rank 0 waits for it")

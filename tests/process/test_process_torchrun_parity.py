@@ -16,9 +16,9 @@ import subprocess
 import sys
 from typing import Any
 
+import parity_probe
 import pytest
 
-import parity_probe
 from air_magic import distributed
 
 pytestmark = pytest.mark.process
@@ -32,21 +32,21 @@ IGNORED = {"COLUMNS", "LINES"}
 #: What an air_magic rank shows differently from a torchrun worker, and why.
 ALLOWED = {
     "argv": "sys.argv is [<function or cell name>] (plus the arguments after -- on a "
-            "%%distributed line), not a script path: there is no script",
+    "%%distributed line), not a script path: there is no script",
     "torch_preloaded": "torch is imported once in the helper the ranks are forked from, so "
-                       "that a launch starts in milliseconds instead of seconds",
+    "that a launch starts in milliseconds instead of seconds",
     "str_hash distinct per rank": "str hashes use a secret fixed when the interpreter starts; "
-                                  "forked ranks share the helper's (set PYTHONHASHSEED to make "
-                                  "torchrun's workers agree too)",
+    "forked ranks share the helper's (set PYTHONHASHSEED to make "
+    "torchrun's workers agree too)",
     "env MASTER_ADDR": "127.0.0.1 instead of localhost: always the IPv4 loopback the "
-                       "rendezvous listens on (localhost may resolve to ::1)",
+    "rendezvous listens on (localhost may resolve to ::1)",
     "env NODE_RANK": "part of the documented environment (multi-node launchers set it)",
     "env LOCAL_SIZE": "DeepSpeed's launcher sets it; its CPU accelerator counts ranks with it",
     "env CROSS_RANK": "DeepSpeed's launcher sets it",
     "env CROSS_SIZE": "DeepSpeed's launcher sets it",
     "env DS_ACCELERATOR": "CPU launches: DeepSpeed would look for a GPU without it",
     "env ACCELERATE_USE_CPU": "CPU launches: the Hugging Face Trainer joins CPU ranks with "
-                              "gloo only with it (what `accelerate launch --cpu` sets)",
+    "gloo only with it (what `accelerate launch --cpu` sets)",
     "env AIR_MAGIC_LAUNCH_ID": "names the launch (logs, MLflow)",
 }
 
@@ -57,11 +57,19 @@ def _torchrun(tmp_path: Any) -> list[dict[str, Any]]:
     On a loaded machine torchrun's own agent can fail to start a worker (it aborted once
     beside another test suite): one more try then, as a user would.
     """
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               parity_probe.__file__, str(tmp_path)]
-    for attempt in range(2):
-        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=180, cwd=os.getcwd())
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        parity_probe.__file__,
+        str(tmp_path),
+    ]
+    for _attempt in range(2):
+        done = subprocess.run(
+            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180, cwd=os.getcwd()
+        )
         if done.returncode == 0:
             break
     assert done.returncode == 0, done.stderr[-3000:]
@@ -102,8 +110,7 @@ def test_a_rank_shows_what_a_torchrun_worker_shows_but_the_listed_differences(tm
     if _distinct([p["str_hash"] for p in theirs]) != _distinct([p["str_hash"] for p in first]):
         differences.add("str_hash distinct per rank")
     assert differences == set(ALLOWED), (
-        f"new differences: {sorted(differences - set(ALLOWED))}; "
-        f"listed but gone: {sorted(set(ALLOWED) - differences)}"
+        f"new differences: {sorted(differences - set(ALLOWED))}; listed but gone: {sorted(set(ALLOWED) - differences)}"
     )
     # The differences are the intended ones.
     assert [p["argv"] for p in first] == [["probe"], ["probe"]]

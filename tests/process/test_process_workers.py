@@ -10,9 +10,9 @@ from typing import Any
 
 import cloudpickle
 import pytest
+from harness import rank_processes, wait_until
 
 from air_magic import distributed
-from harness import rank_processes, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -123,15 +123,31 @@ def test_workers_and_temporary_folders_alive_at_the_end_are_cleaned_up_as_at_a_n
 def framework_environment() -> dict[str, str | None]:
     import os
 
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
-             "DS_ACCELERATOR", "ACCELERATE_USE_CPU")
+    names = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "LOCAL_SIZE",
+        "CROSS_RANK",
+        "CROSS_SIZE",
+        "DS_ACCELERATOR",
+        "ACCELERATE_USE_CPU",
+    )
     return {name: os.environ.get(name) for name in names}
 
 
 def test_cpu_ranks_get_the_environment_deepspeed_and_the_trainer_read() -> None:
     first, second = framework_environment.distributed()
-    common = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "0", "CROSS_SIZE": "1",
-              "DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": "true"}
+    common = {
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "LOCAL_SIZE": "2",
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+        "DS_ACCELERATOR": "cpu",
+        "ACCELERATE_USE_CPU": "true",
+    }
     assert first == {**common, "RANK": "0", "LOCAL_RANK": "0"}
     assert second == {**common, "RANK": "1", "LOCAL_RANK": "1"}
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import pytest
-
 from tracking_support import Server, ServerDidNotStart, Store, free_port, sqlite_uri, start_mlflow_server
 
 #: Environment that would steer MLflow away from the store under test.

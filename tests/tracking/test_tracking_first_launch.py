@@ -21,10 +21,10 @@ from typing import Any
 
 import cloudpickle
 import pytest
-
-from air_magic import distributed
 from harness import Kernel, wait_until
 from tracking_support import Store, one_run_id, sqlite_uri
+
+from air_magic import distributed
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -79,8 +79,9 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         assert start.endswith(": starting (waiting for the helper process to import torch)"), start
 
         # Nothing but air_magic's own lines and the rank's output: none of MLflow's logging.
-        lines = [line for m in loaded + messages if m["msg_type"] == "stream"
-                 for line in m["content"]["text"].splitlines()]
+        lines = [
+            line for m in loaded + messages if m["msg_type"] == "stream" for line in m["content"]["text"].splitlines()
+        ]
         assert [line for line in lines if not line.startswith("[air_magic]")] == ["ranks done"], lines
 
         # Every point stored before the cell returned, in the run the cell announced.
@@ -96,7 +97,9 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         # MLflow's lines (the new store's tables) went to a log file: the session's, when the
         # warm-up at %load_ext made the store, else the launch's, when its writer did.
         session = kernel.value("__import__('air_magic.launcher').launcher.get_launcher().session_dir")
-        logs = glob.glob(os.path.join(session, "mlflow.log")) + glob.glob(os.path.join(session, "*", "logs", "mlflow.log"))
+        logs = glob.glob(os.path.join(session, "mlflow.log")) + glob.glob(
+            os.path.join(session, "*", "logs", "mlflow.log")
+        )
         text = ""
         for path in logs:
             with open(path, encoding="utf-8") as handle:
@@ -135,7 +138,7 @@ def test_ranks_log_before_the_run_exists_and_a_call_that_needs_it_gets_it_once_m
 ) -> None:
     # Hold the store's first-use lock: the kernel's writer cannot open the store, so the run
     # cannot be made, until it is let go.
-    path = store.uri[len("sqlite:///"):] + ".air_magic.lock"
+    path = store.uri[len("sqlite:///") :] + ".air_magic.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:

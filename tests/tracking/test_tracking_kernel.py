@@ -14,7 +14,6 @@ import time
 from typing import Any, Iterator
 
 import pytest
-
 from harness import Kernel
 from tracking_support import Store, one_run_id, run_ids_in, sqlite_uri
 
@@ -173,6 +172,7 @@ def test_experiment_choice_kernel_then_environment_flag_wins(kernel_factory: Any
     store = store_of(kernel)
     kernel.ok("from mlflow import MlflowClient\nMlflowClient().search_experiments()")
     try:
+
         def launch(flags: str = "") -> str:
             res = kernel.run(f"%%distributed -n 2 {flags}\n{LOGGING_CELL}", timeout=180)
             assert out_value(res) == [0, 1]
@@ -204,8 +204,10 @@ def test_two_kernels_first_launches_at_once_into_a_fresh_store(tmp_path: Any) ->
     try:
         # %load_ext opens (here: creates) the store in the background: both kernels at once.
         assert not os.path.exists(folder / "mlflow.db")
-        for res in [kernel.collect(msg_id) for kernel, msg_id in
-                    [(kernel, kernel.execute("%load_ext air_magic")) for kernel in kernels]]:
+        for res in [
+            kernel.collect(msg_id)
+            for kernel, msg_id in [(kernel, kernel.execute("%load_ext air_magic")) for kernel in kernels]
+        ]:
             assert not res.error, res.error
         for kernel in kernels:
             kernel.ok(

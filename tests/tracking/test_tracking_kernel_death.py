@@ -13,7 +13,6 @@ import time
 from typing import Any, Iterator
 
 import pytest
-
 from harness import Kernel, rank_processes, wait_until
 from tracking_support import Store, spool_files, spooled_points, sqlite_uri
 
@@ -66,9 +65,7 @@ def died_with_points_unsent(store: Store, run_id: str, state: str) -> int:
     return spooled
 
 
-def test_a_kernel_killed_mid_launch_leaves_every_point_to_the_next_kernel(
-    places: tuple[str, dict[str, str]]
-) -> None:
+def test_a_kernel_killed_mid_launch_leaves_every_point_to_the_next_kernel(places: tuple[str, dict[str, str]]) -> None:
     folder, env = places
     store = Store(sqlite_uri(folder))
     first = Kernel(folder, env)
@@ -95,9 +92,7 @@ def test_a_kernel_killed_mid_launch_leaves_every_point_to_the_next_kernel(
         second.shutdown()
 
 
-def test_a_kernel_restarted_mid_launch_leaves_every_point_to_upload_pending(
-    places: tuple[str, dict[str, str]]
-) -> None:
+def test_a_kernel_restarted_mid_launch_leaves_every_point_to_upload_pending(places: tuple[str, dict[str, str]]) -> None:
     folder, env = places
     store = Store(sqlite_uri(folder))
     kernel = Kernel(folder, env)

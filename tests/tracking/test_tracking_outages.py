@@ -16,9 +16,9 @@ from typing import Any, Iterator
 
 import cloudpickle
 import pytest
+from tracking_support import free_port, one_run_id, run_ids_in, spooled_points, start_mlflow_server
 
 from air_magic import distributed
-from tracking_support import free_port, one_run_id, run_ids_in, spooled_points, start_mlflow_server
 
 pytestmark = pytest.mark.process
 
@@ -170,8 +170,10 @@ def test_a_server_that_dies_mid_launch_costs_seconds_and_gets_the_points_when_ba
     run_id = one_run_id(captured.out)
     assert launch.run_id == run_id
     unreachable = [line for line in captured.err.splitlines() if "is unreachable" in line]
-    assert unreachable in ([unreachable_line(server.uri, "connection refused")],
-                           [unreachable_line(server.uri, "connection lost")]), captured.err
+    assert unreachable in (
+        [unreachable_line(server.uri, "connection refused")],
+        [unreachable_line(server.uri, "connection lost")],
+    ), captured.err
 
     server = start_mlflow_server(server_root, port)
     try:

@@ -13,14 +13,15 @@ from typing import Any
 
 import cloudpickle
 import pytest
+from tracking_support import Store, one_run_id, run_ids_in
 
 from air_magic import LaunchCancelledError, LaunchTimeoutError, distributed
-from tracking_support import Store, one_run_id, run_ids_in
 
 pytestmark = pytest.mark.process
 
 # The functions below travel by value, as a notebook's do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
 
 def metric_points(store: Store, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in store.history(run_id, key))
@@ -377,7 +378,7 @@ def test_a_name_mlflow_refuses_raises_at_the_call_and_earlier_points_are_kept(st
 
     with pytest.raises(MlflowException, match=r'Invalid value "loss@rank0".*Names may only contain') as info:
         log_then_use_a_bad_name.distributed()
-    assert "mlflow.log_metric(\"loss@rank0\", 1.0)" in str(info.value.__cause__)
+    assert 'mlflow.log_metric("loss@rank0", 1.0)' in str(info.value.__cause__)
     run_id = one_run_id(capsys.readouterr().out)
     run = store.run(run_id)
     assert run.info.status == "FAILED"
@@ -431,7 +432,7 @@ def untracked() -> tuple[Any, ...]:
 
 
 def test_tracking_off_creates_nothing_and_rank_calls_do_nothing(store: Store, capsys: Any, tmp_path: Any) -> None:
-    db = store.uri[len("sqlite:///"):]
+    db = store.uri[len("sqlite:///") :]
     assert not os.path.exists(db)
     assert untracked.distributed() == [(3, None, None), (3, None, None)]
     out = capsys.readouterr().out

@@ -9,9 +9,9 @@ from typing import Any
 
 import cloudpickle
 import pytest
+from tracking_support import Store, one_run_id
 
 from air_magic import distributed
-from tracking_support import Store, one_run_id
 
 pytestmark = pytest.mark.process
 
@@ -91,7 +91,7 @@ def test_params_and_tags_keep_every_character(store: Store, capsys: Any) -> None
     captured = capsys.readouterr()
     run = store.run(one_run_id(captured.out))
     assert {k: v for k, v in run.data.params.items() if k in NASTY} == NASTY
-    assert {k[len("tag."):]: v for k, v in run.data.tags.items() if k.startswith("tag.")} == NASTY
+    assert {k[len("tag.") :]: v for k, v in run.data.tags.items() if k.startswith("tag.")} == NASTY
     assert "reached MLflow" not in captured.err
 
 

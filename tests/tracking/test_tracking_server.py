@@ -13,9 +13,9 @@ from typing import Any, Iterator
 
 import cloudpickle
 import pytest
+from tracking_support import Server, one_run_id
 
 from air_magic import distributed
-from tracking_support import Server, one_run_id
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -15,11 +15,11 @@ import time
 from typing import Any, Iterator
 
 import pytest
+from tracking_support import Store, sqlite_uri
 
 from air_magic import _spool
 from air_magic._private import PrivateFolderError
 from air_magic._spool import Spool, parse_line, spool_file, text_field
-from tracking_support import Store, sqlite_uri
 
 NASTY = [
     "plain",
@@ -54,9 +54,14 @@ def state(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 def orphan(store_uri: str, lines: dict[int, list[str]], **journal: Any) -> Spool:
     """A launch folder as a dead kernel leaves it (lock let go)."""
     record = {
-        "tracking_uri": store_uri, "experiment_id": None, "experiment_name": "orphans",
-        "run_name": None, "tags": {"air_magic.launch_id": "0001-deadbeef"},
-        "params": {"air_magic.num_accelerators": str(len(lines))}, "run_id": None, "params_logged": False,
+        "tracking_uri": store_uri,
+        "experiment_id": None,
+        "experiment_name": "orphans",
+        "run_name": None,
+        "tags": {"air_magic.launch_id": "0001-deadbeef"},
+        "params": {"air_magic.num_accelerators": str(len(lines))},
+        "run_id": None,
+        "params_logged": False,
     }
     record.update(journal)
     spool = Spool.create("0001-deadbeef", record)
@@ -160,9 +165,7 @@ def test_a_state_folder_of_another_user_is_refused(state: str) -> None:
     os.chown(state, 4242, -1)
     with pytest.raises(PrivateFolderError) as info:
         Spool.create("0001-aaaaaaaa", {})
-    assert str(info.value) == (
-        f"cannot use {state} for MLflow points: it belongs to uid 4242, not to you (uid 0)."
-    )
+    assert str(info.value) == (f"cannot use {state} for MLflow points: it belongs to uid 4242, not to you (uid 0).")
 
 
 def test_symlinks_inside_a_spool_are_not_followed(state: str, tmp_path: Any) -> None:
@@ -239,8 +242,13 @@ def test_an_orphan_becomes_a_killed_run_with_every_point(state: str, tmp_path: A
 
     uri = sqlite_uri(tmp_path)
     Store(uri).client.search_experiments()  # the store exists (the dead kernel had made it)
-    orphan(uri, {0: metric_lines("loss", 300, 0) + [f"p\tlr\t{text_field('0.1')}"],
-                 1: metric_lines("loss", 250, 1) + [f"t\tnote\t{text_field(NASTY[6])}"]})
+    orphan(
+        uri,
+        {
+            0: metric_lines("loss", 300, 0) + [f"p\tlr\t{text_field('0.1')}"],
+            1: metric_lines("loss", 250, 1) + [f"t\tnote\t{text_field(NASTY[6])}"],
+        },
+    )
     capsys.readouterr()
     results = upload_pending()
     assert [(r.outcome, r.points, r.status) for r in results] == [("sent", 550, "KILLED")]

@@ -121,12 +121,26 @@ def start_mlflow_server(root: str, port: int, timeout: float = 180) -> Server:
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [
-                sys.executable, "-m", "mlflow", "server",
-                "--backend-store-uri", sqlite_uri(root),
-                "--artifacts-destination", os.path.join(root, "artifacts"),
-                "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                sqlite_uri(root),
+                "--artifacts-destination",
+                os.path.join(root, "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
             ],
-            cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            cwd=root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     server = Server(f"http://127.0.0.1:{port}", port, proc, log_path)
@@ -142,8 +156,9 @@ def start_mlflow_server(root: str, port: int, timeout: float = 180) -> Server:
             pass
         if time.monotonic() > deadline:
             server.stop()
-            raise ServerDidNotStart(f"mlflow server did not answer on port {port} in {timeout:g} s:\n"
-                                    f"{server.log_tail()}")
+            raise ServerDidNotStart(
+                f"mlflow server did not answer on port {port} in {timeout:g} s:\n{server.log_tail()}"
+            )
         time.sleep(0.5)
 
 

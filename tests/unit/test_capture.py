@@ -45,9 +45,7 @@ def test_every_unpicklable_name_is_reported() -> None:
     assert message.startswith("cannot send 'conn', 'other' to the ranks: they cannot be pickled.")
     assert "  - conn (_thread.lock): TypeError: cannot pickle '_thread.lock' object" in message
     assert "  - other (_thread.RLock)" in message
-    assert message.endswith(
-        "Create them inside the cell instead (load data, open files and connections on each rank)."
-    )
+    assert message.endswith("Create them inside the cell instead (load data, open files and connections on each rank).")
     assert [p[0] for p in info.value.problems] == ["conn", "other"]
 
 

@@ -135,14 +135,12 @@ def test_a_timeout_beyond_any_float_is_refused() -> None:
     with pytest.raises(ConfigurationError) as info:
         distributed(timeout=10**400)
     assert str(info.value) == (
-        "timeout is an integer beyond 1.8e+308: more seconds than any clock holds. Pass "
-        "timeout=None for no limit."
+        "timeout is an integer beyond 1.8e+308: more seconds than any clock holds. Pass timeout=None for no limit."
     )
     with pytest.raises(ConfigurationError) as info:
         distributed(timeout=-(10**400))
     assert str(info.value) == (
-        "timeout must be more than 0 seconds, got a negative integer of 1329 bits. Pass timeout=None "
-        "for no limit."
+        "timeout must be more than 0 seconds, got a negative integer of 1329 bits. Pass timeout=None for no limit."
     )
 
 
@@ -192,8 +190,13 @@ def test_magic_timeout_set_by_config_names_config_for_no_limit() -> None:
     magics = DistributedMagics(shell=None)
     magics.timeout = 0
     args = argparse.Namespace(
-        timeout=None, num_accelerators=None, accelerator_type=None, no_tracking=False,
-        experiment=None, run_name=None, backend=None,
+        timeout=None,
+        num_accelerators=None,
+        accelerator_type=None,
+        no_tracking=False,
+        experiment=None,
+        run_name=None,
+        backend=None,
     )
     with pytest.raises(UsageError) as info:
         magics._spec(args)
@@ -208,9 +211,7 @@ def test_a_magic_cell_of_blanks_is_refused() -> None:
 
     with pytest.raises(UsageError) as info:
         DistributedMagics(shell=None).distributed("-n 2", "  \n\n")
-    assert str(info.value) == (
-        "%%distributed: the cell is empty; write the code each rank runs below the magic."
-    )
+    assert str(info.value) == ("%%distributed: the cell is empty; write the code each rank runs below the magic.")
 
 
 # -- numeric types of a rank count -------------------------------------------------------------
@@ -227,7 +228,10 @@ def test_numpy_integers_are_rank_counts(value: object) -> None:
     ("value", "message"),
     [
         (np.bool_(True), "num_accelerators must be a positive integer (the number of ranks), got bool np.True_."),
-        (np.float64(2.0), "num_accelerators must be a positive integer (the number of ranks), got float64 np.float64(2.0)."),
+        (
+            np.float64(2.0),
+            "num_accelerators must be a positive integer (the number of ranks), got float64 np.float64(2.0).",
+        ),
         (
             np.int64(0),
             "num_accelerators must be a positive integer (the number of ranks), got 0. Pass 1 or more, "

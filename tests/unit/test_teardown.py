@@ -33,9 +33,11 @@ def test_a_process_of_the_launch_that_holds_gpu_memory_is_named(nvml: dict[int, 
     ours = subprocess.Popen(["sleep", "30"], env={**os.environ, "AIR_MAGIC_LAUNCH_ID": "0007-abc"})
     theirs = subprocess.Popen(["sleep", "30"], env={**os.environ, "AIR_MAGIC_LAUNCH_ID": "0008-def"})
     try:
-        nvml[1] = [SimpleNamespace(pid=ours.pid, usedGpuMemory=3 << 30),
-                   SimpleNamespace(pid=theirs.pid, usedGpuMemory=1 << 30),
-                   SimpleNamespace(pid=4242424, usedGpuMemory=1 << 30)]  # a rank's pid
+        nvml[1] = [
+            SimpleNamespace(pid=ours.pid, usedGpuMemory=3 << 30),
+            SimpleNamespace(pid=theirs.pid, usedGpuMemory=1 << 30),
+            SimpleNamespace(pid=4242424, usedGpuMemory=1 << 30),
+        ]  # a rank's pid
         holders = _teardown.gpu_holders({4242424}, "0007-abc")
         assert holders == [(ours.pid, 1, 3 << 30), (4242424, 1, 1 << 30)]
         text = _teardown.describe_holders(holders[:1])
