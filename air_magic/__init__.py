@@ -10,7 +10,7 @@ they are used.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .accelerators import AcceleratorType, GPUType
@@ -31,10 +31,14 @@ from .errors import (
     TooManyCPURanksError,
 )
 
+if TYPE_CHECKING:
+    from .launcher import Launch
+
 __all__ = [
     "__version__",
     "distributed",
     "DistributedFunction",
+    "Launch",
     "AcceleratorType",
     "GPUType",
     "ray_init",
@@ -54,6 +58,15 @@ __all__ = [
     "TooManyCPURanksError",
     "CPUOversubscriptionWarning",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ``Launch`` (what ``.submit()`` returns) comes from the launcher, imported when first used.
+    if name == "Launch":
+        from .launcher import Launch
+
+        return Launch
+    raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
 
 
 def ray_init(address: str | None = None, **kwargs: Any) -> Any:

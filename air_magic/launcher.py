@@ -435,6 +435,15 @@ class Launch:
             return list(value)
         raise value
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The launch's error once it has ended, None if it succeeded (as a future's
+        ``exception()``); ``TimeoutError`` if it is still running after ``timeout`` s."""
+        wait = None if timeout is None else min(max(0.0, timeout), threading.TIMEOUT_MAX)
+        if self._outcome is None and not self._done.wait(wait) or self._outcome is None:
+            raise TimeoutError(f"launch {self.id} is still running after {timeout} s")
+        ok, value = self._outcome
+        return None if ok else value  # type: ignore[no-any-return]
+
     def notify(self, line: str, stream: str = "stdout") -> None:
         """A line for the cell from a background thread (an observer's): printed by the
         thread that waits for the launch, so that threads of air_magic never write to the
@@ -1001,6 +1010,10 @@ class Launcher:
             self.shm_root = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-", dir=shm)
         self._closed = False
         atexit.register(self.shutdown)
+
+    def is_active(self, launch: Launch) -> bool:
+        """Whether ``launch`` is one of this launcher's, not yet ended or given up."""
+        return self.launches.get(launch.id) is launch
 
     @classmethod
     def add_observer(cls, factory: ObserverFactory) -> None:

@@ -748,12 +748,14 @@ class LaunchState:
         launch = self.launch
         if not launch.done() and launch.ended_at is None:
             return ""
-        outcome = getattr(launch, "_outcome", None)
+        try:
+            error, ended = launch.exception(timeout=0), True
+        except TimeoutError:  # its outcome is not read yet
+            error, ended = None, False
         took = _fmt_elapsed(self.elapsed())
-        if launch.status == "finished" or (outcome is not None and outcome[0]):
+        if launch.status == "finished" or (ended and error is None):
             return f"finished in {took}"
-        if outcome is not None and isinstance(outcome[1], BaseException):
-            error = outcome[1]
+        if error is not None:
             first = (str(error).strip().splitlines() or [""])[0]
             return f"{launch.status} after {took}: {type(error).__name__}: {_clip(first, 300)}"
         return f"{launch.status} after {took}"
@@ -1178,7 +1180,7 @@ class PanelObserver:
                     self._error = f"{type(exc).__name__}: {exc}"
             # A launch that never reached the helper has no end to wait for.
             launcher = self.launch.launcher
-            gone = gone + 1 if self.launch.id not in launcher.launches and not self.launch.done() else 0
+            gone = gone + 1 if not launcher.is_active(self.launch) and not self.launch.done() else 0
             if gone > 6:
                 break
         self._release_iopub()

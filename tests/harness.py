@@ -25,6 +25,9 @@ os.environ["AIR_MAGIC_TEST_MARK"] = TEST_MARK
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
+#: Put first on the kernels' PYTHONPATH: its sitecustomize makes a kernel dump its stacks.
+_KERNEL_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_site")
+
 #: pids of kernels started by this session that are alive (their helpers may live on).
 LIVE_KERNEL_PIDS: set[int] = set()
 
@@ -185,6 +188,10 @@ class Kernel:
         env.pop("PYTEST_CURRENT_TEST", None)
         env.pop("AIR_MAGIC_WARM", None)  # set for the unit and lint tests; a kernel warms as a user's does
         env.update(extra_env or {})
+        # Where the kernel's stacks go on SIGUSR2 (see kernel_site/sitecustomize.py).
+        self.stacks_path = os.path.join(workdir, "kernel-stacks.txt")
+        env["AIR_MAGIC_TEST_KERNEL_STACKS"] = self.stacks_path
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_KERNEL_SITE, env.get("PYTHONPATH")) if p)
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(cwd=workdir, env=env)
         self.kc = self.km.client()
@@ -207,7 +214,10 @@ class Kernel:
         while not idle:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"cell did not finish in {timeout} s; output so far: {res.stdout[-2000:]!r}")
+                raise TimeoutError(
+                    f"cell did not finish in {timeout} s; output so far: {res.stdout[-2000:]!r}"
+                    f"\nthe kernel's threads:\n{self.thread_stacks()}"
+                )
             try:
                 msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0))
             except queue.Empty:
@@ -219,6 +229,21 @@ class Kernel:
                 return res
         res.reply = self._shell_reply(msg_id, max(1.0, deadline - time.monotonic()))
         return res
+
+    def thread_stacks(self) -> str:
+        """Every thread's Python stack in the kernel process, as faulthandler writes them."""
+        import signal
+
+        try:
+            size = os.path.getsize(self.stacks_path)
+            os.kill(self.pid, signal.SIGUSR2)
+        except OSError as exc:
+            return f"(none: {exc})"
+        wait_until(lambda: os.path.getsize(self.stacks_path) > size, timeout=2.0)
+        time.sleep(0.2)
+        with open(self.stacks_path, encoding="utf-8", errors="replace") as handle:
+            handle.seek(size)
+            return handle.read() or "(none written)"
 
     def _shell_reply(self, msg_id: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

@@ -415,6 +415,21 @@ def test_omp_num_threads_set_in_the_kernel_is_kept() -> None:
     assert default[0][1] == int(default[0][0])
 
 
+def test_a_launch_handle_is_exported_and_tells_its_error_as_a_future_does() -> None:
+    launch = chatty.submit(1)
+    assert isinstance(launch, air_magic.Launch)
+    assert launch.exception(timeout=60) is None
+    running = fail_on_rank_one.submit(-1)  # both ranks sleep 60 s
+    with pytest.raises(TimeoutError, match=f"launch {running.id} is still running after 0 s"):
+        running.exception(timeout=0)
+    running.cancel()
+    error = running.exception(timeout=10)
+    assert isinstance(error, air_magic.LaunchCancelledError)
+    with pytest.raises(air_magic.LaunchCancelledError) as info:
+        running.result()
+    assert info.value is error
+
+
 def test_cancel_stops_a_submitted_launch() -> None:
     launch = fail_on_rank_one.submit(-1)  # both ranks sleep 60 s
     assert wait_until(lambda: launch.status == "running", timeout=30)
