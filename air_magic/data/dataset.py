@@ -29,10 +29,12 @@ from typing import Any, Callable, Iterator
 import fsspec
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..errors import AirMagicError
+
 __all__ = ["StreamingDataset", "DataError"]
 
 
-class DataError(Exception):
+class DataError(AirMagicError):
     """A dataset or checkpoint problem; the message says what to do."""
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..errors import AirMagicError
 from .diagnostics import ConvergenceError, Diagnostic
 from .rules import Applicability
 
 __all__ = ["UnreadableFile", "FileResult", "lint_file", "lines", "finding_text", "summary", "plural"]
 
 
-class UnreadableFile(Exception):
+class UnreadableFile(AirMagicError):
     """The file cannot be read (as a notebook, for ``.ipynb``)."""
 
 

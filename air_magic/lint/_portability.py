@@ -198,7 +198,7 @@ def _check_set_device(src: Source, call: cst.Call) -> None:
     stmt = src.parent(call)
     line = src.parent(stmt) if isinstance(stmt, cst.Expr) and stmt.value is call else None
     block = src.parent(line) if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1 else None
-    if not isinstance(block, (cst.IndentedBlock, cst.Module)):
+    if stmt is None or not isinstance(block, (cst.IndentedBlock, cst.Module)):
         return  # shares its line, or is part of an expression: a statement cannot be wrapped
     start, end = src.span(stmt)
     first = src.line_start(start)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from ..errors import AirMagicError
 from .rules import Applicability, rule
 
 __all__ = ["Edit", "Fix", "Diagnostic", "ConvergenceError"]
@@ -109,7 +110,7 @@ class Diagnostic:
         return data
 
 
-class ConvergenceError(RuntimeError):
+class ConvergenceError(AirMagicError, RuntimeError):
     """Fixing kept changing the code for the maximum number of passes."""
 
     def __init__(self, path: str, passes: int, codes: list[str]) -> None:
