@@ -207,7 +207,7 @@ def make_client(uri: str) -> Any:
     with _first_use_lock(uri):
         try:
             return MlflowClient(uri)  # a sqlite store creates its tables here
-        except Exception as exc:
+        except Exception as exc:  # a store's client raises anything (sqlalchemy, requests, MlflowException)
             reason = unreachable_reason(exc)
             if reason is not None:
                 raise Unreachable(reason) from exc
@@ -237,7 +237,7 @@ class SpoolUploader:
         """One request; Unreachable when the store did not answer."""
         try:
             value = function(*args, **kwargs)
-        except Exception as exc:
+        except Exception as exc:  # any client error: sorted into unreachable or refused below
             reason = unreachable_reason(exc)
             if reason is not None:
                 raise Unreachable(reason) from exc
@@ -345,7 +345,7 @@ class SpoolUploader:
             return
         except Unreachable:
             raise
-        except Exception as exc:
+        except Exception as exc:  # the store refused the batch: find the point it refuses
             if len(items) == 1:
                 self._refused(_label(kind, items[0]), exc)
                 return
@@ -358,7 +358,7 @@ class SpoolUploader:
             self._call(self.client.log_artifact, self.run_id, local_path, artifact_path)
         except Unreachable:
             raise
-        except Exception as exc:
+        except Exception as exc:  # the store refused the file (too large, a bad path...)
             target = f" to '{artifact_path}'" if artifact_path else ""
             self._refused(f"artifact '{os.path.basename(local_path)}'{target}", exc)
 
@@ -370,7 +370,7 @@ class SpoolUploader:
                 self._call(self.client.get_run, self.run_id)
             except Unreachable:
                 raise
-            except Exception as probe:
+            except Exception as probe:  # whatever the store says, it does not take things
                 raise Unreachable(f"it fails: {short_error(probe)}") from probe
             self._store_answers = True
         entry = self.skipped.setdefault(label, [0, short_error(exc)])

@@ -20,9 +20,11 @@ def gpu_holders(rank_pids: set[int], launch_id: str) -> list[tuple[int, int, int
     """``(pid, GPU index, bytes)`` for each process of the launch that holds GPU memory."""
     try:
         import pynvml  # type: ignore[import-untyped]
-
+    except ImportError:
+        return []
+    try:
         pynvml.nvmlInit()
-    except Exception:  # no NVML, no GPU: nothing can hold GPU memory
+    except pynvml.NVMLError:  # no driver, no GPU: nothing can hold GPU memory
         return []
     found = []
     try:
@@ -31,12 +33,12 @@ def gpu_holders(rank_pids: set[int], launch_id: str) -> list[tuple[int, int, int
             for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if process.pid in rank_pids or _carries(process.pid, launch_id):
                     found.append((process.pid, index, int(process.usedGpuMemory or 0)))
-    except Exception:
+    except pynvml.NVMLError:  # a GPU that fell off the bus: report what was read
         return found
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:
+        except pynvml.NVMLError:
             pass
     return found
 

@@ -131,7 +131,7 @@ def _recover(spool: Spool) -> Recovered | None:
             uploader.finish(status)
         except Unreachable as exc:
             return Recovered(launch_id, uri, journal.get("run_id"), "waiting", _count_points(spool), reason=exc.reason)
-        except Exception as exc:
+        except Exception as exc:  # one launch's failure is reported; the others are still recovered
             return Recovered(
                 launch_id,
                 uri,

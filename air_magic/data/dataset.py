@@ -135,7 +135,7 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
                 )
         except DataError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # each fsspec backend raises its own errors
             raise DataError(
                 f"cannot list {url!r}: {type(exc).__name__}: {exc}. Check the storage is "
                 "reachable and the credentials (storage_options)."

@@ -20,6 +20,7 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[Any]]:
     """A fake pynvml: GPU index -> its compute processes."""
     devices: dict[int, list[Any]] = {0: [], 1: []}
     nv = types.ModuleType("pynvml")
+    nv.NVMLError = type("NVMLError", (Exception,), {})  # type: ignore[attr-defined]
     nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
     nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
     nv.nvmlDeviceGetCount = lambda: len(devices)  # type: ignore[attr-defined]
