@@ -29,15 +29,14 @@ Environment variable           Setting (default)
 ``AIR_MAGIC_PRELOAD``          ``preload``: modules the helper imports at start, comma
                                separated (torch and its distributed, nn, optim, data);
                                read by the helper process
-``AIR_MAGIC_RUN_WAIT``         ``run_wait``: seconds a rank waits for the launch's MLflow
-                               run (30); read by the ranks
 ``AIR_MAGIC_STATE_DIR``        ``state_dir``: state that outlives a kernel (``None``:
                                ``$XDG_STATE_HOME/air_magic``, else
                                ``~/.local/state/air_magic``)
 =============================  ===========================================================
 
 Set by air_magic for its own child processes, not settings: ``AIR_MAGIC_TRACKING_DIR``
-(a launch's spool folder), ``AIR_MAGIC_LAUNCH_ID``, ``AIR_MAGIC_MLFLOW_RUN_ID``.
+(a launch's spool folder), ``AIR_MAGIC_RUN_WAIT`` (how long a rank waits for the
+launch's MLflow run), ``AIR_MAGIC_LAUNCH_ID``, ``AIR_MAGIC_MLFLOW_RUN_ID``.
 
 Standard library only (and :mod:`air_magic.errors`).
 """
@@ -77,7 +76,6 @@ MAX_CPU_RANKS_ENV = "AIR_MAGIC_MAX_CPU_RANKS"
 CPU_RANKS_PER_CORE = 4
 PRELOAD_ENV = "AIR_MAGIC_PRELOAD"
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
-RUN_WAIT_ENV = "AIR_MAGIC_RUN_WAIT"
 STATE_DIR_ENV = "AIR_MAGIC_STATE_DIR"
 
 _PANEL_OFF = ("0", "off", "false", "no", "none")
@@ -131,8 +129,9 @@ class Settings:
     def panel(self) -> bool:
         """Whether launches show a live panel (``%config DistributedMagics.panel``; True).
 
-        A launch's own ``panel=`` (``@distributed(panel=False)``) wins over it, and
-        ``AIR_MAGIC_PANEL=0`` turns the panel off whatever this says (see :attr:`panel_mode`).
+        A launch's own ``LaunchSpec.panel`` (``@distributed(panel=False)``) is to win over
+        it, and ``AIR_MAGIC_PANEL=0`` turns the panel off whatever this says (see
+        :attr:`panel_mode`).
         """
         return True if self._panel is None else self._panel
 
@@ -183,11 +182,6 @@ class Settings:
     def preload(self) -> str:
         """Modules the helper imports at start, comma separated (``AIR_MAGIC_PRELOAD``)."""
         return self._env(PRELOAD_ENV, DEFAULT_PRELOAD)
-
-    @property
-    def run_wait(self) -> float:
-        """Seconds a rank waits for the launch's MLflow run (``AIR_MAGIC_RUN_WAIT``)."""
-        return float(self._env(RUN_WAIT_ENV) or 30)
 
     @property
     def state_dir(self) -> str | None:

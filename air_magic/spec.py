@@ -3,7 +3,8 @@
 Both fronts build a :class:`LaunchSpec` with :func:`make_spec` (static checks, run
 at decoration / magic parsing, so a notebook written on a laptop decorates fine)
 and the launcher calls :meth:`LaunchSpec.resolve` against the attached hardware
-at launch time.
+at launch time.  The options themselves are declared in :mod:`air_magic.options`;
+kernel-wide settings (``AIR_MAGIC_*``) are in :mod:`air_magic.settings`.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class LaunchSpec:
     run_name: str | None = None
     backend: str = "local"
     #: The launch's live panel: ``None`` follows the kernel's setting (``settings.panel``).
+    #: TODO(panel.py): its panel decision is to read this first, then ``settings.panel``.
     panel: bool | None = None
 
     def resolve(self, hardware: Hardware) -> Placement:

@@ -160,7 +160,7 @@ class _Joined:
             import libcst as cst
 
             cst.parse_module(masked)
-        except Exception as exc:  # libcst.ParserSyntaxError, or a grammar libcst lacks
+        except Exception as exc:  # broad: libcst.ParserSyntaxError, or whatever a grammar libcst lacks raises
             from .engine import syntax_error
 
             found = syntax_error(masked, exc, self.path, what="this cell")

@@ -126,7 +126,7 @@ def test_settings_read_the_environment_at_each_use_until_set() -> None:
     settings = Settings(environ)
     assert (settings.capture_warn_mb, settings.panel, settings.panel_mode, settings.warm) == (100.0, True, "auto", True)
     assert (settings.output_limit, settings.stall_seconds, settings.log_limit) == (1 << 20, 300.0, 16 << 20)
-    assert (settings.shm_dir, settings.run_wait, settings.state_dir) == ("/dev/shm", 30.0, None)
+    assert (settings.shm_dir, settings.state_dir) == ("/dev/shm", None)
     assert settings.preload.split(",")[0] == "torch"
     assert settings.max_cpu_ranks(2) == (8, False)
     environ.update(
