@@ -22,7 +22,6 @@ import dis
 import io
 import linecache
 import marshal
-import math
 import os
 import pickle
 import re
@@ -34,8 +33,9 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
+from . import settings as _settings_module
 from ._rank import RESULT_NAME
-from .errors import CaptureError, ConfigurationError
+from .errors import CaptureError
 
 __all__ = ["Payload", "function_payload", "cell_payload", "free_names", "CaptureWarning", "settings"]
 
@@ -44,49 +44,12 @@ class CaptureWarning(UserWarning):
     """Something sent to the ranks is large, or lives on a GPU."""
 
 
-#: Environment variable with the default of ``settings.warn_mb``.
-WARN_MB_ENV = "AIR_MAGIC_CAPTURE_WARN_MB"
-DEFAULT_WARN_MB = 100.0
+#: The capture threshold's variable and default, kept here under their old names.
+WARN_MB_ENV = _settings_module.WARN_MB_ENV
+DEFAULT_WARN_MB = _settings_module.DEFAULT_WARN_MB
 
-
-class _Settings:
-    """Capture settings of this process (``%config DistributedMagics.capture_warn_mb`` sets them)."""
-
-    def __init__(self) -> None:
-        self._warn_mb: float | None = None
-
-    @property
-    def warn_mb(self) -> float:
-        """Captured objects whose pickle is larger than this (MB) get a warning.
-
-        Until it is set, ``AIR_MAGIC_CAPTURE_WARN_MB`` as it is at each launch, else 100.
-        """
-        return self._warn_mb if self._warn_mb is not None else _env_warn_mb()
-
-    @warn_mb.setter
-    def warn_mb(self, value: float) -> None:
-        self._warn_mb = float(value)
-
-
-def _env_warn_mb() -> float:
-    # Read when a launch needs it, not at import: a bad value must not break `import air_magic`,
-    # and a value set with %env after the import counts.
-    text = os.environ.get(WARN_MB_ENV, "").strip()
-    if not text:
-        return DEFAULT_WARN_MB
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or value < 0:
-        raise ConfigurationError(
-            f"{WARN_MB_ENV} must be a number of megabytes (0 or more), got {text!r}. Set it to "
-            f"a number such as 500, or unset it for the default of {DEFAULT_WARN_MB:g}."
-        )
-    return value
-
-
-settings = _Settings()
+#: Read at each capture through this name (tests put a fresh ``Settings`` here).
+settings = _settings_module.settings
 
 #: Names of IPython's history and output caches: never sent to the ranks.
 _IPYTHON_CACHES = re.compile(r"_{1,3}|_[ido]h|In|Out|_i{1,3}|_i?\d+")
@@ -313,7 +276,7 @@ def _pickle_each(items: Iterable[tuple[str, Any]]) -> tuple[dict[str, bytes], li
     for name, value in items:
         try:
             blobs[name] = dumps(value)
-        except Exception as exc:
+        except Exception as exc:  # broad: pickling runs user code (__reduce__, __getstate__)
             problems.append((name, _describe_type(value), f"{type(exc).__name__}: {exc}"))
     return blobs, problems
 
@@ -455,7 +418,7 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     arg_blobs, problems = _pickle_each(arguments)
     try:
         func_blob = dumps(func)
-    except Exception as exc:
+    except Exception as exc:  # broad: pickling runs user code (__reduce__, __getstate__)
         # Find which globals / closure variables are to blame, to name every one of them.
         _, culprits = _pickle_each((name, value) for name, value in refs if not isinstance(value, types.ModuleType))
         problems = culprits + problems

@@ -1,4 +1,8 @@
-"""``@distributed``: run a function on every accelerator of this machine."""
+"""``@distributed``: run a function on every accelerator of this machine.
+
+Its keywords are the options of :data:`air_magic.options.OPTIONS` (a unit test keeps
+the signature and the table in step); they are checked by :func:`~air_magic.spec.make_spec`.
+"""
 
 from __future__ import annotations
 
@@ -134,6 +138,7 @@ class DistributedFunction(Generic[R]):
         experiment: str | None = None,
         run_name: str | None = None,
         backend: str | None = None,
+        panel: bool | None = None,
     ) -> "DistributedFunction[R]":
         """A new, re-validated object with some settings changed (``timeout=None``: no limit)."""
         spec = self.spec
@@ -161,6 +166,7 @@ class DistributedFunction(Generic[R]):
             experiment=spec.experiment if experiment is None else experiment,
             run_name=spec.run_name if run_name is None else run_name,
             backend=spec.backend if backend is None else backend,
+            panel=spec.panel if panel is None else panel,
         )
         return DistributedFunction(self.func, new_spec)
 
@@ -210,6 +216,7 @@ def distributed(
     run_name: str | None = None,
     backend: str = "local",
     remote: bool = False,
+    panel: bool | None = None,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -225,6 +232,7 @@ def distributed(
     run_name: Any = None,
     backend: Any = "local",
     remote: Any = False,
+    panel: Any = None,
 ) -> Any:
     """Run a function as one process per accelerator of this machine (DDP, FSDP, DeepSpeed).
 
@@ -247,6 +255,9 @@ def distributed(
         MLflow experiment and run name for the launch.
     backend : str
         ``"local"`` (this machine).
+    panel : bool, optional
+        Show the launch's live panel; ``None`` (default) follows the kernel's setting
+        (``%config DistributedMagics.panel``, ``AIR_MAGIC_PANEL``).
 
     Returns
     -------
@@ -281,6 +292,7 @@ def distributed(
         run_name=run_name,
         backend=backend,
         remote=remote,
+        panel=panel,
     )
     _warm_launcher(spec.tracking)
 

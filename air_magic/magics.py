@@ -1,4 +1,8 @@
-"""The ``%%distributed`` cell magic: a thin front over the same launcher as ``@distributed``."""
+"""The ``%%distributed`` cell magic: a thin front over the same launcher as ``@distributed``.
+
+Its flags come from :data:`air_magic.options.OPTIONS`; its ``%config`` traits that are
+kernel-wide (``capture_warn_mb``, ``panel``) are written into :data:`air_magic.settings.settings`.
+"""
 
 from __future__ import annotations
 
@@ -15,21 +19,11 @@ from traitlets import Bool, CFloat, CInt, Unicode, default, observe
 from . import capture
 from ._rank import RESULT_NAME
 from .errors import ConfigurationError
+from .options import apply_arguments
+from .settings import DEFAULT_WARN_MB, settings
 from .spec import DEFAULT_TIMEOUT, LaunchSpec, check_timeout, make_spec
 
-__all__ = ["DistributedMagics", "FLAG_TO_KEYWORD"]
-
-#: Every option of ``%%distributed`` and the ``@distributed`` keyword it maps to.
-FLAG_TO_KEYWORD = {
-    "--num-accelerators": "num_accelerators",
-    "--accelerator-type": "accelerator_type",
-    "--timeout": "timeout",
-    "--no-tracking": "tracking",
-    "--experiment": "experiment",
-    "--run-name": "run_name",
-    "--backend": "backend",
-    "--async": "submit",  # .submit(...) instead of .distributed(...)
-}
+__all__ = ["DistributedMagics"]
 
 
 def _timeout_arg(text: str) -> float | None:
@@ -71,46 +65,21 @@ class DistributedMagics(Magics):
     @default("capture_warn_mb")
     def _capture_warn_mb_default(self) -> float:
         try:
-            return capture.settings.warn_mb
+            return settings.capture_warn_mb
         except ConfigurationError:  # a bad AIR_MAGIC_CAPTURE_WARN_MB is said at the launch that reads it
-            return capture.DEFAULT_WARN_MB
+            return DEFAULT_WARN_MB
 
+    # One setting for every launch of the kernel, decorator launches included.
     @observe("capture_warn_mb")
     def _capture_warn_mb_changed(self, change: Any) -> None:
-        # One setting for every launch of the kernel, decorator launches included.
-        capture.settings.warn_mb = change["new"]
+        settings.capture_warn_mb = change["new"]
+
+    @observe("panel")
+    def _panel_changed(self, change: Any) -> None:
+        settings.panel = change["new"]
 
     @magic_arguments()
-    @argument(
-        "-n",
-        "--num-accelerators",
-        type=int,
-        default=None,
-        metavar="N",
-        help="Number of ranks (default: every GPU of this machine, or 1 CPU rank).",
-    )
-    @argument(
-        "--accelerator-type",
-        default=None,
-        metavar="TYPE",
-        help="GPU_<n>x<MODEL> (e.g. GPU_8xH100) or CPU; detected when omitted.",
-    )
-    @argument(
-        "--timeout",
-        default=None,
-        metavar="SECONDS|none",
-        help="Stop every rank after this many seconds (default 3 h); 'none' for no limit.",
-    )
-    @argument("--no-tracking", action="store_true", help="Do not record the launch in MLflow.")
-    @argument("--experiment", default=None, help="MLflow experiment of the launch's run.")
-    @argument("--run-name", default=None, help="MLflow run name of the launch.")
-    @argument(
-        "--async",
-        dest="run_async",
-        action="store_true",
-        help="Return a Launch handle at once instead of waiting for the ranks.",
-    )
-    @argument("--backend", default=None, help="Where the ranks run: local (the default; ray is not available yet).")
+    @apply_arguments(argument)  # the flags of air_magic.options.OPTIONS
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
         """Run this cell on every rank; its last expression becomes a list, one value per rank.

@@ -3,7 +3,8 @@
 Both fronts build a :class:`LaunchSpec` with :func:`make_spec` (static checks, run
 at decoration / magic parsing, so a notebook written on a laptop decorates fine)
 and the launcher calls :meth:`LaunchSpec.resolve` against the attached hardware
-at launch time.
+at launch time.  The options themselves are declared in :mod:`air_magic.options`;
+kernel-wide settings (``AIR_MAGIC_*``) are in :mod:`air_magic.settings`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .errors import (
     CPUOversubscriptionWarning,
     TooManyCPURanksError,
 )
+from .options import DEFAULT_TIMEOUT
+from .settings import CPU_RANKS_PER_CORE, MAX_CPU_RANKS_ENV, settings
 
 __all__ = [
     "LaunchSpec",
@@ -37,13 +40,7 @@ __all__ = [
     "MAX_CPU_RANKS_ENV",
 ]
 
-DEFAULT_TIMEOUT = 10800.0
 BACKENDS = ("local", "ray")
-#: CPU ranks allowed per usable core by default. A few ranks per core are useful to try
-#: out distributed code on a laptop; thousands only exhaust the process table.
-CPU_RANKS_PER_CORE = 4
-#: Environment variable that replaces the default bound on CPU ranks.
-MAX_CPU_RANKS_ENV = "AIR_MAGIC_MAX_CPU_RANKS"
 
 
 class _Unset:
@@ -78,6 +75,9 @@ class LaunchSpec:
     experiment: str | None = None
     run_name: str | None = None
     backend: str = "local"
+    #: The launch's live panel: ``None`` follows the kernel's setting (``settings.panel``).
+    #: TODO(panel.py): its panel decision is to read this first, then ``settings.panel``.
+    panel: bool | None = None
 
     def resolve(self, hardware: Hardware) -> Placement:
         """Check the spec against ``hardware``; raise ``AcceleratorMismatchError`` naming both."""
@@ -162,6 +162,8 @@ class LaunchSpec:
             parts.append(f"run_name={self.run_name!r}")
         if self.backend != "local":
             parts.append(f"backend={self.backend!r}")
+        if self.panel is not None:
+            parts.append(f"panel={self.panel!r}")
         return ", ".join(parts)
 
 
@@ -179,21 +181,7 @@ def _cores(count: int) -> str:
 
 def max_cpu_ranks(cores: int) -> tuple[int, bool]:
     """The most CPU ranks a launch may start, and whether ``AIR_MAGIC_MAX_CPU_RANKS`` set it."""
-    default = CPU_RANKS_PER_CORE * max(1, cores)
-    text = os.environ.get(MAX_CPU_RANKS_ENV, "").strip()
-    if not text:
-        return default, False
-    try:
-        bound = int(text)
-    except ValueError:
-        bound = 0
-    if bound <= 0:
-        raise ConfigurationError(
-            f"{MAX_CPU_RANKS_ENV} must be a whole number of CPU ranks above 0, got {text!r}. "
-            f"Set it to a number such as {2 * default}, or unset it for the default "
-            f"({CPU_RANKS_PER_CORE} per CPU core: {default} here)."
-        )
-    return bound, True
+    return settings.max_cpu_ranks(cores)
 
 
 def check_num_accelerators(value: object, name: str = "num_accelerators") -> int | None:
@@ -330,6 +318,7 @@ def make_spec(
     run_name: object = None,
     backend: object = "local",
     remote: object = False,
+    panel: object = None,
 ) -> LaunchSpec:
     """Validate the decorator's arguments (no hardware is looked at) and build a spec."""
     checked_timeout = check_timeout(timeout)
@@ -357,6 +346,8 @@ def make_spec(
             f"backend={backend!r} is not available in this version of air_magic; "
             "use backend='local' (every accelerator of this machine)."
         )
+    if panel is not None and not isinstance(panel, bool):
+        raise ConfigurationError(f"panel must be True, False or None (the kernel's setting), got {panel!r}.")
     return LaunchSpec(
         num_accelerators=count,
         accelerator_type=accel,
@@ -365,4 +356,5 @@ def make_spec(
         experiment=_check_text(experiment, "experiment"),
         run_name=_check_text(run_name, "run_name"),
         backend=str(backend),
+        panel=panel,
     )

@@ -8,7 +8,8 @@
 * IPython line magics, ``!shell`` lines and ``obj?`` help lines become
   ``pass  # <token>`` (same indentation, same line count) and come back verbatim
   afterwards, as nbQA does.
-* A ``%%distributed`` cell: its header is parsed with the magic's own parser (a legacy
+* A ``%%distributed`` cell: its header is parsed with the magic's options
+  (:func:`air_magic.options.line_parser`, plain argparse: no IPython needed; a legacy
   ``--accelerator-type`` value is fixed there, ``AM207``) and its body is linted as Python
   that runs on every rank.  ``$name`` and ``{expr}`` in the header, which IPython expands
   before the magic sees the line, are values the linter cannot know: an option given one
@@ -29,11 +30,13 @@ import functools
 import json
 import os
 import re
+import string
 import uuid
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from ..options import OPTIONS_BY_KEYWORD, OptionError, line_parser, unquoted
 from .diagnostics import ConvergenceError, Diagnostic, Edit, Fix
 from .fixes import MAX_PASSES, allowed, apply_fixes
 from .rules import Applicability
@@ -54,7 +57,8 @@ PYTHON_BODY_MAGICS = frozenset({"distributed", "time", "capture"})
 _LINE_MAGIC = re.compile(r"^\s*(%|!(?!=))")
 _ASSIGNED_MAGIC = re.compile(r"^\s*[A-Za-z_][\w.]*(\s*,\s*[A-Za-z_][\w.]*)*\s*=\s*[%!](?!=)")
 _HELP = re.compile(r"^\s*(\?{1,2}[\w.*]+|[\w.*]+\?{1,2})\s*$")
-_ACCEL_OPTION = re.compile(r"(--accelerator-type(?:=|\s+))([\"']?)([^\s\"']+)\2")
+_ACCEL = OPTIONS_BY_KEYWORD["accelerator_type"]
+_ACCEL_OPTION = re.compile(rf"({re.escape(_ACCEL.flag or '')}(?:=|\s+))([\"']?)([^\s\"']+)\2")
 
 
 # -- masking -------------------------------------------------------------------------------------
@@ -156,7 +160,7 @@ class _Joined:
             import libcst as cst
 
             cst.parse_module(masked)
-        except Exception as exc:  # libcst.ParserSyntaxError, or a grammar libcst lacks
+        except Exception as exc:  # broad: libcst.ParserSyntaxError, or whatever a grammar libcst lacks raises
             from .engine import syntax_error
 
             found = syntax_error(masked, exc, self.path, what="this cell")
@@ -169,9 +173,7 @@ class _Joined:
         line = cell.header[len("%%distributed") :]
         try:
             args = _parse_header(line)
-        except ImportError:
-            return
-        except (Exception, SystemExit) as exc:
+        except (OptionError, ValueError) as exc:  # refused options, unbalanced quotes
             self.early.append(
                 Diagnostic.from_rule(
                     "AM001",
@@ -189,9 +191,7 @@ class _Joined:
         from ..accelerators import GPUType
         from .engine import accelerator_replacement
 
-        value = args.accelerator_type
-        if isinstance(value, str):
-            value = value.strip("\"'")
+        value = unquoted(_ACCEL, args.accelerator_type)
         legacy = GPUType.parse(value) if isinstance(value, str) else None
         match = _ACCEL_OPTION.search(cell.header)
         if legacy is None or match is None:
@@ -295,19 +295,31 @@ class _Unknown:
 UNKNOWN = _Unknown()
 
 
+#: ``$name`` as IPython's ``DollarFormatter`` finds it in literal text (not inside a
+#: single-quoted stretch); ``$$name`` is the text ``$name``.
+_DOLLAR = re.compile(r"(.*?)\$(\$?[\w\.]+)(?=([^']*'[^']*')*[^']*$)")
+
+
 def _expanded(line: str) -> str:
     """``line`` as IPython passes it to the magic, each ``$name`` / ``{expr}`` replaced by
     :data:`_EXPANSION` (``$$`` and ``{{`` become ``$`` and ``{``, as IPython makes them).
 
-    Found with IPython's own formatter (``InteractiveShell.var_expand``); a line it
-    cannot parse, IPython leaves as it is, and so does this.
+    Found as IPython's own formatter (``InteractiveShell.var_expand``, ``DollarFormatter``)
+    finds them; a line it cannot parse, IPython leaves as it is, and so does this.
     """
-    from IPython.utils.text import DollarFormatter
-
     parts = []
     try:
-        for literal, field_name, _spec, _conversion in DollarFormatter().parse(line):
-            parts.append(literal)
+        for literal, field_name, _spec, _conversion in string.Formatter().parse(line):
+            text, start = "", 0
+            for match in _DOLLAR.finditer(literal):
+                before, name = match.group(1, 2)
+                if name.startswith("$"):  # $$foo --> $foo
+                    text += before + name
+                else:
+                    parts += [text + before, _EXPANSION]
+                    text = ""
+                start = match.end()
+            parts.append(text + literal[start:])
             if field_name is not None:
                 parts.append(_EXPANSION)
     except ValueError:
@@ -317,16 +329,8 @@ def _expanded(line: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _header_parser() -> Any:
-    """The magic's own parser, whose typed options take an expansion as :data:`UNKNOWN`."""
-    import copy
-
-    from ..magics import DistributedMagics
-
-    parser = copy.deepcopy(DistributedMagics.distributed.parser)  # the magic's stays as it is
-    for action in parser._actions:  # argparse has no public way to reach an option's type
-        if action.type is not None:
-            action.type = _accepting_expansion(action.type)
-    return parser
+    """The magic's options, whose typed ones take an expansion as :data:`UNKNOWN`."""
+    return line_parser(_accepting_expansion)
 
 
 def _accepting_expansion(convert: Any) -> Any:
@@ -341,8 +345,8 @@ def _parse_header(line: str) -> Any:
     """The options of a ``%%distributed`` line (what follows the magic's name), split like
     a shell as the magic does; what follows ``--`` is the ranks' ``sys.argv``, not
     options.  An option whose value IPython would expand is :data:`UNKNOWN`.  Raises
-    ``ValueError`` (unbalanced quotes) or, as the magic's parser does, IPython's
-    ``UsageError`` for anything else it refuses."""
+    ``ValueError`` (unbalanced quotes) or :class:`~air_magic.options.OptionError` (a
+    ``ValueError`` too) with the magic's parser's message for anything else it refuses."""
     import shlex
 
     words = shlex.split(_expanded(line))

@@ -11,7 +11,8 @@ import cloudpickle
 import pytest
 
 from air_magic import CaptureError, ConfigurationError, DirectCallError, distributed
-from air_magic.capture import CaptureWarning, _Settings, cell_payload, function_payload, settings
+from air_magic.capture import CaptureWarning, cell_payload, function_payload, settings
+from air_magic.settings import Settings as _Settings
 from air_magic.spec import make_spec
 
 

@@ -1,0 +1,211 @@
+"""The kernel-wide settings of air_magic: one object, :data:`settings`.
+
+Each setting is read from its ``AIR_MAGIC_*`` environment variable *when it is used*
+(so ``%env`` after ``import air_magic`` counts, and a bad value never breaks the
+import), unless a value was set on the object: ``%config DistributedMagics.<trait>``
+writes ``capture_warn_mb`` and ``panel`` here, and then wins over the environment.
+
+=============================  ===========================================================
+Environment variable           Setting (default)
+=============================  ===========================================================
+``AIR_MAGIC_CAPTURE_WARN_MB``  ``capture_warn_mb``: warn when a captured object pickles
+                               to more MB than this (100); a bad value is a
+                               ``ConfigurationError`` at the launch that reads it
+``AIR_MAGIC_PANEL``            ``panel_mode``: ``auto`` (default), ``0``/``off``/``false``/
+                               ``no``/``none`` (no panel), ``text``/``plain``,
+                               ``widget``/``widgets``; ``panel``: the
+                               ``%config DistributedMagics.panel`` switch (True)
+``AIR_MAGIC_WARM``             ``warm``: start the helper and MLflow's store early
+                               (``1``; ``0`` leaves it to the first launch)
+``AIR_MAGIC_OUTPUT_LIMIT``     ``output_limit``: bytes of rank 0's output copied into the
+                               cell per launch (1 MiB)
+``AIR_MAGIC_STALL_SECONDS``    ``stall_seconds``: seconds without output before the ranks'
+                               stacks are looked at (300; 0: never)
+``AIR_MAGIC_LOG_LIMIT``        ``log_limit``: bytes of each rank's log kept after a launch
+                               (16 MiB)
+``AIR_MAGIC_SHM_DIR``          ``shm_dir``: where large result tensors travel (``/dev/shm``)
+``AIR_MAGIC_MAX_CPU_RANKS``    ``max_cpu_ranks(cores)``: the most CPU ranks a launch may
+                               start (4 per usable core)
+``AIR_MAGIC_PRELOAD``          ``preload``: modules the helper imports at start, comma
+                               separated (torch and its distributed, nn, optim, data);
+                               read by the helper process
+``AIR_MAGIC_STATE_DIR``        ``state_dir``: state that outlives a kernel (``None``:
+                               ``$XDG_STATE_HOME/air_magic``, else
+                               ``~/.local/state/air_magic``)
+=============================  ===========================================================
+
+Set by air_magic for its own child processes, not settings: ``AIR_MAGIC_TRACKING_DIR``
+(a launch's spool folder), ``AIR_MAGIC_RUN_WAIT`` (how long a rank waits for the
+launch's MLflow run), ``AIR_MAGIC_LAUNCH_ID``, ``AIR_MAGIC_MLFLOW_RUN_ID``.
+
+Standard library only (and :mod:`air_magic.errors`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping
+
+from .errors import ConfigurationError
+
+__all__ = [
+    "Settings",
+    "settings",
+    "WARN_MB_ENV",
+    "DEFAULT_WARN_MB",
+    "PANEL_ENV",
+    "WARM_ENV",
+    "MAX_CPU_RANKS_ENV",
+    "CPU_RANKS_PER_CORE",
+    "DEFAULT_PRELOAD",
+]
+
+WARN_MB_ENV = "AIR_MAGIC_CAPTURE_WARN_MB"
+DEFAULT_WARN_MB = 100.0
+PANEL_ENV = "AIR_MAGIC_PANEL"
+WARM_ENV = "AIR_MAGIC_WARM"
+OUTPUT_LIMIT_ENV = "AIR_MAGIC_OUTPUT_LIMIT"
+STALL_SECONDS_ENV = "AIR_MAGIC_STALL_SECONDS"
+LOG_LIMIT_ENV = "AIR_MAGIC_LOG_LIMIT"
+SHM_DIR_ENV = "AIR_MAGIC_SHM_DIR"
+#: Environment variable that replaces the default bound on CPU ranks.
+MAX_CPU_RANKS_ENV = "AIR_MAGIC_MAX_CPU_RANKS"
+#: CPU ranks allowed per usable core by default. A few ranks per core are useful to try
+#: out distributed code on a laptop; thousands only exhaust the process table.
+CPU_RANKS_PER_CORE = 4
+PRELOAD_ENV = "AIR_MAGIC_PRELOAD"
+DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
+STATE_DIR_ENV = "AIR_MAGIC_STATE_DIR"
+
+_PANEL_OFF = ("0", "off", "false", "no", "none")
+
+
+class Settings:
+    """air_magic's settings in this process (see the module docstring for each one)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        #: Where the variables are read (``os.environ`` as it is at each read by default).
+        self._environ = environ
+        self._warn_mb: float | None = None
+        self._panel: bool | None = None
+
+    def _env(self, name: str, default: str = "") -> str:
+        environ = os.environ if self._environ is None else self._environ
+        return environ.get(name, default)
+
+    # -- written by %config DistributedMagics.<trait> -----------------------------------------
+
+    @property
+    def capture_warn_mb(self) -> float:
+        """Captured objects whose pickle is larger than this (MB) get a warning.
+
+        Until it is set, ``AIR_MAGIC_CAPTURE_WARN_MB`` as it is at each launch, else 100.
+        """
+        if self._warn_mb is not None:
+            return self._warn_mb
+        text = self._env(WARN_MB_ENV).strip()
+        if not text:
+            return DEFAULT_WARN_MB
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if math.isnan(value) or value < 0:
+            raise ConfigurationError(
+                f"{WARN_MB_ENV} must be a number of megabytes (0 or more), got {text!r}. Set it to "
+                f"a number such as 500, or unset it for the default of {DEFAULT_WARN_MB:g}."
+            )
+        return value
+
+    @capture_warn_mb.setter
+    def capture_warn_mb(self, value: float) -> None:
+        self._warn_mb = float(value)
+
+    #: The name :mod:`air_magic.capture` has used for ``capture_warn_mb``.
+    warn_mb = capture_warn_mb
+
+    @property
+    def panel(self) -> bool:
+        """Whether launches show a live panel (``%config DistributedMagics.panel``; True).
+
+        A launch's own ``LaunchSpec.panel`` (``@distributed(panel=False)``) is to win over
+        it, and ``AIR_MAGIC_PANEL=0`` turns the panel off whatever this says (see
+        :attr:`panel_mode`).
+        """
+        return True if self._panel is None else self._panel
+
+    @panel.setter
+    def panel(self, value: bool) -> None:
+        self._panel = bool(value)
+
+    # -- read from the environment at each use ------------------------------------------------
+
+    @property
+    def panel_mode(self) -> str:
+        """``AIR_MAGIC_PANEL`` normalised: ``"auto"``, ``"off"``, ``"text"`` or ``"widget"``."""
+        value = self._env(PANEL_ENV, "auto").strip().lower()
+        if value in _PANEL_OFF:
+            return "off"
+        if value in ("text", "plain"):
+            return "text"
+        if value in ("widget", "widgets"):
+            return "widget"
+        return "auto"
+
+    @property
+    def warm(self) -> bool:
+        """Start the helper (and MLflow's store) before the first launch (``AIR_MAGIC_WARM``)."""
+        return self._env(WARM_ENV, "1") != "0"
+
+    @property
+    def output_limit(self) -> int:
+        """Bytes of rank 0's output copied into the cell per launch (``AIR_MAGIC_OUTPUT_LIMIT``)."""
+        return int(self._env(OUTPUT_LIMIT_ENV, str(1 << 20)))
+
+    @property
+    def stall_seconds(self) -> float:
+        """Seconds without a line from any rank before their stacks are looked at (0: never)."""
+        return float(self._env(STALL_SECONDS_ENV, "300"))
+
+    @property
+    def log_limit(self) -> int:
+        """Bytes of each rank's log kept once a launch has ended (``AIR_MAGIC_LOG_LIMIT``)."""
+        return int(self._env(LOG_LIMIT_ENV, str(16 << 20)))
+
+    @property
+    def shm_dir(self) -> str:
+        """Where large result tensors travel (``AIR_MAGIC_SHM_DIR``)."""
+        return self._env(SHM_DIR_ENV, "/dev/shm")
+
+    @property
+    def preload(self) -> str:
+        """Modules the helper imports at start, comma separated (``AIR_MAGIC_PRELOAD``)."""
+        return self._env(PRELOAD_ENV, DEFAULT_PRELOAD)
+
+    @property
+    def state_dir(self) -> str | None:
+        """``AIR_MAGIC_STATE_DIR``, or ``None`` for the XDG default."""
+        return self._env(STATE_DIR_ENV) or None
+
+    def max_cpu_ranks(self, cores: int) -> tuple[int, bool]:
+        """The most CPU ranks a launch may start, and whether ``AIR_MAGIC_MAX_CPU_RANKS`` set it."""
+        default = CPU_RANKS_PER_CORE * max(1, cores)
+        text = self._env(MAX_CPU_RANKS_ENV).strip()
+        if not text:
+            return default, False
+        try:
+            bound = int(text)
+        except ValueError:
+            bound = 0
+        if bound <= 0:
+            raise ConfigurationError(
+                f"{MAX_CPU_RANKS_ENV} must be a whole number of CPU ranks above 0, got {text!r}. "
+                f"Set it to a number such as {2 * default}, or unset it for the default "
+                f"({CPU_RANKS_PER_CORE} per CPU core: {default} here)."
+            )
+        return bound, True
+
+
+#: The settings of this process.
+settings = Settings()
