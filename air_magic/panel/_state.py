@@ -12,14 +12,13 @@ read by the renderers between ticks::
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._format import _clip, _fmt_bytes, _fmt_elapsed
+from ._lint import _Lint, _lint_texts
 from ._sources import LogTail, MetricsReader, UsageSampler
 
 if TYPE_CHECKING:
@@ -27,89 +26,6 @@ if TYPE_CHECKING:
 
 _USAGE_EVERY = 2  # ticks
 _CHART_KEYS = 6  # metrics charted
-
-
-@dataclass
-class _Lint:
-    findings: list[str] = field(default_factory=list)
-    available: bool = False
-
-
-_LINT_CACHE: "collections.OrderedDict[str, list[str]]" = collections.OrderedDict()
-_LINT_CACHE_SIZE = 128
-_LINT_LOCK = threading.Lock()
-
-
-def _lint_texts(launch: "Launch") -> _Lint:
-    """The migration linter's findings for the launched code (none when it is not installed).
-
-    The code's notebook cells are linted (a ``%%distributed`` cell, or the cells that
-    define the launched function), each once per kernel: a relaunch costs a lookup.
-    """
-    try:
-        from .. import lint  # type: ignore[attr-defined]
-    except Exception:
-        return _Lint()
-    check_cell = getattr(lint, "lint_cell", None)  # IPython syntax included
-    check_source = getattr(lint, "lint_source", None)
-    if check_cell is None and check_source is None:
-        return _Lint()
-    sources = getattr(launch, "sources", {}) or {}
-    result = _Lint(available=True)
-    for display, source in sources.values():
-        with _LINT_LOCK:
-            cached = _LINT_CACHE.get(source)
-        if cached is None:
-            cached = []
-            try:
-                diagnostics = check_cell(source) if check_cell is not None else check_source(_python_of_cell(source))
-            except Exception as exc:
-                diagnostics = []
-                cached.append(f"the linter failed ({type(exc).__name__}: {exc})")
-            for diagnostic in diagnostics or ():
-                code = str(_attr(diagnostic, "code") or "")
-                if code.startswith("AM0"):  # about the linter itself (syntax it cannot parse)
-                    continue
-                cached.append(_diagnostic_text(diagnostic))
-            with _LINT_LOCK:
-                _LINT_CACHE[source] = cached
-                while len(_LINT_CACHE) > _LINT_CACHE_SIZE:
-                    _LINT_CACHE.popitem(last=False)
-        result.findings.extend(f"{display}: {text}" for text in cached)
-    return result
-
-
-def _python_of_cell(source: str) -> str:
-    """A notebook cell as plain Python, line for line: no ``%%`` header, magics as calls."""
-    lines = source.splitlines()
-    if lines and lines[0].lstrip().startswith("%%"):
-        lines[0] = "#"  # the cell magic's line: keep the numbering of the cell
-    text = "\n".join(lines)
-    try:
-        from IPython.core.inputtransformer2 import TransformerManager
-
-        return str(TransformerManager().transform_cell(text))
-    except Exception:
-        return text
-
-
-def _attr(item: Any, name: str) -> Any:
-    return item.get(name) if isinstance(item, dict) else getattr(item, name, None)
-
-
-def _diagnostic_text(diagnostic: Any) -> str:
-    def get(*names: str) -> Any:
-        for name in names:
-            value = _attr(diagnostic, name)
-            if value not in (None, ""):
-                return value
-        return None
-
-    code, message = get("code", "rule"), get("message", "msg")
-    line = get("line", "lineno", "row")
-    if message is None:
-        return str(diagnostic)
-    return " ".join(str(p) for p in (code, f"line {line}:" if line is not None else None, message) if p)
 
 
 class LaunchState:
