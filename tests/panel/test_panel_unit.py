@@ -42,6 +42,14 @@ def fake_launch(tmp_path: Path, n: int = 2, status: str = "running", tracking: b
         launcher=SimpleNamespace(launches={}),
     )
     launch.done = lambda: launch.ended_at is not None
+
+    def exception(timeout: float | None = None) -> BaseException | None:  # as Launch.exception()
+        if launch._outcome is None:
+            raise TimeoutError(f"launch {launch.id} is still running after {timeout} s")
+        ok, value = launch._outcome
+        return None if ok else value
+
+    launch.exception = exception
     return launch
 
 
