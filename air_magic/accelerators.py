@@ -245,7 +245,7 @@ def _query_nvml() -> list[str] | None:
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:
+    except Exception:  # NVMLError, or whatever loading the driver's library raises: no NVML here
         return None
     try:
         names = []
