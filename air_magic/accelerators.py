@@ -7,6 +7,13 @@ name kept for notebooks moved from ``serverless_gpu`` / ``databricks.air``.
 Detection asks NVML (``nvidia-ml-py``) in the kernel: NVML never creates a CUDA
 context, so the kernel stays free of CUDA state.  ``nvidia-smi`` is the fallback,
 and a machine where neither answers is CPU-only.
+
+:class:`NvmlDevices` reads live numbers the same way, for the launch panel: each
+device's utilisation and memory, and which device a rank's processes use::
+
+    {rank: [pid, child pids]}  --> NVML compute processes per device -->  {rank: (index, util %, bytes used, total)}
+
+``pynvml`` is imported only when one is created, never by ``import air_magic``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ __all__ = [
     "AcceleratorType",
     "GPUType",
     "Hardware",
+    "NvmlDevices",
     "detect_hardware",
     "model_from_device_name",
     "usable_cpu_count",
@@ -237,7 +245,7 @@ def _query_nvml() -> list[str] | None:
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:
+    except Exception:  # NVMLError, or whatever loading the driver's library raises: no NVML here
         return None
     try:
         names = []
@@ -297,3 +305,60 @@ def detect_hardware() -> Hardware:
                 break
         names = chosen
     return Hardware(gpu_count=len(names), gpu_name=names[0] if names else None, cpu_count=usable_cpu_count())
+
+
+# -- live numbers (the launch panel) -------------------------------------------------------
+
+
+class NvmlDevices:
+    """GPU utilisation and memory per rank through NVML (nvidia-ml-py), without touching CUDA."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self.nv = pynvml
+        pynvml.nvmlInit()
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        self.visible = [int(e) for e in entries] if entries and all(e.isdigit() for e in entries) else None
+
+    def sample(self, live: dict[int, list[int]]) -> dict[int, tuple[int | None, int | None, int | None, int | None]]:
+        nv = self.nv
+        devices = []
+        for handle in self.handles:
+            try:
+                util: int | None = int(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except nv.NVMLError:
+                util = None
+            memory = nv.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                procs = {p.pid: p.usedGpuMemory for p in nv.nvmlDeviceGetComputeRunningProcesses(handle)}
+            except nv.NVMLError:
+                procs = {}
+            devices.append((util, int(memory.used), int(memory.total), procs))
+        result: dict[int, tuple[int | None, int | None, int | None, int | None]] = {}
+        for rank, pids in live.items():
+            index = None
+            used = None
+            for i, (_, _, _, procs) in enumerate(devices):
+                mine = [procs[p] for p in pids if p in procs]
+                if mine:
+                    index, used = i, sum(int(m or 0) for m in mine)
+                    break
+            if index is None:  # pids from another PID namespace: the rank's usual device
+                order = self.visible if self.visible is not None else list(range(len(devices)))
+                if order and rank < len(order) and order[rank] < len(devices):
+                    index = order[rank]
+                    used = devices[index][1]
+            if index is None:
+                result[rank] = (None, None, None, None)
+            else:
+                result[rank] = (index, devices[index][0], used, devices[index][2])
+        return result
+
+    def close(self) -> None:
+        try:
+            self.nv.nvmlShutdown()
+        except Exception:  # called as a launch ends: a failed shutdown changes nothing there
+            pass

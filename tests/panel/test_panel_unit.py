@@ -187,17 +187,19 @@ def test_summary_and_status_line(tmp_path: Path) -> None:
 
 
 def test_lint_findings_are_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from air_magic.lint.diagnostics import Applicability, Diagnostic
+
     fake = types.ModuleType("air_magic.lint")
     seen: list[str] = []
 
-    def lint_source(source: str) -> list[Any]:
-        seen.append(source)
-        return [
-            SimpleNamespace(code="AM101", message="use air_magic instead of serverless_gpu", line=2),
-            SimpleNamespace(code="AM001", message="syntax error", line=1),
-        ]
+    def finding(code: str, message: str, line: int) -> Diagnostic:
+        return Diagnostic(code, message, "<cell>", None, line, 0, Applicability.DISPLAY_ONLY)
 
-    fake.lint_source = lint_source  # type: ignore[attr-defined]
+    def lint_cell(source: str) -> list[Diagnostic]:
+        seen.append(source)
+        return [finding("AM101", "use air_magic instead of serverless_gpu", 2), finding("AM001", "syntax error", 1)]
+
+    fake.lint_cell = lint_cell  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "air_magic.lint", fake)
     monkeypatch.setattr("air_magic.lint", fake, raising=False)
     launch = fake_launch(tmp_path)
@@ -206,7 +208,7 @@ def test_lint_findings_are_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     state.start_lint()
     state.join_lint(10)
     state.refresh(tick=0)
-    assert seen and seen[0].splitlines()[0] == "#" and "run_line_magic" in seen[0]
+    assert seen == ["%%distributed -n 2\n%time x = 1\nimport serverless_gpu"]  # the cell as it is
     assert state.lint is not None
     assert state.lint.findings == ["Cell In[4]: AM101 line 2: use air_magic instead of serverless_gpu"]
     assert "lint: 1 finding" in panel._top_html(state)

@@ -1,0 +1,276 @@
+"""The launch observer: shows a launch's panel, refreshes it on a thread of its own, leaves a summary.
+
+The launcher calls :func:`panel_observer` per launch and the observer's hooks around it::
+
+    before_start  the panel is displayed in the launching cell (widgets or a text line);
+                  the refresh thread and the linter start
+    the thread    every 0.5 s: LaunchState.refresh(), then the widgets (WidgetPanel) or,
+                  now and then, a text line; it ends with the launch
+    before_end    the ranks' last metric lines are read (before tracking deletes its spool)
+    after_end     LaunchSummary replaces the panel (at once, or after the cell in a
+                  terminal); a background panel keeps its widgets, up to _KEEP_FINISHED
+
+``launch_mimebundle`` is how a ``Launch`` renders: its panel, or its summary once done.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from ._format import _status_text, _where
+from ._frontend import _shell, panel_mode
+from ._ipykernel import release_iopub
+from ._render import LaunchSummary, text_status
+from ._state import LaunchState
+from ._widgets import WidgetPanel
+
+if TYPE_CHECKING:
+    from ..launcher import Launch
+
+_TICK = 0.5  # seconds between refreshes
+_FIRST_TICK = 0.2
+_LINT_WAIT = 0.3  # seconds the end of a launch waits for the linter at most
+
+
+class PanelObserver(WidgetPanel):
+    """The panel of one launch (see the package docstring)."""
+
+    timing_name = "panel"  # in Launch.timings
+
+    def __init__(self, launch: "Launch", mode: str) -> None:
+        self.launch = launch
+        self.mode = mode
+        self.state = LaunchState(launch)
+        self.shell = _shell()
+        self.display_id = f"air-magic-{launch.id}"
+        self.cell: int | None = None
+        self.background = False
+        self.stop_clicked = False
+        self.displayed = False
+        self.widgets: dict[str, Any] = {}
+        self._ctx: contextvars.Context | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sent: dict[str, Any] = {}
+        self._chart_sent = -1
+        self._log_sent: list[int] = [-1] * launch.world_size
+        self._log_next = 0
+        self._next_text = 3.0
+        self._error: str | None = None
+        self._registered = False
+        self.summary: LaunchSummary | None = None
+
+    # -- observer --------------------------------------------------------------------------
+
+    def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
+        self._ctx = contextvars.copy_context()
+        shell = self.shell
+        if shell is not None:
+            self.cell = getattr(shell, "execution_count", None)
+            events = getattr(shell, "events", None)
+            if events is not None:
+                events.register("post_run_cell", self._cell_ended)
+                self._registered = True
+        try:
+            if self.mode == "widget":
+                self._build_widgets()
+                self._show(self._widget_bundle(), update=False)
+                PanelObserver._close_retired()
+            else:
+                self._show({"text/plain": self._start_line()}, update=False)
+        except BaseException:  # the launcher goes on without this panel: leave nothing behind
+            self._unregister()
+            self._close_widgets()
+            raise
+        self._thread = threading.Thread(
+            target=self._ctx.copy().run, args=(self._loop,), name=f"air_magic-panel-{launch.id}", daemon=True
+        )
+        self._thread.start()
+        self.state.start_lint()
+
+    def before_end(self, launch: "Launch") -> None:
+        # The ranks' last metric lines, read before any observer's after_end: tracking sends
+        # them and deletes its spool there.
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        self.state.refresh(tick=0, final=True)
+
+    def after_end(self, launch: "Launch") -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        self._unregister()
+        # A first lint (the linter's import) can take a second: a short launch does not
+        # wait for it, it only misses the findings in its summary.
+        self.state.join_lint(_LINT_WAIT)
+        self.state.refresh(tick=0, final=True)
+        self.state.close()
+        summary = LaunchSummary(self.state)
+        self.summary = summary
+        if self._error is not None:
+            self._run(lambda: print(f"[air_magic] the panel stopped updating: {self._error}", file=sys.stderr))
+        if self.mode == "widget":
+            # A blocking launch's panel gives way to the summary at once: its last state is
+            # enough there; a background panel stays, with everything up to date.
+            self._run(lambda: self._update_widgets(final=True, full=self.background))
+        if not self.background:
+            if self.shell is not None and getattr(self.shell, "kernel", None) is None:
+                self._after_cell(summary)
+            else:
+                self._show(summary, update=True)
+            if self.mode == "widget":
+                self._retire()
+        elif self.mode == "widget":
+            self._keep_open()
+        else:
+            # The launching cell is over: say it where the user is now.
+            line = summary.text.splitlines()[0]
+            print(line, file=sys.stdout if self.shell is not None else sys.stderr, flush=True)
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        tick = 0
+        gone = 0
+        while not self._stop.wait(_FIRST_TICK if tick == 0 else _TICK):
+            tick += 1
+            try:
+                if not getattr(self.launch, "_waiter", True):  # a background launch: its lines
+                    self.launch._print_notices()  # (the MLflow run) reach its cell from here
+                self.state.refresh(tick)
+                if self.mode == "widget":
+                    self._update_widgets(tick=tick)
+                elif not self.background:
+                    self._maybe_print()
+            except Exception as exc:  # the panel must never disturb a launch: any failure is kept and reported once
+                if self._error is None:
+                    self._error = f"{type(exc).__name__}: {exc}"
+            # A launch that never reached the helper has no end to wait for.
+            launcher = self.launch.launcher
+            gone = gone + 1 if not launcher.is_active(self.launch) and not self.launch.done() else 0
+            if gone > 6:
+                break
+        release_iopub(self.shell)  # this thread's iopub socket, now that it ends
+
+    def _cell_ended(self, *_: Any) -> None:
+        if not self.launch.done() and self.launch.ended_at is None:
+            self.background = True
+        self._unregister()
+
+    def _unregister(self) -> None:
+        if not self._registered:
+            return
+        self._registered = False
+        try:
+            self.shell.events.unregister("post_run_cell", self._cell_ended)
+        except (ValueError, AttributeError):
+            pass
+
+    # -- text ------------------------------------------------------------------------------------
+
+    def _start_line(self) -> str:
+        launch = self.launch
+        where = _where(launch)
+        return f"[air_magic] {launch.label} on {where} (launch {launch.id}): {_status_text(launch)}"
+
+    def _maybe_print(self) -> None:
+        elapsed = self.state.elapsed()
+        if elapsed < self._next_text or self.launch.done():
+            return
+        # Lines thin out as the launch gets older: a 3 h run prints a few dozen, not thousands.
+        self._next_text = elapsed + max(3.0, min(300.0, elapsed / 5))
+        print(text_status(self.state), file=sys.stdout if self.shell is not None else sys.stderr, flush=True)
+
+    # -- displaying ----------------------------------------------------------------------------
+
+    def _run(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the context of the cell that started the launch (its outputs go there)."""
+        if self._ctx is None:
+            return fn()
+        return self._ctx.copy().run(fn)
+
+    def _show(self, obj: Any, *, update: bool) -> None:
+        if self.shell is None:  # plain Python: progress goes where tqdm's goes
+            text = obj.text if isinstance(obj, LaunchSummary) else obj.get("text/plain", "")
+            print(text, file=sys.stderr, flush=True)
+            return
+        from IPython.display import display, update_display
+
+        raw = isinstance(obj, dict)
+
+        def show() -> None:
+            if update:
+                update_display(obj, display_id=self.display_id, raw=raw)
+            else:
+                display(obj, display_id=self.display_id, raw=raw)
+
+        self._run(show)
+        self.displayed = True
+
+    #: Summaries waiting for their cell to end in a terminal shell (bounded: a shell that
+    #: runs no more cells, as in a test process, does not collect them forever).
+    _pending: collections.deque[Callable[..., None]] = collections.deque(maxlen=8)
+
+    def _after_cell(self, summary: LaunchSummary) -> None:
+        """Terminal IPython: show the summary once the cell has printed all of rank 0's output.
+
+        A terminal has no display to update in place, and the launch ends before the cell
+        has copied the last of rank 0's output; printed now, the summary would come first.
+        """
+        shell = self.shell
+
+        def show(*_: Any) -> None:
+            try:
+                shell.events.unregister("post_run_cell", show)
+            except ValueError:
+                pass
+            from IPython.display import display
+
+            display(summary)
+
+        if len(PanelObserver._pending) == PanelObserver._pending.maxlen:
+            try:
+                shell.events.unregister("post_run_cell", PanelObserver._pending[0])
+            except ValueError:
+                pass
+        PanelObserver._pending.append(show)
+        shell.events.register("post_run_cell", show)
+
+    def mimebundle(self) -> dict[str, Any]:
+        """How ``Launch`` renders: the live panel, the summary once done, text in its own cell."""
+        text = repr(self.launch)
+        same_cell = (
+            self.shell is not None
+            and self.cell is not None
+            and getattr(self.shell, "execution_count", None) == self.cell
+            and self.displayed
+        )
+        if same_cell:  # the panel is right above
+            return {"text/plain": text}
+        summary = self.summary
+        if summary is not None:
+            return {"text/plain": summary.text, "text/html": summary.html}
+        if self.mode == "widget" and self.widgets:
+            return self._widget_bundle()
+        return {"text/plain": text_status(self.state)}
+
+
+def panel_observer(launch: "Launch") -> PanelObserver | None:
+    """The launcher's factory: a panel for every launch unless it is turned off."""
+    mode = panel_mode()
+    if mode is None:
+        return None
+    return PanelObserver(launch, mode)
+
+
+def launch_mimebundle(launch: "Launch") -> dict[str, Any]:
+    """``Launch._repr_mimebundle_``: the panel of the launch, or its text where it has none."""
+    for observer in getattr(launch, "observers", ()):
+        if isinstance(observer, PanelObserver):
+            return observer.mimebundle()
+    return {"text/plain": repr(launch)}
