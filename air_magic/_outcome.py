@@ -3,7 +3,7 @@
 Pure functions, no files and no processes: the launch (:mod:`air_magic.launcher`) reads
 what they need and hands it over::
 
-    Ending (label, world size, stop reason, every rank's RankEnd)
+    Ending (label, world size, stop reason, every rank's RankState)
       + records  {rank: ValueRecord | ErrorRecord | UnpicklableRecord | MISSING | the load error}
       + where    (the ranks' stacks, described; for a timeout)
       + tails    {rank: the end of its log (16 KiB); for a rank that failed}
@@ -64,17 +64,26 @@ _ECHO_MARKERS = (
 )
 
 
-@dataclass(frozen=True)
-class RankEnd:
-    """How one rank ended, as the kernel saw it."""
+@dataclass
+class RankState:
+    """One rank of a launch, as the kernel sees it (updated from the helper's messages)."""
 
     rank: int
     log_path: str
+    pid: int | None = None
     returncode: int | None = None
-    ended_at: float | None = None  # time.monotonic() of its exit
-    stopped: bool = False  # ended by air_magic's stop signal
-    left: bool = False  # exited with code 0 but returned nothing
+    ended_at: float | None = None  # time.monotonic() when the helper saw it exit
+    stopped: bool = False  # ended by air_magic's stop signal (another rank failed, cancel, timeout)
+    left: bool = False  # exited with code 0 but returned nothing (os._exit(0)): a failure
     returned_early: bool = False  # returned while the others wait for it in init_process_group()
+
+    @property
+    def state(self) -> str:
+        if self.returncode is None:
+            return "starting" if self.pid is None else "running"
+        if self.returncode == 0 and not self.left:
+            return "finished"
+        return "stopped" if self.stopped else "failed"
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,7 @@ class Ending:
 
     label: str
     world_size: int
-    ranks: tuple[RankEnd, ...]
+    ranks: tuple[RankState, ...]  # copies, taken once every rank has ended
     timeout: float | None = None
     device: str = "cpu"
     error_text: str | None = None  # the launch could not run (the helper said why, or died)

@@ -5,6 +5,7 @@ The launcher knows only :class:`~air_magic.launcher.LaunchObserver`; the fronts
 first call registers the plug-ins' factories with ``Launcher.add_observer``::
 
     front --get_launcher()--> register (once): tracking, panel, "tracking is off" line
+                              (observer factories), the panel as a launch's notebook view
                               --> launcher.get_launcher()
 
 Nothing heavy is imported here: each factory imports its module at a launch's start.
@@ -13,7 +14,7 @@ Nothing heavy is imported here: each factory imports its module at a launch's st
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .launcher import Launch, Launcher, LaunchObserver
@@ -38,6 +39,13 @@ def panel(launch: "Launch") -> "LaunchObserver | None":
     return panel_observer(launch)
 
 
+def panel_mimebundle(launch: "Launch") -> dict[str, Any]:
+    """A launch shown in a notebook: its live panel, a summary once it has ended."""
+    from .panel import launch_mimebundle
+
+    return launch_mimebundle(launch)
+
+
 def tracking_off(launch: "Launch") -> None:
     """Says so in the cell when a launch has tracking off (after the other plug-ins started)."""
     if not launch.spec.tracking:
@@ -53,8 +61,9 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        from .launcher import Launcher
+        from .launcher import Launch, Launcher
 
+        Launch.render = panel_mimebundle
         Launcher.add_observer(tracking)
         Launcher.add_observer(panel)
         Launcher.add_observer(tracking_off)

@@ -5,7 +5,9 @@ Files the ranks write (names from :mod:`air_magic._protocol`) -> what the launch
     rank-0.log    --OutputPump (TailReader: whole new lines)--> the cell's stdout, up to a
                     limit, until the failure marker (the traceback is the cell's error)
     rank-<r>.log  --StallWatch (sizes, once a second)--> no line for a while: stacks
-    stack-<r>.txt --describe_stacks--> "where each rank was", the rank the others wait for
+    STACK_SIGNAL  --request_stacks--> stack-<r>.txt (each rank writes its threads' stacks)
+    stack-<r>.txt --read_stacks, describe_stacks--> "where each rank was", the rank the
+                    others wait for
     rank-<r>.log  --bound_log--> at the end, its first sixteenth and its end are kept
     rank-<r>.log  --log_end--> its last 16 KiB, for the message of a rank that failed
 """
@@ -16,9 +18,9 @@ import os
 import re
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
-from ._protocol import TRACEBACK_MARK, TailReader
+from ._protocol import STACK_SIGNAL, TRACEBACK_MARK, TailReader, stack_path
 
 if TYPE_CHECKING:
     from .launcher import Launch
@@ -72,6 +74,41 @@ def log_end(path: str) -> str:
             return handle.read().decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+def request_stacks(work_dir: str, running: dict[int, int], timeout: float) -> None:
+    """Signal every running rank (``{rank: pid}``) to write its stacks; wait (at most
+    ``timeout`` s) until each stack file has stopped growing."""
+    for rank, pid in running.items():
+        try:
+            os.truncate(stack_path(work_dir, rank), 0)
+            os.kill(pid, STACK_SIGNAL)
+        except OSError:  # ended meanwhile, or not yet listening
+            pass
+    deadline = time.monotonic() + timeout
+    sizes: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = {rank: file_size(stack_path(work_dir, rank)) for rank in running}
+        if all(now[r] > 0 and now[r] == sizes.get(r) for r in running):
+            break
+        sizes = now
+
+
+def read_stacks(work_dir: str, ranks: Iterable[int], sources: dict[str, tuple[str, str]]) -> dict[int, str]:
+    """The stacks the ranks wrote, by rank, with the cells' names as the notebook shows them."""
+    found = {}
+    for rank in ranks:
+        try:
+            with open(stack_path(work_dir, rank), encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+        except OSError:
+            continue
+        if text.strip():
+            for filename, (display, _) in sources.items():
+                text = text.replace(f'File "{filename}"', display)
+            found[rank] = text
+    return found
 
 
 #: Frames of these files are torch's collectives and rendezvous: a rank in one waits for the others.

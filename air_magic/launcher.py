@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import itertools
 import os
 import shutil
@@ -40,14 +41,12 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Protocol
 
-from . import _outcome, _results
+from . import _outcome, _request, _results
 from ._helper import Helper
-from ._outcome import describe_exit
+from ._outcome import RankState, describe_exit
 from ._protocol import (
-    STACK_SIGNAL,
     Done,
     Exited,
     LaunchRequest,
@@ -64,15 +63,14 @@ from ._protocol import (
     log_dir,
     log_path,
     payload_path,
-    stack_path,
 )
-from ._rank_output import OutputPump, StallWatch, bound_log, describe_stacks, file_size, log_end
+from ._rank_output import OutputPump, StallWatch, bound_log, describe_stacks, log_end, read_stacks, request_stacks
 from .accelerators import detect_hardware
 from .capture import Payload
 from .errors import LaunchError
 from .spec import LaunchSpec, Placement
 
-__all__ = ["Launcher", "Launch", "LaunchObserver", "get_launcher", "describe_exit"]
+__all__ = ["Launcher", "Launch", "LaunchObserver", "RankState", "get_launcher", "describe_exit"]
 
 #: Bytes of rank 0's output copied into the cell per launch; past it the cell says so.
 OUTPUT_LIMIT = int(os.environ.get("AIR_MAGIC_OUTPUT_LIMIT", str(1 << 20)))
@@ -99,32 +97,15 @@ class LaunchObserver(Protocol):
 ObserverFactory = Callable[["Launch"], "LaunchObserver | None"]
 
 
-@dataclass
-class RankState:
-    rank: int
-    log_path: str
-    pid: int | None = None
-    returncode: int | None = None
-    ended_at: float | None = None  # time.monotonic() when the helper saw it exit
-    stopped: bool = False  # ended by air_magic's stop signal (another rank failed, cancel, timeout)
-    left: bool = False  # exited with code 0 but returned nothing (os._exit(0)): a failure
-    returned_early: bool = False  # returned while the others wait for it in init_process_group()
-
-    @property
-    def state(self) -> str:
-        if self.returncode is None:
-            return "starting" if self.pid is None else "running"
-        if self.returncode == 0 and not self.left:
-            return "finished"
-        return "stopped" if self.stopped else "failed"
-
-
 class Launch:
     """One launch of a function or cell on N ranks, running in the background.
 
     ``result()`` waits for it (``.distributed()`` does exactly that), ``cancel()``
     stops it, ``done()`` and ``status`` tell where it is.
     """
+
+    #: How a launch shows in a notebook: set by the panel's plug-in (``air_magic._plugins``).
+    render: ClassVar[Callable[["Launch"], dict[str, Any]] | None] = None
 
     def __init__(self, launcher: "Launcher", spec: LaunchSpec, placement: Placement, payload: Payload) -> None:
         self.launcher = launcher
@@ -239,39 +220,12 @@ class Launch:
         >>> print(handle.stacks()[1])     # doctest: +SKIP
         """
         running = {state.rank: state.pid for state in self.ranks if state.pid and state.returncode is None}
-        for rank, pid in running.items():
-            try:
-                os.truncate(stack_path(self.work_dir, rank), 0)
-                os.kill(pid, STACK_SIGNAL)
-            except OSError:  # ended meanwhile, or not yet listening
-                pass
-        deadline = time.monotonic() + timeout
-        sizes: dict[int, int] = {}
-        while time.monotonic() < deadline:
-            time.sleep(0.02)
-            now = {rank: file_size(stack_path(self.work_dir, rank)) for rank in running}
-            if all(now[r] > 0 and now[r] == sizes.get(r) for r in running):
-                break
-            sizes = now
-        return self._read_stacks(running)
+        request_stacks(self.work_dir, running, timeout)
+        return read_stacks(self.work_dir, running, self.sources)
 
     def where(self, stacks: dict[int, str]) -> str:
         """One line per rank: where it was, and which rank the others wait for."""
         return describe_stacks(stacks, self.world_size)
-
-    def _read_stacks(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
-        found = {}
-        for rank in ranks if ranks is not None else range(self.world_size):
-            try:
-                with open(stack_path(self.work_dir, rank), encoding="utf-8", errors="replace") as handle:
-                    text = handle.read()
-            except OSError:
-                continue
-            if text.strip():
-                for filename, (display, _) in self.sources.items():
-                    text = text.replace(f'File "{filename}"', display)
-                found[rank] = text
-        return found
 
     def __repr__(self) -> str:
         took = (self.ended_at or time.time()) - self.started_at
@@ -280,10 +234,10 @@ class Launch:
         return f"<Launch {self.id} {self.label}: {self.status} after {took:.1f} s on {where}{run}>"
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        """In a notebook a launch shows as its live panel (a summary once it has ended)."""
-        from .panel import launch_mimebundle
-
-        return launch_mimebundle(self)
+        """In a notebook a launch shows as its live panel (a summary once it has ended),
+        when the panel plugged itself in (``Launch.render``); else as its repr."""
+        render = Launch.render
+        return render(self) if render is not None else {"text/plain": repr(self)}
 
     # -- blocking wait, from the main thread ------------------------------------------------
 
@@ -458,10 +412,7 @@ class Launch:
         ending = _outcome.Ending(
             label=self.label,
             world_size=self.world_size,
-            ranks=tuple(
-                _outcome.RankEnd(s.rank, s.log_path, s.returncode, s.ended_at, s.stopped, s.left, s.returned_early)
-                for s in self.ranks
-            ),
+            ranks=tuple(dataclasses.replace(state) for state in self.ranks),  # a snapshot
             timeout=self.spec.timeout,
             device=self.placement.device,
             error_text=self._error_text,
@@ -469,35 +420,16 @@ class Launch:
             cancel_requested=self._cancel_requested,
             failures=tuple(self._failures),
         )
-        records = self._read_records(ending) if _outcome.needs_records(ending) else {}
+        records = _read_records(self.work_dir, ending) if _outcome.needs_records(ending) else {}
         where = ""
         if ending.error_text is None and ending.stop_reason == "timeout":
-            where = self.where(self._read_stacks())
+            where = self.where(read_stacks(self.work_dir, range(self.world_size), self.sources))
         tails = {}
         if ending.failures and _outcome.needs_records(ending):
             tails = {r: log_end(self.ranks[r].log_path) for r in _outcome.failed_ranks(ending, records)}
         outcome = _outcome.decide(ending, records, where, tails)
         self.status = outcome.status
         return outcome.ok, outcome.value
-
-    def _read_records(self, ending: _outcome.Ending) -> dict[int, Any]:
-        """The ranks' records as :func:`_outcome.decide` needs them: after a failure those of
-        the ranks that did not finish; else every rank's, in order, up to the first that
-        holds no value (what a value that cannot be loaded raised stands for it)."""
-        records: dict[int, Any] = {}
-        for state in ending.ranks:
-            finished = state.returncode == 0 and not state.left
-            if ending.failures and finished:
-                continue
-            try:
-                records[state.rank] = _results.read_record(_results.result_path(self.work_dir, state.rank))
-            except FileNotFoundError:
-                records[state.rank] = _outcome.MISSING
-            except Exception as exc:  # missing, cut short by a kill, or unloadable here: as it is
-                records[state.rank] = exc
-            if not ending.failures and not isinstance(records[state.rank], ValueRecord):
-                break
-        return records
 
     def _cleanup_files(self) -> None:
         for name in os.listdir(self.work_dir) if os.path.isdir(self.work_dir) else ():
@@ -572,7 +504,7 @@ class Launcher:
         """Start ``payload`` on the ranks ``spec`` asks for; returns at once."""
         called = time.monotonic()
         placement = spec.resolve(detect_hardware())
-        cwd = _working_directory()
+        cwd = _request.working_directory()
         self._ensure_session_folders()
         helper = self._ensure_helper()
         launch = Launch(self, spec, placement, payload)
@@ -619,7 +551,7 @@ class Launcher:
         fd = os.open(payload_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload.dumps())
-        env = self._rank_environment(launch)
+        env = _request.rank_environment(launch)
         for factory in self._observer_factories:
             try:
                 observer = factory(launch)
@@ -633,22 +565,7 @@ class Launcher:
                     f"{type(exc).__name__}: {exc}",
                     file=sys.stderr,
                 )
-        return LaunchRequest(
-            launch_id=launch.id,
-            world_size=launch.world_size,
-            env=env,
-            cwd=cwd,
-            sys_path=[p if p else cwd for p in sys.path],
-            payload_path=payload_file,
-            work_dir=launch.work_dir,
-            shm_dir=launch.shm_dir,
-            log_paths=launch.log_paths,
-            timeout=launch.spec.timeout,
-            sources=payload.sources,
-            argv=payload.argv,
-            umask=_current_umask(),
-            rlimits=_soft_limits(),
-        )
+        return _request.request(launch, payload, env, cwd, payload_file)
 
     def _ensure_session_folders(self) -> None:
         """The session's private folders, made again if something deleted them (a temp
@@ -657,26 +574,6 @@ class Launcher:
             for path in (self.session_dir, self.shm_root):
                 if path and not os.path.isdir(path):
                     os.makedirs(path, mode=0o700, exist_ok=True)
-
-    def _rank_environment(self, launch: Launch) -> dict[str, str]:
-        env = dict(os.environ)
-        # The kernel's inline plotting backend means nothing in a rank.
-        if env.get("MPLBACKEND", "").startswith("module://"):
-            env["MPLBACKEND"] = "Agg"
-        env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        if launch.world_size > 1:  # torchrun's rule: one thread per rank unless set
-            env.setdefault("OMP_NUM_THREADS", "1")
-        env["AIR_MAGIC_LAUNCH_ID"] = launch.id
-        if launch.placement.device == "cpu":
-            # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU
-            # is what `accelerate launch --cpu` sets: without it the Hugging Face Trainer
-            # runs every CPU rank on its own instead of joining them with gloo.
-            env.setdefault("DS_ACCELERATOR", "cpu")
-            env.setdefault("ACCELERATE_USE_CPU", "true")
-            if launch.placement.hardware.gpu_count:
-                env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks asked for on a GPU machine
-        return env
 
     # -- messages from the helper (reader thread) ----------------------------------------------
 
@@ -725,40 +622,23 @@ class Launcher:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _working_directory() -> str:
-    try:
-        return os.getcwd()
-    except FileNotFoundError:
-        raise LaunchError(
-            "the notebook's working directory no longer exists (it was deleted or moved), and the "
-            "ranks start in it. Change to a folder that exists first, e.g. %cd ~ (or os.chdir(...))."
-        ) from None
-
-
-def _current_umask() -> int | None:
-    """The kernel's umask, read without changing it (another thread may be creating files)."""
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _soft_limits() -> dict[str, int]:
-    """The kernel's soft resource limits now, by name (a rank takes them as its own)."""
-    import resource
-
-    limits = {}
-    for name in dir(resource):
-        if name.startswith("RLIMIT_"):
-            try:
-                limits[name] = resource.getrlimit(getattr(resource, name))[0]
-            except (OSError, ValueError):
-                pass
-    return limits
+def _read_records(work_dir: str, ending: _outcome.Ending) -> dict[int, Any]:
+    """The ranks' records as :func:`_outcome.decide` needs them: after a failure those of
+    the ranks that did not finish; else every rank's, in order, up to the first that
+    holds no value (what a value that cannot be loaded raised stands for it)."""
+    records: dict[int, Any] = {}
+    for state in ending.ranks:
+        if ending.failures and state.returncode == 0 and not state.left:
+            continue  # finished: its value is not read
+        try:
+            records[state.rank] = _results.read_record(_results.result_path(work_dir, state.rank))
+        except FileNotFoundError:
+            records[state.rank] = _outcome.MISSING
+        except Exception as exc:  # cut short by a kill, or unloadable here (any unpickling error)
+            records[state.rank] = exc
+        if not ending.failures and not isinstance(records[state.rank], ValueRecord):
+            break
+    return records
 
 
 _launcher: Launcher | None = None
