@@ -313,7 +313,7 @@ def _pickle_each(items: Iterable[tuple[str, Any]]) -> tuple[dict[str, bytes], li
     for name, value in items:
         try:
             blobs[name] = dumps(value)
-        except Exception as exc:
+        except Exception as exc:  # pickling a user's object raises errors of any type
             problems.append((name, _describe_type(value), f"{type(exc).__name__}: {exc}"))
     return blobs, problems
 
@@ -455,7 +455,7 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     arg_blobs, problems = _pickle_each(arguments)
     try:
         func_blob = dumps(func)
-    except Exception as exc:
+    except Exception as exc:  # pickling a user's function raises errors of any type
         # Find which globals / closure variables are to blame, to name every one of them.
         _, culprits = _pickle_each((name, value) for name, value in refs if not isinstance(value, types.ModuleType))
         problems = culprits + problems
