@@ -84,7 +84,7 @@ def load_ipython_extension(ipython: Any) -> None:
     from .magics import DistributedMagics
 
     ipython.register_magics(DistributedMagics, LintMagics)
-    from .launcher import get_launcher
+    from ._plugins import get_launcher
 
     launcher = get_launcher()
     launcher.warm()

@@ -40,23 +40,33 @@ from typing import Any
 import cloudpickle
 
 from . import _rank_tracking, _results
+from ._protocol import (
+    LEFT_PREFIX,
+    RESULT_NAME,
+    STACK_SIGNAL,
+    TRACEBACK_MARK,
+    ErrorRecord,
+    LaunchRequest,
+    Record,
+    UnpicklableRecord,
+    ValueRecord,
+    elastic_error_path,
+    joined_path,
+    rendezvous_path,
+    result_path,
+    stack_path,
+)
 
-#: The signal that makes a rank write every thread's Python stack to its stack file
-#: (``faulthandler``; a real-time signal no library is known to use).
-STACK_SIGNAL = signal.SIGRTMAX - 3
-
-#: Name the cell's last expression is stored under in the rank's namespace.
-RESULT_NAME = "__air_magic_result__"
-#: Line written to a rank's log before the traceback of its failure: the cell shows
-#: that traceback as the error, so the live copy of the log stops here.
-TRACEBACK_MARK = "[air_magic] this rank failed; its traceback follows\n"
+# Where they were defined before the protocol had a module of its own.
+__all__ = ["child_main", "format_user_traceback", "RESULT_NAME", "STACK_SIGNAL", "TRACEBACK_MARK"]
+__all__ += ["joined_path", "stack_path"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _PR_SET_PDEATHSIG = 1
 _MAX_THREADS_PER_CPU = 4
 
 
-def child_main(request: dict[str, Any], rank: int, port: int, alive_fd: int, close_fds: list[int]) -> None:
+def child_main(request: LaunchRequest, rank: int, port: int, alive_fd: int, close_fds: list[int]) -> None:
     code = 70
     try:
         os.setsid()
@@ -70,18 +80,18 @@ def child_main(request: dict[str, Any], rank: int, port: int, alive_fd: int, clo
         atexit._clear()  # the helper's exit hooks are not the rank's
         _register_process_exit_hooks()
         _fresh_random_state()
-        _redirect_output(request["log_paths"][rank])
-        _dump_stacks_on_signal(stack_path(request["work_dir"], rank))
+        _redirect_output(request.log_paths[rank])
+        _dump_stacks_on_signal(stack_path(request.work_dir, rank))
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
-        _private_rendezvous(request["work_dir"], port)
+        _private_rendezvous(request.work_dir, port)
         _apply_process_limits(request)
         _install_notebook_builtins()
         code = _run(request, rank)
-    except BaseException:
+    except BaseException:  # anything at all: the rank must still leave by os._exit
         try:
             traceback.print_exc()
-        except BaseException:
+        except BaseException:  # a broken stderr: nothing left to tell
             pass
     finally:
         try:
@@ -183,11 +193,6 @@ def _redirect_output(log_path: str) -> None:
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
 
 
-def stack_path(work_dir: str, rank: int) -> str:
-    """Where ``rank`` writes its threads' stacks when it gets ``STACK_SIGNAL``."""
-    return os.path.join(work_dir, f"stack-{rank}.txt")
-
-
 _stack_file: Any = None  # kept open for faulthandler, which writes to its descriptor
 
 
@@ -229,13 +234,12 @@ def _watch_kernel(alive_fd: int) -> None:
         pass  # the kernel is alive: nothing to read, and nobody ever writes
 
 
-def _apply_process_limits(request: dict[str, Any]) -> None:
+def _apply_process_limits(request: LaunchRequest) -> None:
     """The kernel's umask and soft resource limits *at this launch*, as a process it
     started now would inherit them (the helper got them when it was started)."""
-    umask = request.get("umask")
-    if umask is not None:
-        os.umask(umask)
-    for name, soft in request.get("rlimits", {}).items():
+    if request.umask is not None:
+        os.umask(request.umask)
+    for name, soft in request.rlimits.items():
         limit = getattr(resource, name, None)
         if limit is None:
             continue
@@ -271,9 +275,9 @@ def _get_ipython() -> None:
     return None
 
 
-def _apply_environment(request: dict[str, Any], rank: int, port: int) -> None:
-    env = dict(request["env"])
-    world_size = request["world_size"]
+def _apply_environment(request: LaunchRequest, rank: int, port: int) -> None:
+    env = dict(request.env)
+    world_size = request.world_size
     env.update(
         # What torchrun's agent gives each worker (TORCHELASTIC_RUN_ID also makes
         # torch.distributed.is_torchelastic_launched() true, as code may check).
@@ -290,13 +294,13 @@ def _apply_environment(request: dict[str, Any], rank: int, port: int) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",
-        TORCHELASTIC_RUN_ID=request["launch_id"],
+        TORCHELASTIC_RUN_ID=request.launch_id,
         TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         # Where torch.distributed.elastic's @record writes a failure (read by nobody
         # here: the rank's own traceback is the error); removed with the launch's files.
-        TORCHELASTIC_ERROR_FILE=os.path.join(request["work_dir"], f"elastic-error-{rank}.json"),
+        TORCHELASTIC_ERROR_FILE=elastic_error_path(request.work_dir, rank),
         # What DeepSpeed's own launcher adds: its CPU accelerator counts the local
         # devices by LOCAL_SIZE (else by NUMA nodes, 1 on most machines).
         LOCAL_SIZE=str(world_size),
@@ -305,8 +309,8 @@ def _apply_environment(request: dict[str, Any], rank: int, port: int) -> None:
     )
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(request["cwd"])
-    sys.path[:] = request["sys_path"]
+    os.chdir(request.cwd)
+    sys.path[:] = request.sys_path
     torch = sys.modules.get("torch")
     threads = env.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
@@ -345,7 +349,7 @@ def _private_rendezvous(work_dir: str, port: int) -> None:
     if not dist.is_available() or not isinstance(handlers, dict) or "env" not in handlers:
         return
     torch_handler = handlers["env"]
-    path = os.path.join(work_dir, "rendezvous.store")
+    path = rendezvous_path(work_dir)
 
     def env_rendezvous(url: str, timeout: Any = None, **kwargs: Any) -> Any:
         if os.environ.get("MASTER_ADDR") != "127.0.0.1" or os.environ.get("MASTER_PORT") != str(port):
@@ -356,7 +360,7 @@ def _private_rendezvous(work_dir: str, port: int) -> None:
         world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
         # Say this rank joins; a rank that ended without joining means the group can never form.
         os.close(os.open(joined_path(work_dir, rank), os.O_WRONLY | os.O_CREAT, 0o600))
-        gone = sorted(int(name[5:]) for name in os.listdir(work_dir) if name.startswith("left-"))
+        gone = sorted(int(name[len(LEFT_PREFIX) :]) for name in os.listdir(work_dir) if name.startswith(LEFT_PREFIX))
         if gone:
             raise RuntimeError(
                 f"init_process_group() cannot complete: rank {', '.join(map(str, gone))} of {world_size} "
@@ -376,33 +380,27 @@ def _private_rendezvous(work_dir: str, port: int) -> None:
     handlers["env"] = env_rendezvous
 
 
-def joined_path(work_dir: str, rank: int) -> str:
-    """Made when ``rank`` enters init_process_group(): the kernel tells a rank that ended
-    without joining (the others would wait for it until the timeout) by its absence."""
-    return os.path.join(work_dir, f"joined-{rank}")
-
-
 def _install_sources(sources: dict[str, tuple[str, str]]) -> None:
     for filename, (_, source) in sources.items():
         lines = source.splitlines(True)
         linecache.cache[filename] = (len(source), None, lines, filename)
 
 
-def _run(request: dict[str, Any], rank: int) -> int:
+def _run(request: LaunchRequest, rank: int) -> int:
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
     # What a script's argparse/hydra/click parser reads: the cell or function name, then
     # the arguments given after `--` on the %%distributed line (none by default).
-    sys.argv[:] = list(request.get("argv") or ["air_magic"])
-    result_path = _results.result_path(request["work_dir"], rank)
-    shm_dir = request.get("shm_dir")
-    sources: dict[str, tuple[str, str]] = request.get("sources", {})
+    sys.argv[:] = list(request.argv or ["air_magic"])
+    path = result_path(request.work_dir, rank)
+    shm_dir = request.shm_dir
+    sources = request.sources
     _install_sources(sources)
     code = 0
     try:
-        _rank_tracking.install(request["work_dir"], rank, os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"))
-        with open(request["payload_path"], "rb") as handle:
+        _rank_tracking.install(request.work_dir, rank, os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"))
+        with open(request.payload_path, "rb") as handle:
             payload = cloudpickle.load(handle)
         if payload["kind"] == "function":
             func = cloudpickle.loads(payload["func"])
@@ -420,11 +418,11 @@ def _run(request: dict[str, Any], rank: int) -> int:
             exec(payload["code"], main.__dict__)
             value = main.__dict__.pop(RESULT_NAME, None)
         _hold_stop_signals()
-        record: tuple[Any, ...] = ("ok", value)
+        record: Record = ValueRecord(value)
     except SystemExit as exc:
         _hold_stop_signals()
         if exc.code in (None, 0):
-            record = ("ok", None)
+            record = ValueRecord(None)
         else:
             record = _error_record(exc, sources)
             code = 1
@@ -434,24 +432,17 @@ def _run(request: dict[str, Any], rank: int) -> int:
         code = 1
     finally:
         _flush_exit_hooks()
-    if code:
+    if isinstance(record, ErrorRecord):
         # Last in the log, after anything the exit hooks printed.
         sys.stdout.flush()
-        sys.stderr.write(TRACEBACK_MARK + record[4])
+        sys.stderr.write(TRACEBACK_MARK + record.traceback)
         sys.stderr.flush()
     try:
-        _results.write_record(
-            result_path, record, shm_dir if code == 0 else None, f"r{rank}", fallback_dir=request["work_dir"]
-        )
-    except BaseException as exc:  # the return value cannot be pickled
+        _results.write_record(path, record, shm_dir if code == 0 else None, f"r{rank}", fallback_dir=request.work_dir)
+    except BaseException as exc:  # the return value cannot be pickled (any error a __reduce__ raises)
         reason = f"{type(exc).__name__}: {exc}"
-        value_type = type(record[1]).__module__ + "." + type(record[1]).__qualname__
-        _results.write_record(
-            result_path,
-            ("unpicklable", value_type, reason),
-            None,
-            f"r{rank}",
-        )
+        value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
+        _results.write_record(path, UnpicklableRecord(value_type, reason), None, f"r{rank}")
         code = 0
     return code
 
@@ -472,13 +463,13 @@ def _flush_exit_hooks() -> None:
         traceback.print_exc()
 
 
-def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> tuple[Any, ...]:
+def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> ErrorRecord:
     failed_at = time.monotonic()  # one clock for every process: tells which rank failed first
     text = format_user_traceback(exc, sources)
     try:
         blob: bytes | None = cloudpickle.dumps(exc)
         cloudpickle.loads(blob)  # it must come back, or the kernel gets the text only
-    except BaseException:
+    except BaseException:  # whatever pickling the user's exception raises
         blob = None
     exc_type = type(exc)
     name = (
@@ -486,7 +477,7 @@ def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> tu
         if exc_type.__module__ in ("builtins", "__main__")
         else (f"{exc_type.__module__}.{exc_type.__qualname__}")
     )
-    return ("error", blob, name, str(exc), text, failed_at)
+    return ErrorRecord(blob, name, str(exc), text, failed_at)
 
 
 def format_user_traceback(exc: BaseException, sources: dict[str, tuple[str, str]]) -> str:

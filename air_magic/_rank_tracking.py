@@ -6,8 +6,8 @@ the kernel is the single writer: when a rank imports ``mlflow``, the fluent
 logging functions are replaced by ones that append a line to the rank's own
 ``tracking-<rank>.tsv`` (one ``write`` system call, a few microseconds; the bytes
 survive even a SIGKILL of the rank).  The file lives in the launch's spool folder,
-which outlives the kernel too (:mod:`air_magic._spool` has the layout and the line
-format).  The kernel reads those files and writes them with MLflow's batch API into
+which outlives the kernel too (:mod:`air_magic._spool` has the layout,
+:mod:`air_magic._protocol` the line format).  The kernel reads those files and writes them with MLflow's batch API into
 the launch's run (:mod:`air_magic.tracking`).
 
 The ranks start before the launch's run exists (the kernel makes it beside them).  The
@@ -31,7 +31,8 @@ import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from ._spool import SPOOL_DIR_ENV, artifact_dir, read_run, spool_file, text_field
+from ._protocol import ARTIFACT, METRIC, PARAM, TAG, metric_line, spool_file, text_field, text_line
+from ._spool import SPOOL_DIR_ENV, artifact_dir, read_run
 
 _FD: int | None = None
 _RUN_ID: str | None = None
@@ -45,7 +46,7 @@ _now = time.time
 _METRIC_FIELDS: dict[Any, str] = {}
 #: Param and tag names MLflow accepted, by kind.
 _GOOD_NAMES: set[tuple[str, object]] = set()
-_NAME_CHECKS = {"m": "_validate_metric_name", "p": "_validate_param_name", "t": "_validate_tag_name"}
+_NAME_CHECKS = {METRIC: "_validate_metric_name", PARAM: "_validate_param_name", TAG: "_validate_tag_name"}
 
 
 def _check_name(kind: str, name: object) -> None:
@@ -58,7 +59,7 @@ def _check_name(kind: str, name: object) -> None:
 
 
 def _metric_field(key: Any) -> str:
-    _check_name("m", key)
+    _check_name(METRIC, key)
     field = _METRIC_FIELDS[key] = text_field(str(key))
     return field
 
@@ -68,7 +69,7 @@ def _emit(kind: str, key: Any, value: Any) -> None:
     if _FD is not None:
         if kind in _NAME_CHECKS and (kind, key) not in _GOOD_NAMES:
             _check_name(kind, key)
-        _write(_FD, f"{kind}\t{text_field(str(key))}\t{text_field(str(value))}\n".encode())
+        _write(_FD, text_line(kind, str(key), str(value)).encode())
 
 
 def launch_run_id() -> str | None:
@@ -117,7 +118,7 @@ def log_metric(
     if _FD is not None:
         field = _METRIC_FIELDS.get(key) or _metric_field(key)
         # Whole numbers in the file, as MLflow stores them (a step may come as 1.0 or a tensor).
-        _write(_FD, f"m\t{field}\t{float(value)!r}\t{int(step or 0)}\t{int(timestamp or _now() * 1000)}\n".encode())
+        _write(_FD, metric_line(field, value, step or 0, timestamp or _now() * 1000).encode())
 
 
 def log_metrics(
@@ -130,30 +131,31 @@ def log_metrics(
     _check_run_id(run_id)
     if _FD is None:
         return
-    tail = f"\t{int(step or 0)}\t{int(timestamp or _now() * 1000)}\n"
+    step, timestamp = int(step or 0), int(timestamp or _now() * 1000)
     lines = [
-        f"m\t{_METRIC_FIELDS.get(key) or _metric_field(key)}\t{float(value)!r}{tail}" for key, value in metrics.items()
+        metric_line(_METRIC_FIELDS.get(key) or _metric_field(key), value, step, timestamp)
+        for key, value in metrics.items()
     ]
     _write(_FD, "".join(lines).encode())
 
 
 def log_param(key: str, value: Any, **_: Any) -> Any:
-    _emit("p", key, value)
+    _emit(PARAM, key, value)
     return value
 
 
 def log_params(params: dict[str, Any], **_: Any) -> None:
     for key, value in params.items():
-        _emit("p", key, value)
+        _emit(PARAM, key, value)
 
 
 def set_tag(key: str, value: Any, **_: Any) -> None:
-    _emit("t", key, value)
+    _emit(TAG, key, value)
 
 
 def set_tags(tags: dict[str, Any], **_: Any) -> None:
     for key, value in tags.items():
-        _emit("t", key, value)
+        _emit(TAG, key, value)
 
 
 def log_artifact(local_path: str, artifact_path: str | None = None, **_: Any) -> None:
@@ -163,7 +165,7 @@ def log_artifact(local_path: str, artifact_path: str | None = None, **_: Any) ->
     target = os.path.join(_ARTIFACT_DIR, f"{len(os.listdir(_ARTIFACT_DIR)):05d}")
     os.makedirs(target, mode=0o700)
     shutil.copy2(local_path, target)
-    _emit("a", os.path.join(target, os.path.basename(local_path)), artifact_path or "")
+    _emit(ARTIFACT, os.path.join(target, os.path.basename(local_path)), artifact_path or "")
 
 
 def set_experiment(*args: Any, **kwargs: Any) -> None:

@@ -4,8 +4,11 @@ Each rank writes one record to ``result-<rank>.pkl`` in the launch's work folder
 (written to a temporary name, then renamed into place, so the kernel never reads a
 half-written file):
 
-* ``("ok", value)``: the function's return value / the cell's last expression;
-* ``("error", exc_bytes | None, type_name, message, traceback_text)``.
+* :class:`~air_magic._protocol.ValueRecord`: the function's return value / the cell's
+  last expression;
+* :class:`~air_magic._protocol.ErrorRecord`: the exception (pickled when it can be),
+  its type's name, message and traceback, and when it was caught;
+* :class:`~air_magic._protocol.UnpicklableRecord`: a value that cannot travel.
 
 Large CPU tensors in a return value do not travel inside the pickle: their bytes
 are copied once into a file under ``/dev/shm`` and the pickle holds its name.  The
@@ -28,13 +31,12 @@ from typing import Any
 
 import cloudpickle
 
+from ._protocol import Record, result_path
+
+__all__ = ["SHM_THRESHOLD", "result_path", "write_record", "read_record", "rebuild_shared_tensor"]
+
 #: Tensors at least this large (bytes) go through shared memory.
 SHM_THRESHOLD = 1 << 20
-
-
-def result_path(work_dir: str, rank: int) -> str:
-    """Where ``rank`` of the launch with this work folder leaves its record."""
-    return os.path.join(work_dir, f"result-{rank}.pkl")
 
 
 class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -112,9 +114,7 @@ def rebuild_shared_tensor(path: str, dtype: Any, shape: tuple[int, ...], require
     return tensor
 
 
-def write_record(
-    path: str, record: tuple[Any, ...], shm_dir: str | None, prefix: str, fallback_dir: str | None = None
-) -> None:
+def write_record(path: str, record: Record, shm_dir: str | None, prefix: str, fallback_dir: str | None = None) -> None:
     """Pickle ``record`` to ``path`` atomically; large tensors go to ``shm_dir`` (or to
     ``fallback_dir`` when shared memory has no room for them)."""
     tmp = f"{path}.tmp"
@@ -134,6 +134,6 @@ def write_record(
         raise
 
 
-def read_record(path: str) -> tuple[Any, ...]:
+def read_record(path: str) -> Record:
     with open(path, "rb") as handle:
-        return pickle.load(handle)  # written by our own rank, in our own private folder
+        return pickle.load(handle)  # type: ignore[no-any-return]  # written by our own rank, in our own private folder

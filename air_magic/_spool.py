@@ -23,16 +23,8 @@ whoever takes the lock may send the rest and delete the folder.  Files are creat
 with ``O_NOFOLLOW`` and every folder is checked (not a symlink, owned by this user, no
 group or other access; :mod:`air_magic._private`) before use.
 
-Line format (``tracking-<rank>.tsv``): tab-separated fields, the first is the kind::
-
-    m <key> <value> <step> <timestamp ms>      a metric point (float repr, whole numbers)
-    p <key> <value>                            a param
-    t <key> <value>                            a tag
-    a <local path> <artifact path>             a file to upload ("" for the run's root)
-
-A text field that is not a plain MLflow name is written as a JSON string (it starts with
-``"``, which no MLflow name does), so any text round-trips: tabs, newlines, ``\\r``,
-``\\x0c``, ``\\u2028``...  Lines end with ``\\n`` only and are split on ``\\n`` only.
+The line format of ``tracking-<rank>.tsv`` (its ``format``/``parse``) lives in
+:mod:`air_magic._protocol`, with the file's name: ranks write it, the panel reads it too.
 
 Journal (``journal.json``, rewritten whole with ``os.replace``)::
 
@@ -60,8 +52,10 @@ import time
 from typing import Any, Iterator
 
 from ._private import PrivateFolderError, check_private, private_dir
+from ._protocol import METRIC, TailReader, parse_line, spool_file, spool_file_rank, text_field
 
 __all__ = ["SPOOL_DIR_ENV", "STATE_DIR_ENV", "Spool", "PrivateFolderError", "spool_file", "artifact_dir"]
+__all__ += ["parse_line", "text_field", "iter_lines"]  # the line format, from _protocol
 
 #: Set by the kernel for the ranks: the launch's spool folder.
 SPOOL_DIR_ENV = "AIR_MAGIC_TRACKING_DIR"
@@ -74,10 +68,6 @@ LOGS = "logs"
 _FORMAT = 1
 _NEW = ".new-"  # a folder still being set up: never recovered
 _WHAT = "MLflow points"  # in PrivateFolderError's message: "cannot use <path> for MLflow points: ..."
-
-
-def spool_file(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"tracking-{rank}.tsv")
 
 
 def artifact_dir(folder: str, rank: int) -> str:
@@ -109,37 +99,6 @@ def read_run(folder: str) -> str | None:
         return os.read(fd, 4096).decode()
     finally:
         os.close(fd)
-
-
-# -- the line format ---------------------------------------------------------------------------
-
-
-def text_field(value: str) -> str:
-    """``value`` as one field of a line: itself when it is a plain name, else a JSON string."""
-    if value.isascii() and value.isprintable() and "\t" not in value and not value.startswith('"'):
-        return value
-    return json.dumps(value)
-
-
-def _text(field: str) -> str:
-    return json.loads(field) if field.startswith('"') else field  # type: ignore[no-any-return]
-
-
-def parse_line(line: bytes) -> tuple[Any, ...] | None:
-    """One spool line -> ``("m", key, value, step, ts)`` / ``("p"|"t", key, value)`` /
-    ``("a", local_path, artifact_path | None)``; None for a line that cannot be read."""
-    fields = line.decode("utf-8", "surrogateescape").split("\t")
-    try:
-        kind = fields[0]
-        if kind == "m" and len(fields) == 5:
-            return ("m", _text(fields[1]), float(fields[2]), int(fields[3]), int(fields[4]))
-        if kind in ("p", "t") and len(fields) == 3:
-            return (kind, _text(fields[1]), _text(fields[2]))
-        if kind == "a" and len(fields) == 3:
-            return ("a", _text(fields[1]), _text(fields[2]) or None)
-    except ValueError:  # json.JSONDecodeError included
-        pass
-    return None
 
 
 # -- private folders -------------------------------------------------------------------------------
@@ -175,6 +134,10 @@ def _open(path: str, flags: int, mode: int = 0o600) -> int:
         os.close(fd)
         raise PrivateFolderError(f"refusing {path}: not a file of yours")
     return fd
+
+
+def _open_to_read(path: str) -> int:
+    return _open(path, os.O_RDONLY)
 
 
 def _write_json(folder: str, data: dict[str, Any]) -> None:
@@ -308,11 +271,9 @@ class Spool:
         """Ranks that have a file here (a rank makes its file at its first call)."""
         ranks = []
         for name in os.listdir(self.folder):
-            if name.startswith("tracking-") and name.endswith(".tsv"):
-                try:
-                    ranks.append(int(name[len("tracking-") : -len(".tsv")]))
-                except ValueError:
-                    pass
+            rank = spool_file_rank(name)
+            if rank is not None:
+                ranks.append(rank)
         return sorted(ranks)
 
     def ranks_alive(self) -> bool:
@@ -329,22 +290,12 @@ class Spool:
     def read_new(self, rank: int, limit: int) -> tuple[list[bytes], int]:
         """Whole lines of rank's file past what was sent (at most about ``limit`` bytes),
         and the offset just past them."""
-        offset = self.sent(rank)
+        reader = TailReader(spool_file(self.folder, rank), self.sent(rank), opener=_open_to_read)
         try:
-            fd = _open(spool_file(self.folder, rank), os.O_RDONLY)
+            lines = reader.read_lines(limit)
         except FileNotFoundError:
-            return [], offset
-        try:
-            data = os.pread(fd, limit, offset)
-            while b"\n" not in data and len(data) == limit:  # one line longer than the limit
-                limit *= 2
-                data = os.pread(fd, limit, offset)
-        finally:
-            os.close(fd)
-        end = data.rfind(b"\n") + 1
-        if end == 0:
-            return [], offset
-        return data[: end - 1].split(b"\n"), offset + end
+            return [], reader.offset
+        return lines, reader.offset
 
     def pending_points(self) -> int:
         """Metric points not sent yet (for messages)."""
@@ -353,7 +304,8 @@ class Spool:
             with open(spool_file(self.folder, rank), "rb") as handle:
                 handle.seek(self.sent(rank))
                 data = handle.read()
-            count += data.startswith(b"m\t") + data.count(b"\nm\t")
+            mark = f"{METRIC}\t".encode()
+            count += data.startswith(mark) + data.count(b"\n" + mark)
         return count
 
     def logs(self) -> list[str]:

@@ -27,11 +27,9 @@ It is a child subreaper: a process a rank started in a session of its own
 (``start_new_session=True``), which the rank's group kill cannot reach, becomes the
 helper's child when the rank ends, and is killed with the rank (``_reap_orphans``).
 
-Messages to the kernel: ``("started", id, {rank: pid})``,
-``("exit", id, rank, returncode, at)``, ``("stopping", id, reason, at)`` (``at``:
-``time.monotonic()``, one clock for every process), ``("done", id)``,
-``("error", id, text)``.  From the kernel: ``("launch", request)``,
-``("stop", id, reason)``, ``("shutdown",)``.
+Messages (the types of :mod:`air_magic._protocol`, as tuples on the wire): to the
+kernel ``Ready``, ``Started``, ``Exited``, ``Stopping``, ``Done``, ``StartFailed``; from
+it ``StartLaunch`` (a :class:`~air_magic._protocol.LaunchRequest`), ``Stop``, ``Shutdown``.
 """
 
 from __future__ import annotations
@@ -47,7 +45,24 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Callable
+
+from ._protocol import (
+    STACK_SIGNAL,
+    Done,
+    Exited,
+    LaunchRequest,
+    Ready,
+    Shutdown,
+    Started,
+    StartFailed,
+    StartLaunch,
+    Stop,
+    Stopping,
+    ToKernel,
+    decode,
+    encode,
+)
 
 _DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
 
@@ -95,7 +110,7 @@ class Zygote:
         for name in filter(None, (n.strip() for n in names.split(","))):
             try:
                 importlib.import_module(name)
-            except Exception as exc:  # a missing optional module must not stop the helper
+            except Exception as exc:  # any import error of an optional module must not stop the helper
                 print(
                     f"[air_magic] helper: could not preload {name}: {type(exc).__name__}: {exc}",
                     file=sys.stderr,
@@ -117,12 +132,17 @@ class Zygote:
             for key, _ in self.selector.select(timeout):
                 if key.data is None:
                     try:
-                        message = self.conn.recv()
+                        wire = self.conn.recv()
                     except (EOFError, OSError):
                         return  # the kernel is gone
-                    if message[0] == "shutdown":
+                    try:
+                        message = decode(wire)
+                    except ValueError:
+                        continue  # not a message of this version: ignored, as ever
+                    if isinstance(message, Shutdown):
                         return
-                    self._handle(message)
+                    if isinstance(message, (StartLaunch, Stop)):
+                        self._handle(message)
                 else:
                     launch_id, rank = key.data
                     self._on_rank_exit(launch_id, rank)
@@ -130,37 +150,36 @@ class Zygote:
                 self._poll_exits()
             self._run_timers()
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "launch":
-            request = message[1]
+    def _handle(self, message: StartLaunch | Stop) -> None:
+        if isinstance(message, StartLaunch):
+            request = message.request
             try:
                 self._start(request)
-            except Exception:
-                self._send("error", request["launch_id"], traceback.format_exc())
-        elif kind == "stop":
-            launch = self.launches.get(message[1])
-            if launch is not None and message[2] == "kill":
+            except Exception:  # any failure to start is the launch's error, told to the kernel
+                self._send(StartFailed(request.launch_id, traceback.format_exc()))
+        elif isinstance(message, Stop):
+            launch = self.launches.get(message.launch_id)
+            if launch is not None and message.reason == "kill":
                 self._signal(launch, signal.SIGKILL)
             elif launch is not None:
-                self._stop(launch, message[2])
+                self._stop(launch, message.reason)
 
     # -- launches -----------------------------------------------------------------------
 
-    def _start(self, request: dict[str, Any]) -> None:
-        launch = _Launch(request["launch_id"])
+    def _start(self, request: LaunchRequest) -> None:
+        launch = _Launch(request.launch_id)
         self.launches[launch.launch_id] = launch
         try:
             self._fork_ranks(launch, request)
         except BaseException:
             self._abort(launch)
             raise
-        self._send("started", launch.launch_id, dict(launch.running))
-        timeout = request.get("timeout")
+        self._send(Started(launch.launch_id, dict(launch.running)))
+        timeout = request.timeout
         if timeout is not None:
             self._after(timeout, launch.launch_id, lambda: self._stacks_then_stop(launch, "timeout"))
 
-    def _fork_ranks(self, launch: _Launch, request: dict[str, Any]) -> None:
+    def _fork_ranks(self, launch: _Launch, request: LaunchRequest) -> None:
         reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         reserved.bind(("127.0.0.1", 0))
         launch.port = reserved
@@ -174,7 +193,7 @@ class Zygote:
                 close_in_child.append(other.port.fileno())
         from . import _rank
 
-        for rank in range(request["world_size"]):
+        for rank in range(request.world_size):
             pid = os.fork()
             if pid == 0:  # the rank; child_main never returns
                 _rank.child_main(request, rank, port, self.alive_fd, close_in_child)
@@ -234,7 +253,7 @@ class Zygote:
         if fd is not None:
             self.selector.unregister(fd)
             os.close(fd)
-        self._send("exit", launch.launch_id, rank, returncode, time.monotonic())
+        self._send(Exited(launch.launch_id, rank, returncode, time.monotonic()))
         if returncode != 0 and launch.stopping is None:
             self._stop(launch, "failure")
         if not launch.running:
@@ -242,8 +261,6 @@ class Zygote:
 
     def _stacks_then_stop(self, launch: _Launch, reason: str) -> None:
         """Ask every rank for its stacks (where was each one?), then stop them a moment later."""
-        from ._rank import STACK_SIGNAL
-
         for pid in launch.running.values():
             try:
                 os.kill(pid, STACK_SIGNAL)
@@ -255,7 +272,7 @@ class Zygote:
         if launch.stopping is not None or not launch.running:
             return
         launch.stopping = reason
-        self._send("stopping", launch.launch_id, reason, time.monotonic())
+        self._send(Stopping(launch.launch_id, reason, time.monotonic()))
         for delay, signum in _ESCALATION.get(reason, _ESCALATION["failure"]):
             self._after(delay, launch.launch_id, lambda s=signum: self._signal(launch, s))
 
@@ -268,7 +285,7 @@ class Zygote:
         self.timers = [timer for timer in self.timers if timer[1] != launch.launch_id]
         if launch.port is not None:
             launch.port.close()
-        self._send("done", launch.launch_id)
+        self._send(Done(launch.launch_id))
 
     def _reap_orphans(self) -> None:
         """Kill and reap the helper's children that are not ranks: processes a rank left
@@ -319,9 +336,9 @@ class Zygote:
             _, _, fn = self.timers.pop(0)
             fn()
 
-    def _send(self, *message: Any) -> None:
+    def _send(self, message: ToKernel) -> None:
         try:
-            self.conn.send(message)
+            self.conn.send(encode(message))
         except OSError:
             pass  # the kernel is gone; the next recv() ends the loop
 
@@ -417,7 +434,7 @@ def main(argv: list[str]) -> int:
         stop_watch = _watch_kernel_while_preloading(alive_fd, session_dir, shm_dir)
         zygote.preload()
         stop_watch()  # single-threaded again before the first fork
-        zygote._send("ready")  # the kernel's panel stops saying "importing torch"
+        zygote._send(Ready())  # the kernel's panel stops saying "importing torch"
         zygote.serve()
     finally:
         zygote.shutdown()

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 import cloudpickle
 
 from . import settings as _settings_module
-from ._rank import RESULT_NAME
+from ._protocol import RESULT_NAME
 from .errors import CaptureError
 
 __all__ = ["Payload", "function_payload", "cell_payload", "free_names", "CaptureWarning", "settings"]

@@ -105,7 +105,7 @@ class DistributedFunction(Generic[R]):
 
     def submit(self, *args: Any, **kwargs: Any) -> Any:
         """Start the launch and return its :class:`~air_magic.launcher.Launch` handle at once."""
-        from .launcher import get_launcher
+        from ._plugins import get_launcher
 
         payload = self._payload(args, kwargs)
         self.last_launch = get_launcher().start(self.spec, payload)
@@ -306,7 +306,7 @@ def _warm_launcher(tracking: bool = True) -> None:
     # Start the helper (which imports torch) as early as possible, and MLflow with its
     # store: by the time the user calls .distributed(), the first launch is warm.
     try:
-        from .launcher import get_launcher
+        from ._plugins import get_launcher
 
         launcher = get_launcher()
         launcher.warm()

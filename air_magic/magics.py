@@ -17,7 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from traitlets import Bool, CFloat, CInt, Unicode, default, observe
 
 from . import capture
-from ._rank import RESULT_NAME
+from ._protocol import RESULT_NAME
 from .errors import ConfigurationError
 from .options import apply_arguments
 from .settings import DEFAULT_WARN_MB, settings
@@ -135,7 +135,7 @@ class DistributedMagics(Magics):
             lines = traceback.format_exception_only(type(exc), exc)
             exc._render_traceback_ = lambda: "".join(lines).rstrip("\n").splitlines()  # type: ignore[attr-defined]
             raise exc.with_traceback(None) from None
-        from .launcher import get_launcher
+        from ._plugins import get_launcher
 
         try:
             launch = get_launcher().start(spec, payload)

@@ -51,7 +51,14 @@ if TYPE_CHECKING:
     from ._mlflow_upload import SpoolUploader
     from .launcher import Launch
 
-__all__ = ["TrackingObserver", "tracking_observer", "upload_pending", "recover_in_background", "Recovered"]
+__all__ = [
+    "TrackingObserver",
+    "tracking_observer",
+    "tracking_off_notice",
+    "upload_pending",
+    "recover_in_background",
+    "Recovered",
+]
 
 _INTERVAL = 0.5  # seconds between two reads of the ranks' files
 _RETRY = 5.0  # seconds between two tries while the store does not answer
@@ -308,11 +315,11 @@ def _link_for_the_panel(launch: "Launch", spool: Spool) -> None:
     # The live panel reads the ranks' metrics from tracking-<rank>.tsv in the launch's
     # work folder; the files live in the spool now.  The links are the panel's only: the
     # ranks write to the spool folder they are given, and never follow a link.
-    from ._spool import spool_file
+    from ._protocol import spool_file
 
     for rank in range(launch.world_size):
         try:
-            os.symlink(spool_file(spool.folder, rank), os.path.join(launch.work_dir, f"tracking-{rank}.tsv"))
+            os.symlink(spool_file(spool.folder, rank), spool_file(launch.work_dir, rank))
         except OSError:
             pass  # the panel then shows no metrics; tracking is unaffected
 
@@ -433,7 +440,7 @@ class _Writer:
                         self.uploader.pump(until_empty=ended)
                     except Unreachable:
                         raise
-                    except Exception as exc:
+                    except Exception as exc:  # MLflow's errors are of any type: named at the end
                         self._note(exc)
                         stuck = True
                 self.unreachable = None
@@ -446,7 +453,7 @@ class _Writer:
                 if ended:
                     self._leave()
                     return
-            except Exception as exc:
+            except Exception as exc:  # MLflow's errors are of any type: no run means tracking off
                 if self.run_id is None:
                     self._no_run(exc)
                     return
@@ -503,7 +510,7 @@ class _Writer:
         if wait:
             try:
                 monitor.finish()
-            except Exception:
+            except Exception:  # system metrics are a bonus (MLflow's errors are of any type)
                 pass
         else:  # the store does not answer: let it give up on its own
             threading.Thread(target=bounded(monitor.finish), name="air_magic-mlflow-monitor-stop", daemon=True).start()
@@ -533,3 +540,10 @@ def tracking_observer(launch: "Launch") -> TrackingObserver | None:
     if not launch.spec.tracking:
         return None
     return TrackingObserver(launch)
+
+
+def tracking_off_notice(launch: "Launch") -> None:
+    """For a launch with tracking off: the line that says so in its cell (printed once the
+    launch's observers have started, by the launcher's plug-in wiring, ``_plugins``)."""
+    if not launch.spec.tracking:
+        print("[air_magic] tracking is off: no MLflow run; mlflow calls in the ranks do nothing.")

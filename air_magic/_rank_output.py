@@ -1,0 +1,277 @@
+"""What the kernel reads of the ranks' output, while they run and once they have ended.
+
+Files the ranks write (names from :mod:`air_magic._protocol`) -> what the launch does::
+
+    rank-0.log    --OutputPump (TailReader: whole new lines)--> the cell's stdout, up to a
+                    limit, until the failure marker (the traceback is the cell's error)
+    rank-<r>.log  --StallWatch (sizes, once a second)--> no line for a while: stacks
+    STACK_SIGNAL  --request_stacks--> stack-<r>.txt (each rank writes its threads' stacks)
+    stack-<r>.txt --read_stacks, describe_stacks--> "where each rank was", the rank the
+                    others wait for
+    rank-<r>.log  --bound_log--> at the end, its first sixteenth and its end are kept
+    rank-<r>.log  --log_end--> its last 16 KiB, for the message of a rank that failed
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from typing import TYPE_CHECKING, Iterable
+
+from ._protocol import STACK_SIGNAL, TRACEBACK_MARK, TailReader, stack_path
+
+if TYPE_CHECKING:
+    from .launcher import Launch
+
+
+def bound_log(path: str, limit: int) -> None:
+    """Cut the middle out of a log longer than ``limit``: its first sixteenth and its end
+    stay, with a line saying how much is gone (a rank that printed 1 GB leaves 16 MB)."""
+    try:
+        size = os.path.getsize(path)
+        if size <= limit:
+            return
+        head_size = limit // 16
+        tail_size = limit - head_size
+        with open(path, "rb") as handle:
+            head = handle.read(head_size)
+            handle.seek(size - tail_size)
+            tail = handle.read()
+        cut = size - head_size - tail_size
+        mark = (
+            f"\n[air_magic] {cut} bytes of this rank's output were cut here: its log keeps the first "
+            f"{_size(head_size)} and the last {_size(tail_size)} (AIR_MAGIC_LOG_LIMIT).\n"
+        ).encode()
+        tmp = f"{path}.bounded"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(head + mark + tail)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB" if n >= 1 << 20 else f"{n / 1024:g} KiB"
+
+
+def log_end(path: str) -> str:
+    """The last 16 KiB of a log, decoded (``''`` when it cannot be read)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - 16384))
+            return handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def request_stacks(work_dir: str, running: dict[int, int], timeout: float) -> None:
+    """Signal every running rank (``{rank: pid}``) to write its stacks; wait (at most
+    ``timeout`` s) until each stack file has stopped growing."""
+    for rank, pid in running.items():
+        try:
+            os.truncate(stack_path(work_dir, rank), 0)
+            os.kill(pid, STACK_SIGNAL)
+        except OSError:  # ended meanwhile, or not yet listening
+            pass
+    deadline = time.monotonic() + timeout
+    sizes: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = {rank: file_size(stack_path(work_dir, rank)) for rank in running}
+        if all(now[r] > 0 and now[r] == sizes.get(r) for r in running):
+            break
+        sizes = now
+
+
+def read_stacks(work_dir: str, ranks: Iterable[int], sources: dict[str, tuple[str, str]]) -> dict[int, str]:
+    """The stacks the ranks wrote, by rank, with the cells' names as the notebook shows them."""
+    found = {}
+    for rank in ranks:
+        try:
+            with open(stack_path(work_dir, rank), encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+        except OSError:
+            continue
+        if text.strip():
+            for filename, (display, _) in sources.items():
+                text = text.replace(f'File "{filename}"', display)
+            found[rank] = text
+    return found
+
+
+#: Frames of these files are torch's collectives and rendezvous: a rank in one waits for the others.
+_COLLECTIVE_FILES = (
+    "torch/distributed/distributed_c10d.py",
+    "torch/distributed/rendezvous.py",
+    "torch/distributed/c10d_logger.py",
+)
+_FRAME = re.compile(r'^\s*(?:File "(?P<file>[^"]+)"|(?P<cell>Cell In\[\d+\])), line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def describe_stacks(stacks: dict[int, str], world_size: int) -> str:
+    """``[air_magic] where each rank was:`` and a line per rank; ``''`` with no stacks.
+
+    From each rank's main thread (the one running the launched code): its innermost
+    frame of the user's code, and the torch collective it waits in, if any.  When some
+    ranks wait in a collective and others do not, those others are behind: named.
+    """
+    if not stacks:
+        return ""
+    where: dict[int, tuple[str, str | None]] = {}
+    for rank, text in sorted(stacks.items()):
+        frames = _main_thread_frames(text)
+        collective = next(
+            (
+                f["func"]
+                for f in frames
+                if any(f["file"].endswith(c) for c in _COLLECTIVE_FILES) and f["func"] != "wrapper"
+            ),
+            None,
+        )
+        user = next((f for f in frames if _is_user_frame(f["file"])), None)
+        at = f"{user['file']}, line {user['line']} in {user['func']}" if user else "(no frame of the launched code)"
+        where[rank] = (at, collective)
+    waiting = sorted(r for r, (_, c) in where.items() if c)
+    lines = ["[air_magic] where each rank was:"]
+    for rank, (at, collective) in sorted(where.items()):
+        line = f"  rank {rank}: " + (
+            f"in {collective} (torch.distributed), called at {at}" if collective else f"at {at}"
+        )
+        if not collective and waiting:
+            who = ", ".join(map(str, waiting))
+            line += (
+                f"  <- behind: rank{'s' if len(waiting) > 1 else ''} {who} wait{'' if len(waiting) > 1 else 's'} for it"
+            )
+        lines.append(line)
+    missing = [r for r in range(world_size) if r not in where]
+    if missing:
+        lines.append(f"  rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}: had ended")
+    return "\n".join(lines)
+
+
+def _main_thread_frames(text: str) -> list[dict[str, str]]:
+    """The frames, most recent first, of the thread that runs the launched code."""
+    threads: list[list[dict[str, str]]] = [[]]
+    for line in text.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            threads.append([])
+            continue
+        match = _FRAME.match(line)
+        if match:
+            frame = match.groupdict()
+            frame["file"] = frame["file"] or frame["cell"]
+            threads[-1].append(frame)
+    threads = [t for t in threads if t]
+    for frames in threads:
+        if any(f["file"].endswith("air_magic/_rank.py") and f["func"] == "_run" for f in frames):
+            return frames
+    return threads[0] if threads else []
+
+
+def _is_user_frame(filename: str) -> bool:
+    if filename.startswith("Cell In["):
+        return True
+    parts = filename.replace(os.sep, "/")
+    return not (
+        "/site-packages/" in parts
+        or "/lib/python" in parts
+        or parts.startswith("<frozen")
+        or "/air_magic/" in parts
+        and os.path.dirname(filename) == _PACKAGE_DIR
+    )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class StallWatch:
+    """Names a straggler: when no rank has written a line for ``seconds``, look at every
+    rank's stack; if some wait in a collective and others do not, say where each one is
+    (once per quiet spell).  Silence alone is not a stall: a long step prints nothing."""
+
+    def __init__(self, launch: "Launch", seconds: float) -> None:
+        self.launch = launch
+        self.seconds = seconds
+        self.sizes: list[int] = []
+        self.quiet_since = time.monotonic()
+        self.next_check = self.quiet_since + 1.0
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.seconds <= 0 or now < self.next_check:
+            return
+        self.next_check = now + 1.0
+        sizes = [file_size(state.log_path) for state in self.launch.ranks]
+        if sizes != self.sizes:
+            self.sizes, self.quiet_since = sizes, now
+            return
+        if now - self.quiet_since < self.seconds:
+            return
+        self.quiet_since = now  # next look after another quiet spell
+        where = self.launch.where(self.launch.stacks(timeout=1.0))
+        if "<- behind" in where:
+            sys.stderr.write(f"[air_magic] no rank has written anything for {self.seconds:g} s.\n{where}\n")
+            sys.stderr.flush()
+
+
+class OutputPump:
+    """Copies new output of one rank's log into ``sys.stdout``, up to a limit.
+
+    Whole lines only (a carriage return ends a line too, for progress bars), so the
+    failure marker is always seen whole; the traceback after it is shown as the
+    cell's error instead.
+    """
+
+    def __init__(self, path: str, limit: int) -> None:
+        self.path = path
+        self.limit = limit
+        self.reader = TailReader(path)
+        self.shown = 0
+        self.stopped = False
+
+    def pump(self, final: bool = False) -> None:
+        if self.stopped:
+            return
+        data = self.reader.read(1 << 20, final=final, ends=(b"\n", b"\r"))
+        if not data:
+            return
+        mark = data.find(_MARK)
+        if mark >= 0:
+            data = data[:mark]
+            self.stopped = True
+        room = self.limit - self.shown
+        if len(data) > room:
+            cut = data[:room]
+            if b"\n" in cut:
+                cut = cut[: cut.rfind(b"\n") + 1]
+            self._write(cut)
+            self.stopped = True
+            sys.stdout.write(
+                f"\n[air_magic] rank 0 printed more than {self.limit // 1024} KiB; the rest is not "
+                f"shown here. Full log: {self.path}\n"
+            )
+            sys.stdout.flush()
+            return
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        if not data:
+            return
+        self.shown += len(data)
+        sys.stdout.write(data.decode("utf-8", "replace"))
+        sys.stdout.flush()
+
+
+_MARK = TRACEBACK_MARK.encode()

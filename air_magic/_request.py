@@ -1,0 +1,100 @@
+"""What a launch's ranks inherit from the kernel, taken at the moment of the launch.
+
+The kernel's environment, working directory, ``sys.path``, umask and soft resource
+limits as they are now (not as they were when the helper started) go into the
+:class:`~air_magic._protocol.LaunchRequest` the helper forks the ranks with::
+
+    Launch + Payload + the kernel's state now --request()--> LaunchRequest --> helper --> ranks
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from ._protocol import LaunchRequest
+from .errors import LaunchError
+
+if TYPE_CHECKING:
+    from .capture import Payload
+    from .launcher import Launch
+
+
+def request(launch: "Launch", payload: "Payload", env: dict[str, str], cwd: str, payload_file: str) -> LaunchRequest:
+    """The helper's request for ``launch`` (its folders and payload file are made)."""
+    return LaunchRequest(
+        launch_id=launch.id,
+        world_size=launch.world_size,
+        env=env,
+        cwd=cwd,
+        sys_path=[p if p else cwd for p in sys.path],
+        payload_path=payload_file,
+        work_dir=launch.work_dir,
+        shm_dir=launch.shm_dir,
+        log_paths=launch.log_paths,
+        timeout=launch.spec.timeout,
+        sources=payload.sources,
+        argv=payload.argv,
+        umask=current_umask(),
+        rlimits=soft_limits(),
+    )
+
+
+def rank_environment(launch: "Launch") -> dict[str, str]:
+    """The environment of the launch's ranks: the kernel's now, with what a rank needs."""
+    env = dict(os.environ)
+    # The kernel's inline plotting backend means nothing in a rank.
+    if env.get("MPLBACKEND", "").startswith("module://"):
+        env["MPLBACKEND"] = "Agg"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if launch.world_size > 1:  # torchrun's rule: one thread per rank unless set
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env["AIR_MAGIC_LAUNCH_ID"] = launch.id
+    if launch.placement.device == "cpu":
+        # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU
+        # is what `accelerate launch --cpu` sets: without it the Hugging Face Trainer
+        # runs every CPU rank on its own instead of joining them with gloo.
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("ACCELERATE_USE_CPU", "true")
+        if launch.placement.hardware.gpu_count:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks asked for on a GPU machine
+    return env
+
+
+def working_directory() -> str:
+    """The kernel's working directory (the ranks start in it); it must still exist."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise LaunchError(
+            "the notebook's working directory no longer exists (it was deleted or moved), and the "
+            "ranks start in it. Change to a folder that exists first, e.g. %cd ~ (or os.chdir(...))."
+        ) from None
+
+
+def current_umask() -> int | None:
+    """The kernel's umask, read without changing it (another thread may be creating files)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def soft_limits() -> dict[str, int]:
+    """The kernel's soft resource limits now, by name (a rank takes them as its own)."""
+    import resource
+
+    limits = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            try:
+                limits[name] = resource.getrlimit(getattr(resource, name))[0]
+            except (OSError, ValueError):
+                pass
+    return limits
