@@ -168,12 +168,12 @@ def _register_process_exit_hooks() -> None:
     data_utils = sys.modules.get("torch.utils.data._utils")
     if data_utils is not None and hasattr(data_utils, "_set_python_exit_flag"):
         atexit.register(data_utils._set_python_exit_flag)
-    atexit.register(multiprocessing.util._exit_function)
+    atexit.register(multiprocessing.util._exit_function)  # type: ignore[attr-defined]
     registry = getattr(weakref.finalize, "_registry", {})
     for info in list(registry.values()):
         info.atexit = False  # the helper's objects (torch's op libraries): not this rank's to finalize
     if getattr(weakref.finalize, "_registered_with_atexit", False):
-        atexit.register(weakref.finalize._exitfunc)
+        atexit.register(weakref.finalize._exitfunc)  # type: ignore[attr-defined]
 
 
 def _redirect_output(log_path: str) -> None:
@@ -190,7 +190,7 @@ def _redirect_output(log_path: str) -> None:
     sys.stdout = _text_stream(1, sys.__stdout__)
     sys.stderr = _text_stream(2, sys.__stderr__)
     sys.stdin = open(0, "r", closefd=False)
-    sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
+    sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin  # type: ignore[misc]
 
 
 _stack_file: Any = None  # kept open for faulthandler, which writes to its descriptor

@@ -53,6 +53,7 @@ from typing import Any, Iterator
 
 from ._private import PrivateFolderError, check_private, private_dir
 from ._protocol import METRIC, TailReader, parse_line, spool_file, spool_file_rank, text_field
+from .settings import settings
 
 __all__ = ["SPOOL_DIR_ENV", "STATE_DIR_ENV", "Spool", "PrivateFolderError", "spool_file", "artifact_dir"]
 __all__ += ["parse_line", "text_field", "iter_lines"]  # the line format, from _protocol
@@ -106,7 +107,7 @@ def read_run(folder: str) -> str | None:
 
 def state_dir() -> str:
     """``$AIR_MAGIC_STATE_DIR``, else ``$XDG_STATE_HOME/air_magic``, else ``~/.local/state/air_magic``."""
-    chosen = os.environ.get(STATE_DIR_ENV)
+    chosen = settings.state_dir
     if chosen:
         return os.path.abspath(os.path.expanduser(chosen))
     xdg = os.environ.get("XDG_STATE_HOME")

@@ -34,6 +34,7 @@ it ``StartLaunch`` (a :class:`~air_magic._protocol.LaunchRequest`), ``Stop``, ``
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import selectors
@@ -63,8 +64,7 @@ from ._protocol import (
     decode,
     encode,
 )
-
-_DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
+from .settings import settings
 
 #: The longest single wait of the main loop: selectors refuse waits of ~25 days or more
 #: (OverflowError), and a timer further away is simply waited for in several steps.
@@ -106,7 +106,7 @@ class Zygote:
     # -- start-up -------------------------------------------------------------------
 
     def preload(self) -> None:
-        names = os.environ.get("AIR_MAGIC_PRELOAD", _DEFAULT_PRELOAD)
+        names = settings.preload
         for name in filter(None, (n.strip() for n in names.split(","))):
             try:
                 importlib.import_module(name)
@@ -274,7 +274,7 @@ class Zygote:
         launch.stopping = reason
         self._send(Stopping(launch.launch_id, reason, time.monotonic()))
         for delay, signum in _ESCALATION.get(reason, _ESCALATION["failure"]):
-            self._after(delay, launch.launch_id, lambda s=signum: self._signal(launch, s))
+            self._after(delay, launch.launch_id, functools.partial(self._signal, launch, signum))
 
     def _signal(self, launch: _Launch, signum: int) -> None:
         for pid in launch.running.values():
@@ -428,8 +428,13 @@ def main(argv: list[str]) -> int:
     os.set_inheritable(alive_fd, True)
     conn = Connection(ctrl_fd)
     zygote = Zygote(conn, alive_fd, session_dir, shm_dir)
+
     # On SIGTERM (a kernel manager cleaning up) still take every rank along.
-    signal.signal(signal.SIGTERM, lambda *_: (zygote.shutdown(), os._exit(0)))
+    def on_sigterm(*_: object) -> None:
+        zygote.shutdown()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         stop_watch = _watch_kernel_while_preloading(alive_fd, session_dir, shm_dir)
         zygote.preload()

@@ -340,7 +340,7 @@ def _notebook_sources(codes: Iterable[types.CodeType]) -> dict[str, tuple[str, s
         if filename in found or os.path.exists(filename):
             continue
         entry = linecache.cache.get(filename)
-        if entry and entry[2]:
+        if entry and len(entry) == 4 and entry[2]:  # (a lazy entry is a 1-tuple)
             display = f"Cell In[{names[filename]}]" if filename in names else f'File "{filename}"'
             found[filename] = (display, "".join(entry[2]))
     return found

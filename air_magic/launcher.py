@@ -68,17 +68,14 @@ from ._rank_output import OutputPump, StallWatch, bound_log, describe_stacks, lo
 from .accelerators import detect_hardware
 from .capture import Payload
 from .errors import LaunchError
+from .settings import settings
 from .spec import LaunchSpec, Placement
 
 __all__ = ["Launcher", "Launch", "LaunchObserver", "RankState", "get_launcher", "describe_exit"]
 
-#: Bytes of rank 0's output copied into the cell per launch; past it the cell says so.
-OUTPUT_LIMIT = int(os.environ.get("AIR_MAGIC_OUTPUT_LIMIT", str(1 << 20)))
-#: Seconds without a line from any rank after which the ranks' stacks are looked at, and
-#: a rank that the others wait for in a collective is named (0: never).
-STALL_SECONDS = float(os.environ.get("AIR_MAGIC_STALL_SECONDS", "300"))
-#: Bytes of each rank's log kept once a launch has ended (its beginning and its end).
-LOG_LIMIT = int(os.environ.get("AIR_MAGIC_LOG_LIMIT", str(16 << 20)))
+# How much of rank 0's output reaches the cell, when a quiet launch is looked at, and how
+# much of each log is kept: read from ``settings`` (AIR_MAGIC_OUTPUT_LIMIT,
+# AIR_MAGIC_STALL_SECONDS, AIR_MAGIC_LOG_LIMIT) at each launch.
 _POLL = 0.05
 
 
@@ -243,8 +240,8 @@ class Launch:
 
     def wait_streaming(self) -> list[Any]:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
-        pump = OutputPump(self.ranks[0].log_path, OUTPUT_LIMIT)
-        stall = StallWatch(self, STALL_SECONDS)
+        pump = OutputPump(self.ranks[0].log_path, settings.output_limit)
+        stall = StallWatch(self, settings.stall_seconds)
         self._waiter = True
         try:
             while not self._done.wait(_POLL):
@@ -344,7 +341,7 @@ class Launch:
             outcome = (False, exc)
         self.timings["outcome"] = time.monotonic()
         for state in self.ranks:  # before the observers: MLflow keeps the bounded log too
-            bound_log(state.log_path, LOG_LIMIT)
+            bound_log(state.log_path, settings.log_limit)
         try:
             from ._teardown import check
 
@@ -458,7 +455,7 @@ class Launcher:
         self.launches: dict[str, Launch] = {}
         self.session_dir = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-")
         self.shm_root: str | None = None
-        shm = os.environ.get("AIR_MAGIC_SHM_DIR", "/dev/shm")  # where large result tensors travel
+        shm = settings.shm_dir  # where large result tensors travel
         if os.path.isdir(shm) and os.access(shm, os.W_OK):
             self.shm_root = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-", dir=shm)
         self._closed = False
@@ -483,7 +480,7 @@ class Launcher:
 
         ``AIR_MAGIC_WARM=0`` leaves it to the first launch (tests of code that never launches).
         """
-        if os.environ.get("AIR_MAGIC_WARM", "1") != "0":
+        if settings.warm:
             self._ensure_helper()
 
     def _ensure_helper(self) -> Helper:

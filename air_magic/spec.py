@@ -224,7 +224,7 @@ def check_timeout(value: object, no_limit: str = "timeout=None") -> float | None
         if value < 0:
             raise ConfigurationError(
                 f"timeout must be more than 0 seconds, got a negative integer of "
-                f"{int(value).bit_length()} bits. Pass {no_limit} for no limit."
+                f"{int(value).bit_length()} bits. Pass {no_limit} for no limit."  # type: ignore[call-overload]
             ) from None
         raise ConfigurationError(
             f"timeout is an integer beyond {sys.float_info.max:.1e}: more seconds than any clock "
@@ -252,9 +252,9 @@ def _user_stacklevel() -> int:
     ``%%distributed`` the cell that called the magic, not IPython's ``run_cell_magic``.
     """
     internal = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
-    ipython = sys.modules.get("IPython")
-    if ipython is not None and getattr(ipython, "__file__", None):
-        internal.append(os.path.dirname(os.path.abspath(ipython.__file__)) + os.sep)
+    ipython_file = getattr(sys.modules.get("IPython"), "__file__", None)
+    if ipython_file:
+        internal.append(os.path.dirname(os.path.abspath(ipython_file)) + os.sep)
     frame = sys._getframe(1)
     level = 1
     while frame is not None:
@@ -289,7 +289,7 @@ def _fold_accelerator(
         return value
     legacy = GPUType.parse(value)  # type: ignore[arg-type]
     if legacy is None:
-        parsed = AcceleratorType.parse(value)  # raises ConfigurationError with the valid forms
+        parsed = AcceleratorType.parse(value)  # type: ignore[arg-type]  # raises ConfigurationError with the valid forms
         if via_legacy_name:
             _warn(f"gpu_type is deprecated; use accelerator_type={parsed.value!r} instead.")
         return parsed

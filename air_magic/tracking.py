@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._spool import SPOOL_DIR_ENV, STATE_DIR_ENV, PrivateFolderError, Spool, publish_run, state_dir
 from ._tracking_recovery import Recovered, recover_in_background, upload_pending
+from .settings import settings
 
 if TYPE_CHECKING:
     from ._mlflow_upload import SpoolUploader
@@ -156,7 +157,7 @@ _warmed: set[str] = set()  # store URIs opened (or being opened) by this kernel
 def warm_in_background(log_dir: str | None = None) -> None:
     """Import MLflow and open (or create) the store now, in a thread, so that the first
     launch's run is made at once.  Its log lines go to ``log_dir/mlflow.log``."""
-    if os.environ.get("AIR_MAGIC_WARM", "1") == "0":
+    if not settings.warm:
         return
     uri = current_uri()
     with _warm_lock:
@@ -495,7 +496,7 @@ class _Writer:
             monitor = SystemMetricsMonitor(
                 run_id, sampling_interval=2, samples_before_logging=1, tracking_uri=self.observer.store_uri
             )
-            monitor.monitor = bounded(monitor.monitor)  # its requests are cut short like ours
+            monitor.monitor = bounded(monitor.monitor)  # type: ignore[method-assign]  # its requests are cut short like ours
             monitor.start()
             self._monitor = monitor
         except Exception:

@@ -2,7 +2,8 @@
 
 Read once per launch by ``panel_observer``::
 
-    AIR_MAGIC_PANEL, %config DistributedMagics.panel, the IPython shell (kernel or not),
+    settings.panel_mode (AIR_MAGIC_PANEL), the launch's own panel= (else settings.panel,
+    which %config DistributedMagics.panel writes), the IPython shell (kernel or not),
     front-end markers (JPY_SESSION_NAME, VSCODE_PID, __vsc_ipynb_file__, google.colab)
         --> panel_mode(): "widget" | "text" | None
 
@@ -15,6 +16,8 @@ import os
 import sys
 from typing import Any
 
+from ..settings import settings
+
 
 def _shell() -> Any:
     ipython = sys.modules.get("IPython")
@@ -24,14 +27,6 @@ def _shell() -> Any:
         return ipython.get_ipython()
     except (AttributeError, ImportError):  # IPython still being imported: no shell yet
         return None
-
-
-def _magics_setting(shell: Any) -> bool:
-    try:
-        magics = shell.magics_manager.registry.get("DistributedMagics")
-    except AttributeError:
-        return True
-    return bool(getattr(magics, "panel", True)) if magics is not None else True
 
 
 def widget_front_end(shell: Any) -> bool:
@@ -44,16 +39,17 @@ def widget_front_end(shell: Any) -> bool:
     return "__vsc_ipynb_file__" in namespace or "google.colab" in sys.modules
 
 
-def panel_mode(shell: Any = None) -> str | None:
-    """``"widget"``, ``"text"``, or ``None`` (panel off) for a launch from here now."""
+def panel_mode(shell: Any = None, wanted: bool | None = None) -> str | None:
+    """``"widget"``, ``"text"``, or ``None`` (panel off) for a launch from here now;
+    ``wanted`` is the launch's own ``panel=`` (``None``: the kernel's setting)."""
     shell = _shell() if shell is None else shell
-    value = os.environ.get("AIR_MAGIC_PANEL", "auto").strip().lower()
-    if value in ("0", "off", "false", "no", "none"):
+    value = settings.panel_mode
+    if value == "off":
         return None
-    if shell is not None and not _magics_setting(shell):
+    if not (settings.panel if wanted is None else wanted):
         return None
-    if value in ("text", "plain"):
+    if value == "text":
         return "text"
-    if value in ("widget", "widgets"):
+    if value == "widget":
         return "widget" if shell is not None and getattr(shell, "kernel", None) is not None else "text"
     return "widget" if widget_front_end(shell) else "text"

@@ -262,7 +262,7 @@ class PanelObserver(WidgetPanel):
 
 def panel_observer(launch: "Launch") -> PanelObserver | None:
     """The launcher's factory: a panel for every launch unless it is turned off."""
-    mode = panel_mode()
+    mode = panel_mode(wanted=launch.spec.panel)
     if mode is None:
         return None
     return PanelObserver(launch, mode)

@@ -16,6 +16,7 @@ from harness import wait_until
 from air_magic import panel
 from air_magic.launcher import RankState
 from air_magic.panel import LaunchState, LaunchSummary, LogTail, MetricsReader, Series, chart_svg, parse_tqdm
+from air_magic.settings import settings
 
 
 def fake_launch(tmp_path: Path, n: int = 2, status: str = "running", tracking: bool = True) -> Any:
@@ -246,8 +247,7 @@ class FakeShell:
     def __init__(self, kernel: bool = True, panel_setting: bool = True) -> None:
         self.kernel = object() if kernel else None
         self.user_ns: dict[str, Any] = {}
-        magics = SimpleNamespace(panel=panel_setting)
-        self.magics_manager = SimpleNamespace(registry={"DistributedMagics": magics})
+        self.panel_setting = panel_setting  # what %config DistributedMagics.panel set
 
 
 @pytest.mark.parametrize(
@@ -272,7 +272,34 @@ def test_panel_mode(env: dict[str, str], shell: Any, expected: str | None, monke
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(settings, "_panel", shell.panel_setting if shell is not None else None)
     assert panel.panel_mode(shell if shell is not None else False) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "kernel_setting", "wanted", "expected"),
+    [
+        ({}, False, True, "widget"),  # @distributed(panel=True) in a kernel whose %config turned it off
+        ({}, True, False, None),  # @distributed(panel=False)
+        ({}, True, None, "widget"),  # the kernel's setting
+        ({"AIR_MAGIC_PANEL": "0"}, True, True, None),  # the environment turns it off whatever is asked
+        ({"AIR_MAGIC_PANEL": "text"}, True, True, "text"),
+    ],
+)
+def test_a_launchs_own_panel_setting_wins_over_the_kernels(
+    env: dict[str, str],
+    kernel_setting: bool,
+    wanted: bool | None,
+    expected: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("AIR_MAGIC_PANEL", "VSCODE_PID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/train.ipynb")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(settings, "_panel", kernel_setting)
+    assert panel.panel_mode(FakeShell(), wanted=wanted) == expected
 
 
 def test_vscode_is_recognised_by_its_notebook_variable(monkeypatch: pytest.MonkeyPatch) -> None:

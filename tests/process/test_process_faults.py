@@ -246,10 +246,8 @@ def chatty(megabytes: int) -> int:
 
 
 def test_a_rank_log_is_kept_bounded_with_its_beginning_and_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    import air_magic.launcher as launcher_module
-
-    monkeypatch.setattr(launcher_module, "LOG_LIMIT", 1 << 20)
-    monkeypatch.setattr(launcher_module, "OUTPUT_LIMIT", 1 << 10)
+    monkeypatch.setenv("AIR_MAGIC_LOG_LIMIT", str(1 << 20))
+    monkeypatch.setenv("AIR_MAGIC_OUTPUT_LIMIT", str(1 << 10))
     handle = chatty.submit(4)
     assert handle.result(timeout=60) == [4]
     size = os.path.getsize(handle.ranks[0].log_path)
@@ -410,9 +408,7 @@ def test_a_timeout_says_where_each_rank_was() -> None:
 def test_a_straggler_is_named_when_every_rank_has_been_quiet_a_while(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import air_magic.launcher as launcher_module
-
-    monkeypatch.setattr(launcher_module, "STALL_SECONDS", 1.5)
+    monkeypatch.setenv("AIR_MAGIC_STALL_SECONDS", "1.5")
     with pytest.raises(LaunchTimeoutError):
         one_rank_lags.with_overrides(timeout=6).distributed()
     err = capsys.readouterr().err
