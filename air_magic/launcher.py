@@ -374,7 +374,10 @@ class Launch:
         self._done.set()
 
     #: The panel's name for :meth:`print_notices` (kept while it calls it so).
-    _print_notices = print_notices
+    @property
+    def waited_on(self) -> bool:
+        """Whether a cell waits for this launch (it then prints the launch's notices)."""
+        return self._waiter
 
     @contextlib.contextmanager
     def timed(self, observer: Any, hook: str) -> Iterator[None]:

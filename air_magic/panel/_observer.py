@@ -140,8 +140,8 @@ class PanelObserver(WidgetPanel):
         while not self._stop.wait(_FIRST_TICK if tick == 0 else _TICK):
             tick += 1
             try:
-                if not getattr(self.launch, "_waiter", True):  # a background launch: its lines
-                    self.launch._print_notices()  # (the MLflow run) reach its cell from here
+                if not self.launch.waited_on:  # a background launch: its lines
+                    self.launch.print_notices()  # (the MLflow run) reach its cell from here
                 self.state.refresh(tick)
                 if self.mode == "widget":
                     self._update_widgets(tick=tick)

@@ -19,6 +19,7 @@ import os
 import re
 from typing import Any, Iterable
 
+from .._protocol import METRIC, TailReader, parse_line
 from ..accelerators import NvmlDevices
 from ._format import _fmt_bytes
 
@@ -189,48 +190,24 @@ class Series:
 
 
 class MetricsReader:
-    """New lines of one rank's ``tracking-<rank>.tsv`` (``m\\tkey\\tvalue\\tstep\\tts``)."""
+    """New metric lines of one rank's spool file (the line format is ``_protocol``'s)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.offset = 0
+        self._tail = TailReader(path)
         self.latest: dict[str, tuple[int, float]] = {}
         self.series: dict[str, Series] = {}
         self.max_step: int | None = None
         self.version = 0
 
     def refresh(self) -> bool:
-        try:
-            size = os.stat(self.path).st_size
-        except OSError:
-            return False
-        if size <= self.offset:
-            return False
-        start = self.offset
-        if size - start > _TSV_CHUNK:
-            start = size - _TSV_CHUNK  # far behind: keep up, skip the middle
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(start)
-                data = handle.read(size - start)
-        except OSError:
-            return False
-        if start != self.offset:
-            cut = data.find(b"\n") + 1
-            data = data[cut:]
-            start += cut
-        end = data.rfind(b"\n") + 1
-        self.offset = start + end
         changed = False
-        for line in data[:end].decode("utf-8", "replace").splitlines():
-            fields = line.split("\t")
-            if len(fields) != 5 or fields[0] != "m":
+        # Far behind: keep up, skip the middle.
+        for line in self._tail.read_recent(_TSV_CHUNK).splitlines():
+            record = parse_line(line)
+            if record is None or record[0] != METRIC:
                 continue
-            key = fields[1]
-            try:
-                value, step = float(fields[2]), int(float(fields[3]))
-            except ValueError:
-                continue
+            _, key, value, step, _ = record
             if key not in self.latest and len(self.latest) >= _MAX_KEYS:
                 continue
             self.latest[key] = (step, value)

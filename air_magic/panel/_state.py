@@ -12,11 +12,11 @@ read by the renderers between ticks::
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
+from .._protocol import spool_file
 from ._format import _clip, _fmt_bytes, _fmt_elapsed
 from ._lint import _Lint, _lint_texts
 from ._sources import LogTail, MetricsReader, UsageSampler
@@ -34,9 +34,7 @@ class LaunchState:
     def __init__(self, launch: "Launch") -> None:
         self.launch = launch
         self.logs = [LogTail(state.log_path) for state in launch.ranks]
-        self.metrics = [
-            MetricsReader(os.path.join(launch.work_dir, f"tracking-{state.rank}.tsv")) for state in launch.ranks
-        ]
+        self.metrics = [MetricsReader(spool_file(launch.work_dir, state.rank)) for state in launch.ranks]
         self.tracking = bool(getattr(launch.spec, "tracking", False))
         self.usage = UsageSampler(launch.placement.device)
         self.lint: _Lint | None = None
