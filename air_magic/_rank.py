@@ -426,7 +426,7 @@ def _run(request: LaunchRequest, rank: int) -> int:
         else:
             record = _error_record(exc, sources)
             code = 1
-    except BaseException as exc:
+    except BaseException as exc:  # the user's code: SystemExit, KeyboardInterrupt included, is its outcome
         _hold_stop_signals()
         record = _error_record(exc, sources)
         code = 1
@@ -459,7 +459,7 @@ def _flush_exit_hooks() -> None:
     # Hooks the user's code registered (MLflow's end_run, loggers) run as at a normal exit.
     try:
         atexit._run_exitfuncs()
-    except BaseException:
+    except BaseException:  # a user's exit hook: shown in the rank's log, the exit goes on
         traceback.print_exc()
 
 

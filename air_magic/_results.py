@@ -125,7 +125,7 @@ def write_record(path: str, record: Record, shm_dir: str | None, prefix: str, fa
             pickler_paths = pickler.shm_paths
             pickler.dump(record)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # no half-written result is left behind; re-raised
         for leftover in [tmp, *pickler_paths]:
             try:
                 os.unlink(leftover)

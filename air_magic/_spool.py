@@ -203,7 +203,7 @@ class Spool:
             _write_json(building, journal)
             folder = os.path.join(root, launch_id)
             os.rename(building, folder)  # recovery only ever sees locked, journaled folders
-        except BaseException:
+        except BaseException:  # clean up whatever stopped it (an interrupt too), then re-raise
             if lock_fd is not None:
                 os.close(lock_fd)
             shutil.rmtree(building, ignore_errors=True)
@@ -233,7 +233,7 @@ class Spool:
                 return None
             check_private(folder, _WHAT)
             return cls(folder, lock_fd, _read_json(folder), durable=True)
-        except BaseException:
+        except BaseException:  # the lock is ours to close whatever stopped it; re-raised
             os.close(lock_fd)
             raise
 

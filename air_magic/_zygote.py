@@ -171,7 +171,7 @@ class Zygote:
         self.launches[launch.launch_id] = launch
         try:
             self._fork_ranks(launch, request)
-        except BaseException:
+        except BaseException:  # take back the ranks forked so far, then re-raise
             self._abort(launch)
             raise
         self._send(Started(launch.launch_id, dict(launch.running)))

@@ -10,12 +10,15 @@ import functools
 import inspect
 import sys
 import types
-from typing import Any, Callable, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar, overload
 
 from .accelerators import AcceleratorType, GPUType
 from .capture import function_payload
 from .errors import DirectCallError, render_lines
 from .spec import DEFAULT_TIMEOUT, UNSET, AcceleratorArg, LaunchSpec, make_spec
+
+if TYPE_CHECKING:
+    from .launcher import Launch
 
 __all__ = ["distributed", "DistributedFunction"]
 
@@ -44,16 +47,16 @@ class DistributedFunction(Generic[R]):
         self._signature = inspect.signature(func)
         #: Set on the object a method access returns (``obj.train``): the class attribute.
         self._unbound: DistributedFunction[R] | None = None
-        self._last_launch: Any = None
+        self._last_launch: Launch | None = None
 
     @property
-    def last_launch(self) -> Any:
+    def last_launch(self) -> "Launch | None":
         """The most recent :class:`~air_magic.launcher.Launch` of this function (its
         ``run_id``, ``log_paths``, ``status``), or ``None``."""
         return (self._unbound or self)._last_launch
 
     @last_launch.setter
-    def last_launch(self, launch: Any) -> None:
+    def last_launch(self, launch: "Launch | None") -> None:
         self._last_launch = launch
         if self._unbound is not None:
             self._unbound._last_launch = launch
@@ -103,13 +106,14 @@ class DistributedFunction(Generic[R]):
             raise _shown_alone(TypeError(message)) from None
         return function_payload(self.func, args, kwargs)
 
-    def submit(self, *args: Any, **kwargs: Any) -> Any:
+    def submit(self, *args: Any, **kwargs: Any) -> "Launch":
         """Start the launch and return its :class:`~air_magic.launcher.Launch` handle at once."""
         from ._plugins import get_launcher
 
         payload = self._payload(args, kwargs)
-        self.last_launch = get_launcher().start(self.spec, payload)
-        return self.last_launch
+        launch = get_launcher().start(self.spec, payload)
+        self.last_launch = launch
+        return launch
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
         """Run on every rank and wait; one return value per rank, ordered by global rank.
@@ -124,7 +128,7 @@ class DistributedFunction(Generic[R]):
         [(0, 2), (1, 2)]
         """
         launch = self.submit(*args, **kwargs)
-        return launch.wait_streaming()  # type: ignore[no-any-return]
+        return launch.wait_streaming()
 
     def with_overrides(
         self,

@@ -490,6 +490,10 @@ class Launcher:
         with self._lock:
             if self._closed:
                 raise LaunchError("the launcher was shut down; restart the kernel to launch again")
+            # A helper that has exited is gone even before its reader thread has read the
+            # end of its socket: a launch sent to it now would be lost with it.
+            if self._helper is not None and self._helper.returncode() is not None:
+                self._helper.alive = False
             if self._helper is None or not self._helper.alive:
                 self._helper = Helper(self.session_dir, self.shm_root, self._dispatch, self._helper_gone)
             return self._helper
