@@ -116,8 +116,13 @@ class Launch:
         self.shm_dir = os.path.join(launcher.shm_root, self.id) if launcher.shm_root else None
         self.world_size = placement.world_size
         self.ranks = [RankState(r, log_path(self.log_dir, r)) for r in range(self.world_size)]
+        #: The launch's MLflow run, once tracking has made it (set by the tracking plug-in):
+        #: its id, its name, a link to it on an http(s) server, and the command that opens
+        #: it where there is no server (``mlflow ui --backend-store-uri ...``).
         self.run_id: str | None = None
+        self.run_name: str | None = None
         self.run_url: str | None = None
+        self.run_command: str | None = None
         self.started_at = time.time()
         self.ended_at: float | None = None
         self.status = "starting"
