@@ -43,7 +43,8 @@ import time
 import uuid
 from typing import Any, Callable, ClassVar, Iterator, Protocol
 
-from . import _outcome, _request, _results
+from . import _logs, _outcome, _request, _results
+from . import settings as settings_module
 from ._helper import Helper
 from ._outcome import RankState, describe_exit
 from ._protocol import (
@@ -67,7 +68,7 @@ from ._protocol import (
 from ._rank_output import OutputPump, StallWatch, bound_log, describe_stacks, log_end, read_stacks, request_stacks
 from .accelerators import detect_hardware
 from .capture import Payload
-from .errors import LaunchError
+from .errors import ConfigurationError, LaunchError
 from .settings import settings
 from .spec import LaunchSpec, Placement
 
@@ -112,7 +113,10 @@ class Launch:
         self.kind = payload.kind
         self.id = f"{launcher.next_number():04d}-{uuid.uuid4().hex[:8]}"
         self.work_dir = os.path.join(launcher.session_dir, self.id)
-        self.log_dir = log_dir(self.work_dir)
+        self.started_at = time.time()
+        # Kept after the kernel exits (the user's log folder), else in the session folder.
+        logs = launcher.logs_root()
+        self.log_dir = _logs.launch_log_dir(logs, self.id, self.started_at) if logs else log_dir(self.work_dir)
         self.shm_dir = os.path.join(launcher.shm_root, self.id) if launcher.shm_root else None
         self.world_size = placement.world_size
         self.ranks = [RankState(r, log_path(self.log_dir, r)) for r in range(self.world_size)]
@@ -123,7 +127,6 @@ class Launch:
         self.run_name: str | None = None
         self.run_url: str | None = None
         self.run_command: str | None = None
-        self.started_at = time.time()
         self.ended_at: float | None = None
         self.status = "starting"
         # Only the cell/function sources stay (for the panel's linter): the pickled
@@ -467,7 +470,30 @@ class Launcher:
         if os.path.isdir(shm) and os.access(shm, os.W_OK):
             self.shm_root = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-", dir=shm)
         self._closed = False
+        self._logs_root: str | None = None  # "" when the user's log folder cannot be used
         atexit.register(self.shutdown)
+
+    def logs_root(self) -> str | None:
+        """The user's folder for launch logs (made, and pruned in the background, at the
+        first launch); ``None`` when it cannot be used: logs then stay in the session folder."""
+        with self._lock:
+            if self._logs_root is None:
+                try:
+                    self._logs_root = _logs.logs_root()
+                except OSError as exc:  # PrivateFolderError included
+                    self._logs_root = ""
+                    print(
+                        f"[air_magic] {exc} This kernel's launch logs are kept in its session folder "
+                        f"and removed when it exits; set {settings_module.LOG_DIR_ENV} to a folder only "
+                        "you can use.",
+                        file=sys.stderr,
+                    )
+                else:
+                    try:
+                        _logs.prune_in_background(self._logs_root)
+                    except ConfigurationError as exc:
+                        print(f"[air_magic] old launch logs are not pruned: {exc}", file=sys.stderr)
+            return self._logs_root or None
 
     def next_number(self) -> int:
         """The next launch's number in this kernel (1, 2, ...)."""

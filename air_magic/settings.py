@@ -29,6 +29,12 @@ Environment variable           Setting (default)
 ``AIR_MAGIC_PRELOAD``          ``preload``: modules the helper imports at start, comma
                                separated (torch and its distributed, nn, optim, data);
                                read by the helper process
+``AIR_MAGIC_LOG_DIR``          ``log_dir``: where each launch's logs are kept after the kernel
+                               exits (``$XDG_CACHE_HOME/air_magic/logs``, else
+                               ``~/.cache/air_magic/logs``)
+``AIR_MAGIC_LOG_KEEP_DAYS``    ``log_keep_days``: launch logs older than this are pruned (14)
+``AIR_MAGIC_LOG_KEEP_MB``      ``log_keep_mb``: the oldest launch logs are pruned past this
+                               total (1024)
 ``AIR_MAGIC_STATE_DIR``        ``state_dir``: state that outlives a kernel (``None``:
                                ``$XDG_STATE_HOME/air_magic``, else
                                ``~/.local/state/air_magic``)
@@ -77,6 +83,9 @@ CPU_RANKS_PER_CORE = 4
 PRELOAD_ENV = "AIR_MAGIC_PRELOAD"
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
 STATE_DIR_ENV = "AIR_MAGIC_STATE_DIR"
+LOG_DIR_ENV = "AIR_MAGIC_LOG_DIR"
+LOG_KEEP_DAYS_ENV = "AIR_MAGIC_LOG_KEEP_DAYS"
+LOG_KEEP_MB_ENV = "AIR_MAGIC_LOG_KEEP_MB"
 
 _PANEL_OFF = ("0", "off", "false", "no", "none")
 
@@ -182,6 +191,38 @@ class Settings:
     def preload(self) -> str:
         """Modules the helper imports at start, comma separated (``AIR_MAGIC_PRELOAD``)."""
         return self._env(PRELOAD_ENV, DEFAULT_PRELOAD)
+
+    @property
+    def log_dir(self) -> str:
+        """Where each launch's logs are kept (``AIR_MAGIC_LOG_DIR``, else the user's cache)."""
+        chosen = self._env(LOG_DIR_ENV)
+        if chosen:
+            return os.path.abspath(os.path.expanduser(chosen))
+        xdg = self._env("XDG_CACHE_HOME")
+        base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "air_magic", "logs")
+
+    @property
+    def log_keep_days(self) -> float:
+        """Launch logs older than this many days are pruned (``AIR_MAGIC_LOG_KEEP_DAYS``, 14)."""
+        return self._number(LOG_KEEP_DAYS_ENV, 14.0)
+
+    @property
+    def log_keep_mb(self) -> float:
+        """The oldest launch logs are pruned past this many MB in all (``AIR_MAGIC_LOG_KEEP_MB``)."""
+        return self._number(LOG_KEEP_MB_ENV, 1024.0)
+
+    def _number(self, name: str, default: float) -> float:
+        text = self._env(name).strip()
+        if not text:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if math.isnan(value) or value < 0:
+            raise ConfigurationError(f"{name} must be a number (0 or more), got {text!r}; unset it for {default:g}.")
+        return value
 
     @property
     def state_dir(self) -> str | None:

@@ -63,6 +63,17 @@ def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         yield str(folder)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``AIR_MAGIC_LOG_DIR`` for this session (kernels started here inherit it): the launches'
+    logs, kept after a kernel exits, go here instead of the user's own cache folder."""
+    folder = tmp_path_factory.mktemp("air-magic-logs")
+    folder.chmod(0o700)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIR_MAGIC_LOG_DIR", str(folder))
+        yield str(folder)
+
+
 @pytest.fixture(scope="session")
 def kernel_factory() -> Iterator[Any]:
     """``kernel_factory(extra_env=None) -> Kernel``; every kernel is shut down at the end."""
