@@ -35,12 +35,14 @@ def test_the_log_folder_follows_the_environment_then_the_cache(tmp_path: Path) -
 
 def test_a_bad_limit_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="AIR_MAGIC_LOG_KEEP_DAYS must be a number .0 or more., got 'soon'"):
-        Settings({"AIR_MAGIC_LOG_KEEP_DAYS": "soon"}).log_keep_days
+        _ = Settings({"AIR_MAGIC_LOG_KEEP_DAYS": "soon"}).log_keep_days
 
 
 def test_a_launch_folder_is_named_by_its_start_and_id(tmp_path: Path) -> None:
     started = time.mktime((2026, 11, 30, 23, 45, 12, 0, 0, -1))
-    assert _logs.launch_log_dir(str(tmp_path), "0003-1a2b3c4d", started) == str(tmp_path / "20261130-234512-0003-1a2b3c4d")
+    assert _logs.launch_log_dir(str(tmp_path), "0003-1a2b3c4d", started) == str(
+        tmp_path / "20261130-234512-0003-1a2b3c4d"
+    )
 
 
 def test_old_folders_go_then_the_oldest_past_the_size_limit_never_a_recent_one(tmp_path: Path) -> None:
