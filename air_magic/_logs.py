@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 
 from ._private import private_dir
-from .settings import settings
+from .errors import ConfigurationError
+from .settings import LOG_DIR_ENV, settings
 
-__all__ = ["logs_root", "launch_log_dir", "prune", "prune_in_background"]
+__all__ = ["LogFolder", "logs_root", "launch_log_dir", "prune", "prune_in_background"]
 
 #: A launch folder written to more recently than this (seconds) is never pruned.
 RECENT = 3600.0
@@ -99,3 +101,31 @@ def prune_in_background(root: str) -> None:
             pass
 
     threading.Thread(target=run, name="air_magic-log-prune", daemon=True).start()
+
+
+class LogFolder:
+    """A launcher's log folder: made (and pruned in the background) at the first launch,
+    said once when it cannot be used; the logs then stay in the kernel's session folder."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._root: str | None = None  # "" when the user's log folder cannot be used
+
+    def root(self) -> str | None:
+        with self._lock:
+            if self._root is None:
+                try:
+                    self._root = logs_root()
+                except OSError as exc:  # PrivateFolderError included
+                    self._root = ""
+                    print(
+                        f"[air_magic] {exc} This kernel's launch logs are kept in its session folder "
+                        f"and removed when it exits; set {LOG_DIR_ENV} to a folder only you can use.",
+                        file=sys.stderr,
+                    )
+                else:
+                    try:
+                        prune_in_background(self._root)
+                    except ConfigurationError as exc:
+                        print(f"[air_magic] old launch logs are not pruned: {exc}", file=sys.stderr)
+            return self._root or None

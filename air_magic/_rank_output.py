@@ -10,6 +10,7 @@ Files the ranks write (names from :mod:`air_magic._protocol`) -> what the launch
                     others wait for
     rank-<r>.log  --bound_log--> at the end, its first sixteenth and its end are kept
     rank-<r>.log  --log_end--> its last 16 KiB, for the message of a rank that failed
+    result-<r>.pkl --read_records--> the records :func:`air_magic._outcome.decide` needs
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import os
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from ._protocol import STACK_SIGNAL, TRACEBACK_MARK, TailReader, stack_path
+from . import _outcome, _results
+from ._protocol import STACK_SIGNAL, TRACEBACK_MARK, TailReader, ValueRecord, stack_path
 
 if TYPE_CHECKING:
     from .launcher import Launch
@@ -275,3 +277,25 @@ class OutputPump:
 
 
 _MARK = TRACEBACK_MARK.encode()
+
+
+# -- the ranks' result records ----------------------------------------------------------------
+
+
+def read_records(work_dir: str, ending: _outcome.Ending) -> dict[int, Any]:
+    """The ranks' records as :func:`_outcome.decide` needs them: after a failure those of
+    the ranks that did not finish; else every rank's, in order, up to the first that
+    holds no value (what a value that cannot be loaded raised stands for it)."""
+    records: dict[int, Any] = {}
+    for state in ending.ranks:
+        if ending.failures and state.returncode == 0 and not state.left:
+            continue  # finished: its value is not read
+        try:
+            records[state.rank] = _results.read_record(_results.result_path(work_dir, state.rank))
+        except FileNotFoundError:
+            records[state.rank] = _outcome.MISSING
+        except Exception as exc:  # cut short by a kill, or unloadable here (any unpickling error)
+            records[state.rank] = exc
+        if not ending.failures and not isinstance(records[state.rank], ValueRecord):
+            break
+    return records

@@ -44,7 +44,6 @@ import uuid
 from typing import Any, Callable, ClassVar, Iterator, Protocol
 
 from . import _logs, _outcome, _request, _results
-from . import settings as settings_module
 from ._helper import Helper
 from ._outcome import RankState, describe_exit
 from ._protocol import (
@@ -58,17 +57,25 @@ from ._protocol import (
     Stop,
     Stopping,
     ToKernel,
-    ValueRecord,
     joined_path,
     left_path,
     log_dir,
     log_path,
     payload_path,
 )
-from ._rank_output import OutputPump, StallWatch, bound_log, describe_stacks, log_end, read_stacks, request_stacks
+from ._rank_output import (
+    OutputPump,
+    StallWatch,
+    bound_log,
+    describe_stacks,
+    log_end,
+    read_records,
+    read_stacks,
+    request_stacks,
+)
 from .accelerators import detect_hardware
 from .capture import Payload
-from .errors import ConfigurationError, LaunchError
+from .errors import LaunchError
 from .settings import settings
 from .spec import LaunchSpec, Placement
 
@@ -115,7 +122,7 @@ class Launch:
         self.work_dir = os.path.join(launcher.session_dir, self.id)
         self.started_at = time.time()
         # Kept after the kernel exits (the user's log folder), else in the session folder.
-        logs = launcher.logs_root()
+        logs = launcher.log_folder.root()
         self.log_dir = _logs.launch_log_dir(logs, self.id, self.started_at) if logs else log_dir(self.work_dir)
         self.shm_dir = os.path.join(launcher.shm_root, self.id) if launcher.shm_root else None
         self.world_size = placement.world_size
@@ -428,7 +435,7 @@ class Launch:
             cancel_requested=self._cancel_requested,
             failures=tuple(self._failures),
         )
-        records = _read_records(self.work_dir, ending) if _outcome.needs_records(ending) else {}
+        records = read_records(self.work_dir, ending) if _outcome.needs_records(ending) else {}
         where = ""
         if ending.error_text is None and ending.stop_reason == "timeout":
             where = self.where(read_stacks(self.work_dir, range(self.world_size), self.sources))
@@ -470,30 +477,8 @@ class Launcher:
         if os.path.isdir(shm) and os.access(shm, os.W_OK):
             self.shm_root = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-", dir=shm)
         self._closed = False
-        self._logs_root: str | None = None  # "" when the user's log folder cannot be used
+        self.log_folder = _logs.LogFolder()  # where the launches' logs are kept
         atexit.register(self.shutdown)
-
-    def logs_root(self) -> str | None:
-        """The user's folder for launch logs (made, and pruned in the background, at the
-        first launch); ``None`` when it cannot be used: logs then stay in the session folder."""
-        with self._lock:
-            if self._logs_root is None:
-                try:
-                    self._logs_root = _logs.logs_root()
-                except OSError as exc:  # PrivateFolderError included
-                    self._logs_root = ""
-                    print(
-                        f"[air_magic] {exc} This kernel's launch logs are kept in its session folder "
-                        f"and removed when it exits; set {settings_module.LOG_DIR_ENV} to a folder only "
-                        "you can use.",
-                        file=sys.stderr,
-                    )
-                else:
-                    try:
-                        _logs.prune_in_background(self._logs_root)
-                    except ConfigurationError as exc:
-                        print(f"[air_magic] old launch logs are not pruned: {exc}", file=sys.stderr)
-            return self._logs_root or None
 
     def next_number(self) -> int:
         """The next launch's number in this kernel (1, 2, ...)."""
@@ -655,25 +640,6 @@ class Launcher:
         for path in (self.session_dir, self.shm_root):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _read_records(work_dir: str, ending: _outcome.Ending) -> dict[int, Any]:
-    """The ranks' records as :func:`_outcome.decide` needs them: after a failure those of
-    the ranks that did not finish; else every rank's, in order, up to the first that
-    holds no value (what a value that cannot be loaded raised stands for it)."""
-    records: dict[int, Any] = {}
-    for state in ending.ranks:
-        if ending.failures and state.returncode == 0 and not state.left:
-            continue  # finished: its value is not read
-        try:
-            records[state.rank] = _results.read_record(_results.result_path(work_dir, state.rank))
-        except FileNotFoundError:
-            records[state.rank] = _outcome.MISSING
-        except Exception as exc:  # cut short by a kill, or unloadable here (any unpickling error)
-            records[state.rank] = exc
-        if not ending.failures and not isinstance(records[state.rank], ValueRecord):
-            break
-    return records
 
 
 _launcher: Launcher | None = None

@@ -446,12 +446,14 @@ def test_cancel_stops_a_submitted_launch() -> None:
 @distributed(num_accelerators=2, tracking=False)
 def raise_unrebuildable() -> None:
     import os
+    import time
 
     class NeedsTwoArgs(Exception):
         def __init__(self, a: Any, b: Any) -> None:
             super().__init__(f"{a}/{b}")
 
     if os.environ["RANK"] == "1":
+        time.sleep(1.0)  # rank 0 returns at once: it has ended (on a loaded machine too)
         raise NeedsTwoArgs("left", "right")
 
 
