@@ -7,9 +7,9 @@ place in the metrics tab and in the summary; :func:`chart_caption` is the line u
 (``loss — rank 0: 0.0824, rank 1: 0.0824 (step 120)``) and :func:`line_sample` the
 legend's sample of a rank's line.
 
-Every rank's line has its colour, its dash pattern and its marker on its last point, and
-lines drawn later are thinner: ranks whose values are the same stay visible one under
-the other.  The left margin fits the longest y-axis label (estimated from its length),
+Every rank's line has its colour, its dash pattern and its marker on its last point
+(hollow after rank 0), and lines drawn later are thinner: ranks whose values are the same
+stay visible one under the other.  The left margin fits the longest y-axis label (estimated from its length),
 so no label is cut at the SVG's edge.
 """
 
@@ -42,7 +42,8 @@ def _text_width(text: str, size: float = _LABEL_SIZE) -> float:
 def _marker(rank: int, x: float, y: float, size: float) -> str:
     """A small shape, one kind per rank, at ``(x, y)``: what tells ranks apart where lines coincide."""
     color = _rank_color(rank)
-    common = f'data-rank="{rank}" fill="{color}" stroke="{color}"'
+    fill = color if rank == 0 else "none"  # hollow after rank 0: a marker under it shows through
+    common = f'data-rank="{rank}" fill="{fill}" stroke="{color}" stroke-width="1.2"'
     shape = _MARKERS[rank % len(_MARKERS)]
     if shape == "circle":
         return f'<circle class="marker" {common} cx="{x:.1f}" cy="{y:.1f}" r="{size:.1f}"/>'
@@ -57,7 +58,7 @@ def _marker(rank: int, x: float, y: float, size: float) -> str:
         points = f"{x:.1f},{y - size * 1.3:.1f} {x + size * 1.3:.1f},{y:.1f} {x:.1f},{y + size * 1.3:.1f} {x - size * 1.3:.1f},{y:.1f}"
     else:  # cross
         return (
-            f'<path class="marker" {common} fill="none" stroke-width="1.5" '
+            f'<path class="marker" {common} '
             f'd="M{x - size:.1f},{y - size:.1f}L{x + size:.1f},{y + size:.1f}M{x - size:.1f},{y + size:.1f}L{x + size:.1f},{y - size:.1f}"/>'
         )
     return f'<polygon class="marker" {common} points="{points}"/>'
