@@ -288,7 +288,7 @@ def _fix_advice(items: list[_Finding]) -> str:
 
 
 def text_status(state: LaunchState) -> str:
-    """One compact line: ``[air_magic] train 0:12 running · r0 45% 450/1000 loss=0.32 · r1 ...``."""
+    """One compact line: ``[air_magic] train 0:12 running · r0 45% 450/1000 loss=0.32 · r1 ... · all 40% eta 0:05 ...``."""
     launch = state.launch
     head = f"[air_magic] {launch.label} {_fmt_clock(state.elapsed())} {_status_text(launch)}"
     parts = []
@@ -313,10 +313,12 @@ def text_status(state: LaunchState) -> str:
             parts.append(f"r{rank} " + " ".join(bits))
     if n > 4:
         parts.insert(1, "…")
+    line = " · ".join([head, *parts])
+    # The overall part goes last, after the ranks (the line keeps its "status · r0 ..." start),
+    # and is never the part cut off: the ranks' parts give way to it.
     overall = _overall_text(state)
     if overall:
-        parts.insert(0, overall)
-    line = " · ".join([head, *parts])
+        return _clip(line, 220 - len(overall) - 3) + " · " + overall
     return _clip(line, 220)
 
 

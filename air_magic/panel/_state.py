@@ -124,7 +124,7 @@ class LaunchState:
         the sum of the running ranks' tqdm rates (items/s of the whole launch), given only
         when their bars count the same unit.  See :class:`Overall` for the straggler rule.
         """
-        if self.launch.status != "running":
+        if self.launch.status != "running" or len(self.logs) < 2:  # one rank: its row says it all
             return None
         bars: list[tuple[int, float, dict[str, Any]]] = []
         for rank, log in enumerate(self.logs):

@@ -172,8 +172,8 @@ def test_summary_and_status_line(tmp_path: Path) -> None:
     state = LaunchState(launch)
     state.refresh(tick=0)
     line = panel.text_status(state)
-    # the overall line first (rank 0's bar is the only one: it is the slowest), then each rank
-    assert line == "[air_magic] train 0:12 running · all 30% eta 00:02 3 it/s · r0 30% 3/10 loss=0.125", line
+    # each rank, then the overall part (rank 0's bar is the only one: it is the slowest)
+    assert line == "[air_magic] train 0:12 running · r0 30% 3/10 loss=0.125 · all 30% eta 00:02 3 it/s", line
     launch.status, launch.ended_at = "failed", launch.started_at + 12.5
     launch.ranks[1].returncode = 1
     launch._outcome = (False, RuntimeError("boom\nsecond line"))
@@ -430,9 +430,28 @@ def test_the_overall_line_is_the_slowest_ranks_with_the_rates_summed(tmp_path: P
     assert top.index("data-air-magic-overall") < top.index("<table")  # at the top
     assert "overall 40% 40/100 (slowest: rank 2) · eta 00:60 · " in top and "20 it/s in all" in top
     assert "rank 2 is behind" in top and "data-air-magic-behind" in top
-    assert panel.text_status(state).startswith(
-        "[air_magic] train 0:12 running · all 40% eta 00:60 20 it/s (rank 2 is behind: 40% while the others are at 75%)"
-    )
+    line = panel.text_status(state)
+    assert line.startswith("[air_magic] train 0:12 running · r0 train 76% 76/100 · r1 train 75% 75/100 · "), line
+    assert line.endswith(" · all 40% eta 00:60 20 it/s (rank 2 is behind: 40% while the others are at 75%)"), line
+
+
+def test_the_overall_part_of_a_text_line_is_never_cut(tmp_path: Path) -> None:
+    launch = fake_launch(tmp_path, n=8)
+    for rank in range(8):
+        pct = 20 if rank == 7 else 80
+        Path(launch.ranks[rank].log_path).write_text(("d" * 60) + ": " + _bar(pct).lstrip("\r"))
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    line = panel.text_status(state)
+    assert len(line) <= 220 and line.endswith("(rank 7 is behind: 20% while the others are at 80%)"), line
+
+
+def test_a_single_rank_has_no_overall_line(tmp_path: Path) -> None:
+    launch = fake_launch(tmp_path, n=1)
+    Path(launch.ranks[0].log_path).write_text(_bar(40))
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    assert state.overall() is None and "data-air-magic-overall" not in panel._top_html(state)
 
 
 @pytest.mark.parametrize(
