@@ -12,8 +12,12 @@ nothing for it and user code does not change::
         +--> latest metrics, metric steps, chart series (at most 500 points each)
     psutil / NVML on each rank's pid (and its children)
         +--> CPU % and RSS, or GPU utilisation and memory
-    Launch (status, ranks, run_url, outcome)
-        +--> header, rank states, Stop, elapsed time, final outcome
+    Launch (status, ranks, run_id/run_name/run_url/run_command, outcome)
+        +--> header, rank states, Stop, elapsed time, final outcome; the MLflow run by name,
+             a link to it, or the command that opens it (text to copy)
+    every running rank's last bar
+        +--> the overall line: the slowest rank's progress and ETA, the ranks' rates
+             added up, and a rank called out when it is clearly behind the others
                     |
           one thread per launch, a tick every 0.5 s; a widget trait is assigned only
           when its value changed (the chart at most every 2 s, one log tab a second),
@@ -41,10 +45,13 @@ Where the parts are (each module says how its data flows)::
 
     _sources      LogTail, MetricsReader, Series, parse_tqdm, UsageSampler (psutil)
                   (GPU numbers: air_magic.accelerators.NvmlDevices)
-    _state        LaunchState: the readers of one launch, refreshed each tick; the linter
-    _format       numbers, times, progress as text; the styles
-    _svg          chart_svg
-    _render       HTML of the panel's parts, text_status, LaunchSummary
+    _state        LaunchState: the readers of one launch, refreshed each tick; the linter;
+                  rank states (stopped/failed ranks show no eta), Overall (the straggler rule)
+    _lint         the linter's findings: each with its hint and what fixes it (--fix or by hand)
+    _format       numbers, times, progress and rates as text; the styles
+    _svg          chart_svg, chart_caption, line_sample (ranks told apart by colour, dash, marker)
+    _render       HTML of the panel's parts (a fixed-layout rank table that never outgrows
+                  the output area), text_status, LaunchSummary
     _frontend     panel_mode: widgets, text or none
     _ipykernel    the workarounds that use private ipykernel attributes
     _widgets      WidgetPanel: the ipywidgets of a panel

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -76,7 +77,9 @@ def _fmt_value(value: float) -> str:
     return f"{value:.4g}"
 
 
-def _progress_text(progress: dict[str, Any] | None, max_step: int | None) -> str:
+def _progress_text(progress: dict[str, Any] | None, max_step: int | None, running: bool = True) -> str:
+    """``train · 45% 450/1000 · 300it/s · eta 00:02``; the eta only while the rank runs
+    (a stopped or failed rank's last bar says nothing about when it would have ended)."""
     if progress is None:
         return f"step {max_step}" if max_step is not None else ""
     parts = []
@@ -88,9 +91,47 @@ def _progress_text(progress: dict[str, Any] | None, max_step: int | None) -> str
         parts.append(progress["n"])
     if progress["rate"]:
         parts.append(progress["rate"])
-    if progress["eta"] and progress["pct"] != 100:
+    if running and progress["eta"] and progress["pct"] != 100:
         parts.append(f"eta {progress['eta']}")
     return " · ".join(parts)
+
+
+_SUFFIX = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "Z": 1e21, "Y": 1e24}
+_RATE = re.compile(r"^\s*(?P<num>\d[\d.]*)(?P<suffix>[kMGTPEZY]?)(?P<a>[^/\s]*)/(?P<b>\S+)\s*$")
+
+
+def _number(text: str | None) -> float | None:
+    """tqdm's count, ``450``, ``4.50k``, ``1.2M`` (a unit after it is dropped), as a number."""
+    match = re.match(r"^\s*(\d[\d.]*)([kMGTPEZY]?)", text or "")
+    if match is None:
+        return None
+    try:
+        return float(match[1]) * _SUFFIX.get(match[2], 1.0)
+    except ValueError:
+        return None
+
+
+def _rate_per_second(text: str | None) -> tuple[float, str] | None:
+    """tqdm's rate as (items per second, unit): ``299.91it/s`` -> (299.91, "it"), ``1.23s/it`` -> (0.813, "it")."""
+    match = _RATE.match(text or "")
+    if match is None:
+        return None
+    try:
+        value = float(match["num"]) * _SUFFIX.get(match["suffix"], 1.0)
+    except ValueError:
+        return None
+    if match["b"] == "s":
+        return value, match["a"] or "it"
+    if match["a"] == "s" and value > 0:
+        return 1.0 / value, match["b"]
+    return None
+
+
+def _fmt_rate(per_second: float, unit: str) -> str:
+    """``600 it/s``, ``1.2k it/s``, ``0.81 it/s``."""
+    if per_second >= 1000:
+        return f"{per_second / 1000:.1f}k {unit}/s"
+    return f"{per_second:.3g} {unit}/s" if per_second < 100 else f"{per_second:.0f} {unit}/s"
 
 
 def _metrics_text(latest: dict[str, tuple[int, float]], limit: int = 3) -> str:

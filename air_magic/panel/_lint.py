@@ -4,8 +4,12 @@ Run once per launch on a thread of its own (``LaunchState.start_lint``)::
 
     launch.sources: {key: (display name, cell source)}
         --> air_magic.lint.lint_cell(source)   (each distinct cell once per kernel: cached)
-        --> Diagnostic(code, line, message)    AM0xx (about the linter itself) left out
+        --> Diagnostic(code, line, message,    AM0xx (about the linter itself) left out
+                       fix_title, fixable, applicability)
         --> _Lint.findings: ["Cell In[4]: AM101 line 2: use air_magic ...", ...]
+            _Lint.items:    the same with each finding's own hint (its fix_title) and
+                            whether ``--fix`` ("safe") or ``--fix --unsafe-fixes`` ("unsafe")
+                            rewrites it ("" : by hand)
 
 ``air_magic.lint`` is imported only here, when a launch is linted.
 """
@@ -22,13 +26,25 @@ if TYPE_CHECKING:
     from ..lint.diagnostics import Diagnostic
 
 
+@dataclass(frozen=True)
+class _Finding:
+    text: str  # "Cell In[4]: AM101 line 2: use air_magic instead of serverless_gpu"
+    hint: str = ""  # what to do (the diagnostic's fix title)
+    fix: str = ""  # "safe": `air-magic lint --fix` fixes it; "unsafe": with --unsafe-fixes; "": by hand
+
+
 @dataclass
 class _Lint:
     findings: list[str] = field(default_factory=list)
     available: bool = False
+    items: list[_Finding] = field(default_factory=list)
+
+    def add(self, finding: _Finding) -> None:
+        self.items.append(finding)
+        self.findings.append(finding.text)
 
 
-_LINT_CACHE: "collections.OrderedDict[str, list[str]]" = collections.OrderedDict()
+_LINT_CACHE: "collections.OrderedDict[str, list[_Finding]]" = collections.OrderedDict()
 _LINT_CACHE_SIZE = 128
 _LINT_LOCK = threading.Lock()
 
@@ -54,17 +70,26 @@ def _lint_texts(launch: "Launch") -> _Lint:
                 diagnostics = lint.lint_cell(source)  # IPython syntax included
             except Exception as exc:  # a linter bug is shown as a finding, never breaks the panel
                 diagnostics = []
-                cached.append(f"the linter failed ({type(exc).__name__}: {exc})")
+                cached.append(_Finding(f"the linter failed ({type(exc).__name__}: {exc})"))
             for diagnostic in diagnostics:
                 if diagnostic.code.startswith("AM0"):  # about the linter itself (syntax it cannot parse)
                     continue
-                cached.append(_diagnostic_text(diagnostic))
+                cached.append(_finding(diagnostic))
             with _LINT_LOCK:
                 _LINT_CACHE[source] = cached
                 while len(_LINT_CACHE) > _LINT_CACHE_SIZE:
                     _LINT_CACHE.popitem(last=False)
-        result.findings.extend(f"{display}: {text}" for text in cached)
+        for finding in cached:
+            result.add(_Finding(f"{display}: {finding.text}", finding.hint, finding.fix))
     return result
+
+
+def _finding(diagnostic: "Diagnostic") -> _Finding:
+    """A diagnostic's text, its own hint, and which ``air-magic lint --fix`` run rewrites it."""
+    fix = ""
+    if getattr(diagnostic, "fixable", False):
+        fix = "safe" if str(diagnostic.applicability) == "safe" else "unsafe"
+    return _Finding(_diagnostic_text(diagnostic), str(getattr(diagnostic, "fix_title", "") or ""), fix)
 
 
 def _diagnostic_text(diagnostic: "Diagnostic") -> str:

@@ -3,10 +3,12 @@
 Pure functions of the state (they read it, never change it); the observer decides when
 to call them and where the result goes::
 
-    LaunchState --> _top_html    header (label, status, clock, MLflow run, lint) + rank table + outcome
-                --> _chart_html  the metrics tab (one SVG per metric, from _svg.chart_svg)
+    LaunchState --> _top_html    header (label, status, clock, MLflow run, lint), the run's command,
+                                 the overall line (slowest rank, ETA, throughput, straggler),
+                                 rank table (fixed layout: never wider than the output), outcome
+                --> _chart_html  the metrics tab (a legend, one SVG per metric with its caption)
                 --> _log_html    one rank's log tab (its last lines)
-                --> _lint_html   the linter's findings tab
+                --> _lint_html   the linter's findings tab (each with its hint; --fix only if it fixes some)
                 --> text_status  one compact line, for front ends without widgets
                 --> LaunchSummary  what stays in the notebook at the end (HTML + text/plain)
 """
@@ -21,7 +23,6 @@ from ._format import (
     _FONT,
     _MONO,
     _MUTED,
-    _RANK_COLORS,
     _STATUS_STYLE,
     _clip,
     _esc,
@@ -32,8 +33,9 @@ from ._format import (
     _status_text,
     _where,
 )
+from ._lint import _Finding
 from ._state import LaunchState
-from ._svg import chart_svg
+from ._svg import chart_caption, chart_svg, line_sample
 
 _SUMMARY_LOG_LINES = 30
 
@@ -49,25 +51,103 @@ def _title_html(state: LaunchState) -> str:
         f'<span title="elapsed">{elapsed}</span>',
         f'<span style="{_MUTED}">launch {_esc(launch.id)}</span>',
     ]
-    if launch.run_id:
-        if launch.run_url:
-            link = f'<a href="{_esc(launch.run_url)}" target="_blank" rel="noopener">{_esc(launch.run_id[:12])}</a>'
-            parts.append(f"MLflow run {link}")
-        else:
-            parts.append(f'<span title="{_esc(launch.run_id)}">MLflow run {_esc(launch.run_id[:12])}</span>')
+    run = _run_html(launch)
+    if run:
+        parts.append(run)
     if state.lint is not None and state.lint.findings:
         n = len(state.lint.findings)
         parts.append(f'<span style="color:#d97706">lint: {n} finding{"s" if n != 1 else ""}</span>')
     return " · ".join(parts)
 
 
+def _run(launch: Any) -> tuple[str, str, str, str]:
+    """The launch's MLflow run: (id, name, url, command); the fake launches of tests may lack some."""
+
+    def text(name: str) -> str:
+        return str(getattr(launch, name, None) or "")
+
+    return text("run_id"), text("run_name"), text("run_url"), text("run_command")
+
+
+def _run_html(launch: Any) -> str:
+    """``MLflow run <name> (<id>)``, a link where the run has a URL (the id in full on hover)."""
+    run_id, name, url, _ = _run(launch)
+    if not run_id and not name:
+        return ""
+    shown = _esc(name or run_id[:12])
+    if name and run_id:
+        shown += f' <span style="{_MUTED}">({_esc(run_id[:12])})</span>'
+    if url:
+        shown = f'<a href="{_esc(url)}" target="_blank" rel="noopener">{shown}</a>'
+    return f'<span data-air-magic-run="1" title="{_esc(run_id)}">MLflow run {shown}</span>'
+
+
+def _run_command_html(launch: Any) -> str:
+    """Where the run has no URL: the command that opens it, as text to copy (one click selects it)."""
+    run_id, name, url, command = _run(launch)
+    if url or not command or not (run_id or name):
+        return ""
+    return (
+        f'<div data-air-magic-run-command="1" style="{_MUTED};max-width:100%">open the run with: '
+        f'<code style="display:block;user-select:all;-webkit-user-select:all;white-space:pre;overflow-x:auto;'
+        f'max-width:100%;{_MONO}">{_esc(command)}</code></div>'
+    )
+
+
+def _overall_html(state: LaunchState) -> str:
+    """One line for the whole launch while it runs: the slowest rank's bar, ETA, throughput, a straggler."""
+    overall = state.overall()
+    if overall is None:
+        return ""
+    pct = overall.fraction * 100
+    bits = [f"{pct:.0f}% {_esc(overall.n)}/{_esc(overall.total)}"]
+    if overall.ranks > 1:
+        bits[0] += f" (slowest: rank {overall.slowest})"
+    if overall.eta:
+        bits.append(f"eta {_esc(overall.eta)}")
+    if overall.throughput:
+        bits.append(f'<span title="the running ranks\' rates added up">{_esc(overall.throughput)} in all</span>')
+    behind = (
+        f' <span data-air-magic-behind="1" style="color:#d97706;font-weight:bold">⚠ {_esc(overall.behind)}</span>'
+        if overall.behind
+        else ""
+    )
+    return (
+        f'<div data-air-magic-overall="1" style="overflow-wrap:anywhere"><progress max="100" value="{pct:.0f}" '
+        f'style="width:120px;height:10px;vertical-align:middle"></progress> overall {" · ".join(bits)}{behind}</div>'
+    )
+
+
+def _overall_text(state: LaunchState) -> str:
+    """``all 45% eta 00:02 600 it/s in all`` and the straggler, for the text line."""
+    overall = state.overall()
+    if overall is None:
+        return ""
+    text = f"all {overall.fraction * 100:.0f}%"
+    if overall.eta:
+        text += f" eta {overall.eta}"
+    if overall.throughput:
+        text += f" {overall.throughput}"
+    if overall.behind:
+        text += f" ({overall.behind})"
+    return text
+
+
+# The rank table's columns: fixed widths but the last line's, which takes the rest and
+# cuts its text with an ellipsis (table-layout: fixed), so the table never outgrows the cell.
+_COLUMNS = (("rank", "4em"), ("state", "8.5em"), ("progress", "27%"), ("metrics", "17%"), ("usage", "11em"))
+_WRAP = "white-space:normal;overflow-wrap:anywhere"
+_ELLIPSIS = "white-space:pre;overflow:hidden;text-overflow:ellipsis"
+
+
 def _table_html(state: LaunchState) -> str:
     launch = state.launch
     gpu = launch.placement.device == "cuda"
     head = "".join(
-        f'<th style="{_CELL};border-bottom:1px solid var(--jp-border-color2,#ccc)">{h}</th>'
+        f'<th style="{_CELL};{_ELLIPSIS};border-bottom:1px solid var(--jp-border-color2,#ccc)">{h}</th>'
         for h in ("rank", "state", "progress", "metrics", "GPU · memory" if gpu else "CPU · RSS", "last line")
     )
+    cols = "".join(f'<col style="width:{width}">' for _, width in _COLUMNS) + "<col>"
     rows = []
     for rank, log in enumerate(state.logs):
         rank_state = state.rank_state(rank)
@@ -84,19 +164,21 @@ def _table_html(state: LaunchState) -> str:
             )
         returncode = launch.ranks[rank].returncode
         exit_note = f" (exit {returncode})" if returncode not in (None, 0) else ""
+        running = rank_state == "running"
+        line = _clip(log.last_line)
         rows.append(
             f'<tr data-rank="{rank}" data-state="{_esc(rank_state)}">'
             f'<td style="{_CELL}">{rank}</td>'
-            f'<td style="{_CELL};color:{color}">{icon} {_esc(rank_state)}{exit_note}</td>'
-            f'<td style="{_CELL}">{bar}{_esc(_progress_text(progress, metrics.max_step))}</td>'
-            f'<td style="{_CELL}">{_esc(_metrics_text(metrics.latest))}</td>'
-            f'<td style="{_CELL}">{_esc(state.usage_text(rank))}</td>'
-            f'<td style="{_CELL};white-space:pre;{_MONO};max-width:40em;overflow:hidden;text-overflow:ellipsis">'
-            f"{_esc(_clip(log.last_line))}</td>"
+            f'<td style="{_CELL};{_WRAP};color:{color}">{icon} {_esc(rank_state)}{exit_note}</td>'
+            f'<td style="{_CELL};{_WRAP}">{bar}{_esc(_progress_text(progress, metrics.max_step, running))}</td>'
+            f'<td style="{_CELL};{_WRAP}">{_esc(_metrics_text(metrics.latest))}</td>'
+            f'<td style="{_CELL};{_WRAP}">{_esc(state.usage_text(rank))}</td>'
+            f'<td style="{_CELL};{_ELLIPSIS};{_MONO}" title="{_esc(line)}">{_esc(line)}</td>'
             "</tr>"
         )
     return (
-        f'<table style="border-collapse:collapse;margin:4px 0"><thead><tr>{head}</tr></thead>'
+        '<table style="border-collapse:collapse;margin:4px 0;table-layout:fixed;width:100%;max-width:100%">'
+        f"<colgroup>{cols}</colgroup><thead><tr>{head}</tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
 
@@ -113,24 +195,33 @@ def _top_html(state: LaunchState) -> str:
     )
     return (
         f'<div class="air-magic-panel" data-air-magic-status="{_esc(launch.status)}" '
-        f'data-air-magic-launch="{_esc(launch.id)}" style="{_FONT}">'
-        f"<div>{_title_html(state)}</div>{_table_html(state)}{outcome_html}</div>"
+        f'data-air-magic-launch="{_esc(launch.id)}" style="{_FONT};max-width:100%;box-sizing:border-box">'
+        f'<div style="overflow-wrap:anywhere">{_title_html(state)}</div>{_run_command_html(launch)}'
+        f"{_overall_html(state)}{_table_html(state)}{outcome_html}</div>"
     )
 
 
 def _chart_html(state: LaunchState) -> str:
-    charts = [chart_svg(key, series) for key, series in state.chart_series().items()]
-    charts = [c for c in charts if c]
+    series = state.chart_series()
+    charts = []
+    for key, lines in series.items():
+        svg = chart_svg(key, lines)
+        if svg:
+            charts.append(
+                f'<figure style="margin:2px 8px 6px 0;width:300px;max-width:100%">{svg}'
+                f'<figcaption style="{_MUTED};overflow-wrap:anywhere">{_esc(chart_caption(key, lines))}</figcaption>'
+                "</figure>"
+            )
     if not charts:
         if not state.tracking:
             return f'<div style="{_FONT};{_MUTED}">tracking is off: no metrics to chart.</div>'
         return f'<div style="{_FONT};{_MUTED}">no metrics logged yet (mlflow.log_metric in the ranks).</div>'
     legend = " ".join(
-        f'<span style="color:{_RANK_COLORS[r % len(_RANK_COLORS)]}">■</span> rank {r}'
+        f'<span data-air-magic-legend="{r}" style="white-space:nowrap;margin-right:8px">{line_sample(r)} rank {r}</span>'
         for r in range(state.launch.world_size)
     )
     return (
-        f'<div style="{_FONT}" data-air-magic-chart="1"><div>{legend}</div>'
+        f'<div style="{_FONT}" data-air-magic-chart="1"><div style="display:flex;flex-wrap:wrap">{legend}</div>'
         f'<div style="display:flex;flex-wrap:wrap">{"".join(charts)}</div></div>'
     )
 
@@ -138,7 +229,7 @@ def _chart_html(state: LaunchState) -> str:
 def _log_where(state: LaunchState, rank: int) -> str:
     path = state.logs[rank].path
     where = f"full log: <code>{_esc(path)}</code>"
-    if state.launch.run_id:
+    if getattr(state.launch, "run_id", None):
         where += f" · MLflow artifact <code>logs/{_esc(os.path.basename(path))}</code>"
     return where
 
@@ -155,18 +246,49 @@ def _log_html(state: LaunchState, rank: int) -> str:
 
 
 def _lint_html(state: LaunchState) -> str:
+    """Each finding with its own hint; the ``--fix`` command only when it fixes some of them."""
     lint = state.lint
     if lint is None or not lint.findings:
         return ""
-    items = "".join(f"<li>{_esc(text)}</li>" for text in lint.findings[:50])
+    items = lint.items or [_Finding(text) for text in lint.findings]
+    rows = []
+    for finding in items[:50]:
+        hint = f'<div style="{_MUTED}">→ {_esc(finding.hint)}</div>' if finding.hint else ""
+        mark = {"safe": " [fixable: --fix]", "unsafe": " [fixable: --fix --unsafe-fixes]"}.get(finding.fix, "")
+        rows.append(f"<li>{_esc(finding.text)}{_esc(mark)}{hint}</li>")
     return (
-        f'<div style="{_FONT}" data-air-magic-lint="1">migration linter: '
-        f'<ul style="margin:2px 0">{items}</ul>fix them with <code>air-magic lint --fix</code>.</div>'
+        f'<div style="{_FONT};overflow-wrap:anywhere" data-air-magic-lint="1">migration linter: '
+        f'<ul style="margin:2px 0">{"".join(rows)}</ul>{_fix_advice(items)}</div>'
     )
 
 
+def _fix_advice(items: list[_Finding]) -> str:
+    """``air-magic lint --fix`` fixes 2 of them ... (nothing when no finding is fixable by it)."""
+    safe = sum(1 for f in items if f.fix == "safe")
+    unsafe = sum(1 for f in items if f.fix == "unsafe")
+    n = len(items)
+    advice = []
+    if safe:
+        which = "it" if n == 1 else ("them" if safe == n else f"{safe} of them")
+        advice.append(f"<code>air-magic lint --fix</code> fixes {which}")
+    if unsafe:
+        which = "it" if n == 1 else ("them" if unsafe == n else f"{unsafe} {'more' if safe else 'of them'}")
+        advice.append(
+            f"<code>air-magic lint --fix --unsafe-fixes</code> fixes {which} (check the result: "
+            "the code may behave differently)"
+        )
+    if not advice:
+        return f'<div style="{_MUTED}">these are fixed by hand, as each hint says.</div>'
+    rest = n - safe - unsafe
+    if rest:
+        advice.append(
+            f"the other{'s' if rest > 1 else ''} by hand, as {'their hints say' if rest > 1 else 'its hint says'}"
+        )
+    return "<div>" + "; ".join(advice) + ".</div>"
+
+
 def text_status(state: LaunchState) -> str:
-    """One compact line: ``[air_magic] train 0:12 running · r0 45% 450/1000 loss=0.32 · r1 ...``."""
+    """One compact line: ``[air_magic] train 0:12 running · r0 45% 450/1000 loss=0.32 · r1 ... · all 40% eta 0:05 ...``."""
     launch = state.launch
     head = f"[air_magic] {launch.label} {_fmt_clock(state.elapsed())} {_status_text(launch)}"
     parts = []
@@ -192,6 +314,11 @@ def text_status(state: LaunchState) -> str:
     if n > 4:
         parts.insert(1, "…")
     line = " · ".join([head, *parts])
+    # The overall part goes last, after the ranks (the line keeps its "status · r0 ..." start),
+    # and is never the part cut off: the ranks' parts give way to it.
+    overall = _overall_text(state)
+    if overall:
+        return _clip(line, 220 - len(overall) - 3) + " · " + overall
     return _clip(line, 220)
 
 
@@ -215,7 +342,7 @@ class LaunchSummary:
             returncode = launch.ranks[rank].returncode
             if returncode not in (None, 0):
                 bits[0] += f" (exit {returncode})"
-            progress = _progress_text(log.progress, state.metrics[rank].max_step)
+            progress = _progress_text(log.progress, state.metrics[rank].max_step, bits[0] == "running")
             if progress:
                 bits.append(progress)
             metrics = _metrics_text(state.metrics[rank].latest)
@@ -224,10 +351,16 @@ class LaunchSummary:
             if log.last_line:
                 bits.append(repr(_clip(log.last_line, 80)))
             lines.append(f"  rank {rank}: " + " · ".join(bits))
-        if launch.run_id:
-            lines.append(f"  MLflow run {launch.run_id}" + (f": {launch.run_url}" if launch.run_url else ""))
+        run_id, name, url, command = _run(launch)
+        if run_id or name:
+            run = f"{name} ({run_id})" if name and run_id else (name or run_id)
+            lines.append(
+                f"  MLflow run {run}" + (f": {url}" if url else f"; open it with: {command}" if command else "")
+            )
         if state.lint is not None and state.lint.findings:
-            lines.append(f"  migration linter: {len(state.lint.findings)} finding(s), e.g. {state.lint.findings[0]}")
+            first = state.lint.items[0] if state.lint.items else _Finding(state.lint.findings[0])
+            hint = f" ({first.hint})" if first.hint else ""
+            lines.append(f"  migration linter: {len(state.lint.findings)} finding(s), e.g. {first.text}{hint}")
         lines.append(f"  logs: {os.path.dirname(state.logs[0].path)}")
         # Every line is marked, as all of air_magic's own output is (tools filter on it).
         return "\n".join(line if line.startswith("[air_magic]") else "[air_magic]" + line for line in lines)

@@ -8,16 +8,19 @@ read by the renderers between ticks::
               refresh(tick): logs always, metrics when tracking is on, usage every 2nd tick
               start_lint(): the migration linter on the launched cells, on its own thread
         --> rank_state(), usage_text(), outcome(), chart_series(), elapsed()  (for rendering)
+        --> overall(): the slowest rank's bar, its ETA, the summed rate, a straggler (while running)
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .._protocol import spool_file
-from ._format import _clip, _fmt_bytes, _fmt_elapsed
+from ._format import _clip, _fmt_bytes, _fmt_elapsed, _fmt_rate, _number, _rate_per_second
 from ._lint import _Lint, _lint_texts
 from ._sources import LogTail, MetricsReader, UsageSampler
 
@@ -26,6 +29,29 @@ if TYPE_CHECKING:
 
 _USAGE_EVERY = 2  # ticks
 _CHART_KEYS = 6  # metrics charted
+
+
+_ENDED = ("finished", "failed", "timed out", "cancelled")
+#: A rank is called out as behind when its progress trails the median of the other ranks'
+#: by at least this share of the total *and* by at least STRAGGLER_ITEMS items: tqdm
+#: redraws a bar at most ten times a second and the logs are read twice a second, so ranks
+#: in step differ by a few items; a short loop (say 20 items) needs 2 whole items too.
+STRAGGLER_FRACTION = 0.10
+STRAGGLER_ITEMS = 2
+
+
+@dataclass(frozen=True)
+class Overall:
+    """One line for the whole launch: the slowest rank's bar, the summed rate, a straggler."""
+
+    slowest: int  # the rank furthest behind
+    fraction: float  # its progress, 0..1
+    n: str  # its count and total as tqdm shows them
+    total: str
+    eta: str  # its ETA ("" when tqdm gives none)
+    throughput: str  # "600 it/s": the running ranks' rates summed ("" when they cannot be added)
+    ranks: int  # ranks with a bar
+    behind: str  # "rank 3 is behind: 40% while the others are at 75%" (or "")
 
 
 class LaunchState:
@@ -80,13 +106,62 @@ class LaunchState:
         return end - self.launch.started_at
 
     def rank_state(self, rank: int) -> str:
+        """``starting``, ``running``, ``stopping``, ``finished``, ``stopped`` or ``failed``."""
         state = self.launch.ranks[rank]
         status = self.launch.status
         if state.returncode is not None and state.returncode != 0 and status in ("cancelled", "timed out", "stopping"):
             return "stopped"
         if state.returncode is None and status == "stopping":
             return "stopping"
+        if state.returncode is None and status in _ENDED:  # the launch ended without this rank's exit code
+            return "stopped"
         return state.state
+
+    def overall(self) -> "Overall | None":
+        """The launch's progress across ranks while it runs (None when no running rank shows a bar).
+
+        Progress and ETA are the slowest rank's (the launch ends with it); throughput is
+        the sum of the running ranks' tqdm rates (items/s of the whole launch), given only
+        when their bars count the same unit.  See :class:`Overall` for the straggler rule.
+        """
+        if self.launch.status != "running" or len(self.logs) < 2:  # one rank: its row says it all
+            return None
+        bars: list[tuple[int, float, dict[str, Any]]] = []
+        for rank, log in enumerate(self.logs):
+            progress = log.progress
+            if progress is None or progress["pct"] is None or self.rank_state(rank) != "running":
+                continue
+            n, total = _number(progress["n"]), _number(progress["total"])
+            fraction = n / total if n is not None and total else progress["pct"] / 100
+            bars.append((rank, min(1.0, max(0.0, fraction)), progress))
+        if not bars:
+            return None
+        slowest, fraction, progress = min(bars, key=lambda bar: (bar[1], bar[0]))
+        rates = [rate for rate in (_rate_per_second(bar[2]["rate"]) for bar in bars) if rate is not None]
+        throughput = ""
+        if len(rates) == len(bars) and len({unit for _, unit in rates}) == 1:
+            throughput = _fmt_rate(sum(value for value, _ in rates), rates[0][1])
+        behind = ""
+        if len(bars) >= 2:
+            others = sorted(bar[1] for bar in bars if bar[0] != slowest)
+            median = statistics.median(others)
+            total = _number(progress["total"]) or 0.0
+            gap = median - fraction
+            if gap >= STRAGGLER_FRACTION - 1e-9 and gap * total >= STRAGGLER_ITEMS - 1e-9:
+                behind = (
+                    f"rank {slowest} is behind: {fraction * 100:.0f}% while the "
+                    f"other{'s are' if len(others) > 1 else ' is'} at {median * 100:.0f}%"
+                )
+        return Overall(
+            slowest=slowest,
+            fraction=fraction,
+            n=progress["n"],
+            total=progress["total"],
+            eta=progress["eta"] or "",
+            throughput=throughput,
+            ranks=len(bars),
+            behind=behind,
+        )
 
     def outcome(self) -> str:
         """The launch's end in one line ('' while it runs)."""

@@ -6,7 +6,9 @@ Chrome DevTools Protocol (``websockets``): it runs a notebook whose ``%%distribu
 cell shows a tqdm bar, watches the panel update while the cell runs and end as a
 success, then clicks Stop on a blocking launch (JupyterLab sends the click on a kernel
 subshell, so it is handled while the cell runs). Every request the page makes must go
-to the local server: the panel needs no CDN.
+to the local server: the panel needs no CDN.  The page is 1280 px wide: the panel, live
+and as a summary, must fit its output area (no horizontal overflow); a PNG of the live
+panel goes to ``AIR_MAGIC_UI_SCREENSHOT`` when set (else into the test's temp folder).
 
 Needs ``chromium`` (``apt-get install chromium``; ``scripts/setup_env.sh`` does it) and
 ``jupyterlab``; skipped without them, unless ``AIR_MAGIC_UI_REQUIRED=1`` (CI) makes that a failure.
@@ -14,6 +16,7 @@ Needs ``chromium`` (``apt-get install chromium``; ``scripts/setup_env.sh`` does 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -37,8 +40,9 @@ NOTEBOOK_CELLS = [
     "%%distributed -n 2\n"
     "import os, time\n"
     "from tqdm.auto import tqdm\n"
+    "print('epoch 1: ' + 'a long line of log output that must not widen the panel ' * 6)\n"
     "for i in tqdm(range(50), desc='train'):\n"
-    "    time.sleep(0.1)\n"
+    "    time.sleep(0.2)\n"
     "int(os.environ['RANK'])",
     "%%distributed -n 2\nimport time\ntime.sleep(120)",
 ]
@@ -86,6 +90,57 @@ PROBE = r"""
   return JSON.stringify({ready: true, kernel: kernel ? kernel.status : null, cells});
 })()
 """
+
+
+# The widths of a cell's output area and of the panel in it (the page is 1280 px wide).
+WIDTHS = r"""
+((index) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-CodeCell')[index];
+  const root = cell && cell.querySelector('.air-magic-panel');
+  if (!root) return JSON.stringify(null);
+  const boxes = {
+    area: cell.querySelector('.jp-OutputArea'),
+    output: root.closest('.jp-OutputArea-output'),
+    widget: root.closest('.widget-vbox'),
+    panel: root,
+    table: root.querySelector('table'),
+  };
+  const found = {page: document.documentElement.clientWidth, status: root.dataset.airMagicStatus};
+  for (const [name, box] of Object.entries(boxes)) {
+    if (box) found[name] = {scroll: box.scrollWidth, client: box.clientWidth, right: box.getBoundingClientRect().right};
+  }
+  return JSON.stringify(found);
+})
+"""
+
+
+def _check_widths(tools: "DevTools", index: int) -> dict[str, Any]:
+    """No horizontal overflow: neither the output area nor the panel (nor its table) is wider than its box."""
+    found = json.loads(tools.evaluate(f"{WIDTHS}({index})"))
+    assert found is not None, "no panel in the cell"
+    assert found["page"] == 1280, found
+    for name in ("area", "output", "widget", "panel"):
+        if name in found:
+            assert found[name]["scroll"] <= found[name]["client"], (name, found)
+    if "table" in found and "panel" in found:
+        assert found["table"]["right"] <= found["panel"]["right"] + 1, found
+    return found
+
+
+def _screenshot(tools: "DevTools", index: int, path: Path) -> None:
+    """A PNG of the cell's output (the panel), for a person to look at."""
+    box = json.loads(
+        tools.evaluate(
+            "(() => { const cell = document.querySelectorAll('.jp-Notebook .jp-CodeCell')[%d];"
+            " const out = cell.querySelector('.jp-OutputArea'); out.scrollIntoView({block: 'start'});"
+            " const r = out.getBoundingClientRect();"
+            " return JSON.stringify({x: r.left, y: r.top, width: r.width, height: r.height}); })()" % index
+        )
+    )
+    box["width"] = min(box["width"], 1280 - box["x"])
+    shot = tools.call("Page.captureScreenshot", format="png", clip={**box, "scale": 1}, captureBeyondViewport=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(base64.b64decode(shot["data"]))
 
 
 def _free_port() -> int:
@@ -277,6 +332,7 @@ def test_panel_updates_live_and_ends_in_success(lab: dict[str, Any], browser: De
     tools = browser
     tools.call("Network.enable")
     tools.call("Page.enable")
+    tools.call("Emulation.setDeviceMetricsOverride", width=1280, height=1600, deviceScaleFactor=1, mobile=False)
     tools.call("Page.navigate", url=f"{lab['base']}/lab/tree/panel.ipynb?token={lab['token']}")
     seen: list[dict[str, Any]] = []
     _poll(tools, seen, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
@@ -301,6 +357,11 @@ def test_panel_updates_live_and_ends_in_success(lab: dict[str, Any], browser: De
     assert first["stop"] is True  # JupyterLab 4.6 + ipykernel 7: clicks arrive on a subshell
     assert len(first["rows"]) == 2
 
+    # At 1280 px the live panel fits its output area: the long last line is cut, not scrolled.
+    widths = _check_widths(tools, 1)
+    if widths["status"] == "running":
+        _screenshot(tools, 1, Path(os.environ.get("AIR_MAGIC_UI_SCREENSHOT") or lab["tmp"] / "panel-1280.png"))
+
     # ... and a success at the end: the static summary in place of the widgets.
     def finished(state: dict[str, Any]) -> bool:
         panels = cell(state, 1).get("panels", [])
@@ -311,6 +372,7 @@ def test_panel_updates_live_and_ends_in_success(lab: dict[str, Any], browser: De
     assert summary["launch"] == first["launch"] and not summary["widget"]
     assert [row.split()[0] for row in summary["rows"]] == ["finished", "finished"]
     assert "100% 50/50" in " ".join(summary["rows"])
+    _check_widths(tools, 1)  # and so does the summary
 
     # A blocking launch stopped with the panel's button while its cell runs.
     def stoppable(state: dict[str, Any]) -> bool:

@@ -23,13 +23,53 @@ def test_formatting() -> None:
     assert _format._esc('<a href="x">') == "&lt;a href=&quot;x&quot;&gt;"
     progress = {"desc": "train", "pct": 45.0, "n": "450", "total": "1000", "rate": "300it/s", "eta": "00:02"}
     assert _format._progress_text(progress, None) == "train · 45% 450/1000 · 300it/s · eta 00:02"
+    assert _format._progress_text(progress, None, running=False) == "train · 45% 450/1000 · 300it/s"
     assert _format._progress_text(None, 7) == "step 7"
+    assert [_format._number(t) for t in ("450", "4.50k", "1.2M", "12it", "?")] == [450, 4500, 1.2e6, 12, None]
+    assert _format._rate_per_second("299.91it/s") == (299.91, "it")
+    assert _format._rate_per_second("3.00kbatch/s") == (3000.0, "batch")
+    assert _format._rate_per_second("2.00s/it") == (0.5, "it")
+    assert _format._rate_per_second("?it/s") is None
+    assert [_format._fmt_rate(v, "it") for v in (0.5, 42.0, 600.0, 1234.0)] == [
+        "0.5 it/s",
+        "42 it/s",
+        "600 it/s",
+        "1.2k it/s",
+    ]
     assert _format._metrics_text({"a": (1, 0.5), "b": (1, 2.0)}, 1) == "b=2"
 
 
 def test_a_diagnostic_as_a_finding() -> None:
     found = Diagnostic("AM101", "use air_magic", "<cell>", None, 2, 0, Applicability.SAFE)
     assert _lint._diagnostic_text(found) == "AM101 line 2: use air_magic"
+
+
+def test_a_finding_keeps_its_hint_and_what_fixes_it() -> None:
+    from air_magic.lint.diagnostics import Edit, Fix
+
+    edit = (Edit(0, 1, ""),)
+    safe = Diagnostic(
+        "AM101",
+        "use air_magic",
+        "<cell>",
+        None,
+        2,
+        0,
+        Applicability.SAFE,
+        "Import it",
+        fix=Fix(Applicability.SAFE, edit),
+    )
+    unsafe = Diagnostic(
+        "AM305", "x", "<cell>", None, 2, 0, Applicability.UNSAFE, "Remove it", fix=Fix(Applicability.UNSAFE, edit)
+    )
+    advice = Diagnostic("AM305", "x", "<cell>", None, 2, 0, Applicability.DISPLAY_ONLY, "Remove it")
+    no_fix = Diagnostic("AM305", "x", "<cell>", None, 2, 0, Applicability.UNSAFE, "Remove it")  # fix=None
+    assert [(_lint._finding(d).fix, _lint._finding(d).hint) for d in (safe, unsafe, advice, no_fix)] == [
+        ("safe", "Import it"),
+        ("unsafe", "Remove it"),
+        ("", "Remove it"),
+        ("", "Remove it"),
+    ]
 
 
 def test_subshells_are_read_from_the_kernels_manager() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html as html_lib
+import re
 import subprocess
 import sys
 import time
@@ -170,7 +172,8 @@ def test_summary_and_status_line(tmp_path: Path) -> None:
     state = LaunchState(launch)
     state.refresh(tick=0)
     line = panel.text_status(state)
-    assert line == "[air_magic] train 0:12 running · r0 30% 3/10 loss=0.125", line
+    # each rank, then the overall part (rank 0's bar is the only one: it is the slowest)
+    assert line == "[air_magic] train 0:12 running · r0 30% 3/10 loss=0.125 · all 30% eta 00:02 3 it/s", line
     launch.status, launch.ended_at = "failed", launch.started_at + 12.5
     launch.ranks[1].returncode = 1
     launch._outcome = (False, RuntimeError("boom\nsecond line"))
@@ -377,3 +380,253 @@ def test_gpu_numbers_come_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     assert found[2] == (None, None, None, None)  # not on any GPU, no device 2
     gpus.close()
     assert calls == ["init", "shutdown"]
+
+
+# -- stopped rows, the overall line, the MLflow run, the linter's advice, the charts ------------
+
+
+def _bar(pct: int, total: int = 100, rate: str = "5.00it/s", eta: str = "00:10") -> str:
+    return f"\rtrain: {pct:3d}%|##        | {pct * total // 100}/{total} [00:05<{eta}, {rate}]"
+
+
+def test_a_stopped_or_failed_rank_shows_no_eta(tmp_path: Path) -> None:
+    launch = fake_launch(tmp_path, n=3)
+    for rank in range(3):
+        Path(launch.ranks[rank].log_path).write_text(_bar(40))
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    assert all("eta 00:10" in row for row in _rows(panel._top_html(state)))  # running: an eta
+    launch.status, launch.ended_at = "cancelled", launch.started_at + 12.5
+    launch.ranks[0].returncode, launch.ranks[0].stopped = -15, True
+    launch.ranks[1].returncode = 1  # failed before the stop
+    launch.ranks[2].returncode = None  # its exit code never came: the launch is over all the same
+    launch.status = "failed"
+    rows = _rows(panel._top_html(state))
+    assert [state.rank_state(r) for r in range(3)] == ["stopped", "failed", "stopped"]
+    assert all("eta" not in row for row in rows), rows
+    assert all("40% 40/100" in row for row in rows), rows  # where each got to stays
+    assert "stopped" in rows[0] and "failed (exit 1)" in rows[1] and "stopped" in rows[2]
+    summary = LaunchSummary(state).text
+    assert "eta" not in summary and "rank 1: failed (exit 1) · train · 40% 40/100" in summary, summary
+    assert "data-air-magic-overall" not in panel._top_html(state)  # the overall line only while running
+
+
+def _rows(html: str) -> list[str]:
+    return [row.split("</tr>")[0] for row in html.split("<tr data-rank=")[1:]]
+
+
+def test_the_overall_line_is_the_slowest_ranks_with_the_rates_summed(tmp_path: Path) -> None:
+    launch = fake_launch(tmp_path, n=4)
+    for rank, pct in enumerate((76, 75, 40, 74)):
+        Path(launch.ranks[rank].log_path).write_text(_bar(pct, eta=f"00:{100 - pct:02d}"))
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    overall = state.overall()
+    assert overall is not None
+    assert (overall.slowest, round(overall.fraction, 2), overall.eta) == (2, 0.4, "00:60")
+    assert overall.throughput == "20 it/s"  # 4 ranks at 5 it/s
+    assert overall.behind == "rank 2 is behind: 40% while the others are at 75%"
+    top = panel._top_html(state)
+    assert top.index("data-air-magic-overall") < top.index("<table")  # at the top
+    assert "overall 40% 40/100 (slowest: rank 2) · eta 00:60 · " in top and "20 it/s in all" in top
+    assert "rank 2 is behind" in top and "data-air-magic-behind" in top
+    line = panel.text_status(state)
+    assert line.startswith("[air_magic] train 0:12 running · r0 train 76% 76/100 · r1 train 75% 75/100 · "), line
+    assert line.endswith(" · all 40% eta 00:60 20 it/s (rank 2 is behind: 40% while the others are at 75%)"), line
+
+
+def test_the_overall_part_of_a_text_line_is_never_cut(tmp_path: Path) -> None:
+    launch = fake_launch(tmp_path, n=8)
+    for rank in range(8):
+        pct = 20 if rank == 7 else 80
+        Path(launch.ranks[rank].log_path).write_text(("d" * 60) + ": " + _bar(pct).lstrip("\r"))
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    line = panel.text_status(state)
+    assert len(line) <= 220 and line.endswith("(rank 7 is behind: 20% while the others are at 80%)"), line
+
+
+def test_a_single_rank_has_no_overall_line(tmp_path: Path) -> None:
+    launch = fake_launch(tmp_path, n=1)
+    Path(launch.ranks[0].log_path).write_text(_bar(40))
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    assert state.overall() is None and "data-air-magic-overall" not in panel._top_html(state)
+
+
+@pytest.mark.parametrize(
+    ("pcts", "total", "behind"),
+    [
+        ((50, 45, 52, 48), 100, False),  # a few percent apart: noise
+        ((50, 41, 50, 50), 100, False),  # 9 % behind: under the 10 % mark
+        ((50, 40, 50, 50), 100, True),  # 10 % and 10 items behind
+        ((60, 50, 60), 10, False),  # 10 % but 1 item of a 10-item loop: not clear enough
+        ((70, 50, 70), 10, True),  # 2 items and 20 %
+        ((5, 100), 100, False),  # the slowest is the only rank left with a running bar
+    ],
+)
+def test_a_straggler_is_called_out_only_when_clearly_behind(
+    tmp_path: Path, pcts: tuple[int, ...], total: int, behind: bool
+) -> None:
+    launch = fake_launch(tmp_path, n=len(pcts))
+    for rank, pct in enumerate(pcts):
+        Path(launch.ranks[rank].log_path).write_text(_bar(pct, total=total))
+        if pct == 100:
+            launch.ranks[rank].returncode = 0  # finished: no longer counted
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    overall = state.overall()
+    assert overall is not None
+    assert bool(overall.behind) is behind, overall
+
+
+def test_the_overall_line_without_bars_or_with_unlike_rates(tmp_path: Path) -> None:
+    launch = fake_launch(tmp_path, n=2)
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    assert state.overall() is None and "data-air-magic-overall" not in panel._top_html(state)
+    Path(launch.ranks[0].log_path).write_text(_bar(30, rate="2.00s/it"))
+    Path(launch.ranks[1].log_path).write_text(_bar(20, rate="3.00kB/s"))
+    state.refresh(tick=1)
+    overall = state.overall()
+    assert overall is not None and overall.slowest == 1 and overall.throughput == ""  # it and B: not added up
+    launch.ranks[1].returncode = 0
+    overall = state.overall()
+    assert overall is not None and overall.slowest == 0 and overall.throughput == "0.5 it/s"
+
+
+def test_the_mlflow_run_is_shown_with_its_link_or_its_command(tmp_path: Path) -> None:
+    launch = fake_launch(tmp_path)
+    del launch.run_id, launch.run_url  # an older launch object: no run attributes at all
+    state = LaunchState(launch)
+    assert "MLflow" not in panel._top_html(state) and "MLflow" not in LaunchSummary(state).text
+    launch.run_id, launch.run_name = "0123456789abcdef0123", "train-0007"
+    launch.run_url = "http://127.0.0.1:5000/#/experiments/1/runs/0123456789abcdef0123"
+    launch.run_command = "mlflow ui --backend-store-uri /tmp/mlruns"
+    top = panel._top_html(state)
+    assert f'<a href="{launch.run_url}" target="_blank" rel="noopener">train-0007' in top
+    assert "0123456789ab" in top and "data-air-magic-run-command" not in top  # a link: no command
+    assert "MLflow run train-0007 (0123456789abcdef0123): http://127.0.0.1:5000/" in LaunchSummary(state).text
+    launch.run_url = None
+    top = panel._top_html(state)
+    assert "<a " not in top and "train-0007" in top
+    command = top.split("data-air-magic-run-command")[1]
+    code = command.split("<code")[1].split("</code>")[0]
+    assert "user-select:all" in code and "white-space:pre" in code and "<a" not in code
+    assert code.endswith(">mlflow ui --backend-store-uri /tmp/mlruns")
+    assert "open it with: mlflow ui --backend-store-uri /tmp/mlruns" in LaunchSummary(state).text
+
+
+def _lint_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, findings: list[Any]) -> LaunchState:
+    fake = types.ModuleType("air_magic.lint")
+    fake.lint_cell = lambda source: findings  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "air_magic.lint", fake)
+    monkeypatch.setattr("air_magic.lint", fake, raising=False)
+    launch = fake_launch(tmp_path)
+    launch.sources = {"<cell>": ("Cell In[5]", f"# {len(findings)} {id(findings)}\nimport os")}  # not cached
+    state = LaunchState(launch)
+    state.start_lint()
+    state.join_lint(10)
+    return state
+
+
+def _diagnostic(code: str, applicability: Any, fixed: bool) -> Any:
+    from air_magic.lint.diagnostics import Diagnostic, Edit, Fix
+    from air_magic.lint.rules import rule
+
+    fix = Fix(applicability, (Edit(0, 1, ""),)) if fixed else None
+    r = rule(code)
+    return Diagnostic(code, r.message, "<cell>", None, 3, 0, applicability, r.fix_title, fix=fix)
+
+
+def test_lint_advice_is_per_finding_and_the_fix_command_only_when_it_fixes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from air_magic.lint.rules import Applicability, rule
+
+    # AM305 (a hard-coded rendezvous) shown without its rewrite: --fix cannot fix it.
+    unfixable = _diagnostic("AM305", Applicability.DISPLAY_ONLY, fixed=False)
+    html = panel._lint_html(_lint_state(tmp_path, monkeypatch, [unfixable]))
+    assert "AM305" in html and "air-magic lint --fix" not in html, html
+    assert panel._format._esc(rule("AM305").fix_title) in html  # its own hint
+    assert "fixed by hand" in html
+
+    # Its unsafe rewrite: the command with --unsafe-fixes, and a warning.
+    unsafe = _diagnostic("AM305", Applicability.UNSAFE, fixed=True)
+    html = panel._lint_html(_lint_state(tmp_path, monkeypatch, [unsafe]))
+    assert "<code>air-magic lint --fix --unsafe-fixes</code> fixes it" in html
+    assert "<code>air-magic lint --fix</code>" not in html
+
+    # A safe fix with a finding to fix by hand: the plain command, for that one.
+    safe = _diagnostic("AM101", Applicability.SAFE, fixed=True)
+    state = _lint_state(tmp_path, monkeypatch, [safe, unfixable])
+    html = panel._lint_html(state)
+    assert "<code>air-magic lint --fix</code> fixes 1 of them" in html and "the other by hand" in html
+    assert html.count("[fixable: --fix]") == 1
+    assert state.lint is not None and [item.fix for item in state.lint.items] == ["safe", ""]
+    assert all(item.hint for item in state.lint.items)
+
+
+_TEXT = re.compile(r"<text ([^>]*)>([^<]*)")
+
+
+def _labels(svg: str) -> list[tuple[float, str, str, float]]:
+    """Each text of an SVG: (x, anchor, text, font size)."""
+    found = []
+    for attrs, text in _TEXT.findall(svg):
+        fields = dict(re.findall(r'([\w-]+)="([^"]*)"', attrs))
+        text = html_lib.unescape(text)
+        found.append((float(fields["x"]), fields.get("text-anchor", "start"), text, float(fields["font-size"])))
+    return found
+
+
+@pytest.mark.parametrize(
+    "series",
+    [
+        {0: [(0, 0.004122), (120, 0.08244)], 1: [(0, 0.004122), (120, 0.08244)]},
+        {0: [(s, -123456.789 + s) for s in range(50)]},
+        {0: [(s, 1e-7 * s) for s in range(1000)], 3: [(s, 2.5e6) for s in range(10)]},
+    ],
+)
+def test_chart_labels_lie_inside_the_svg(series: dict[int, list[tuple[float, float]]]) -> None:
+    svg = chart_svg("a_rather_long_metric_name/validation/loss", series)
+    width = float(re.search(r'viewBox="0 0 (\d+) \d+"', svg)[1])  # type: ignore[index]
+    labels = _labels(svg)
+    assert len(labels) == 5
+    for x, anchor, text, size in labels:
+        estimate = len(text) * size * 0.6  # a digit is about 0.55 em in the usual UI fonts
+        start = x - estimate if anchor == "end" else x
+        assert start >= 0 and start + estimate <= width, (text, x, anchor)
+    low = min(y for points in series.values() for _, y in points)
+    assert panel._fmt_value(low) in [text for _, _, text, _ in labels]  # every character of it
+
+
+def test_overlapping_series_are_drawn_distinguishably() -> None:
+    same = [(float(s), 0.5) for s in range(10)]
+    svg = chart_svg("loss", {0: same, 1: list(same)})
+    lines = re.findall(r"<polyline ([^>]*)/>", svg)
+    assert len(lines) == 2
+    styles = [dict(re.findall(r'([\w-]+)="([^"]*)"', line)) for line in lines]
+    assert styles[0]["points"] == styles[1]["points"]  # the same line ...
+    assert styles[0]["stroke"] != styles[1]["stroke"]
+    # ... drawn twice so that both show: another dash pattern, the later one thinner
+    assert styles[0].get("stroke-dasharray", "") != styles[1].get("stroke-dasharray", "")
+    assert float(styles[0]["stroke-width"]) > float(styles[1]["stroke-width"])
+    markers = re.findall(r'<(\w+) class="marker" data-rank="(\d)"', svg)
+    assert {rank for _, rank in markers} == {"0", "1"} and markers[0][0] != markers[1][0]  # other shapes
+
+
+def test_chart_captions_and_legend_name_the_ranks(tmp_path: Path) -> None:
+    series = {0: [(0.0, 0.5), (120.0, 0.08244)], 1: [(0.0, 0.5), (120.0, 0.08244)]}
+    assert panel._svg.chart_caption("loss", series) == "loss — rank 0: 0.08244, rank 1: 0.08244 (step 120)"
+    many = {r: [(float(s), 1.0 + r) for s in range(5)] for r in range(8)}
+    assert panel._svg.chart_caption("loss", many) == "loss — 1 (rank 0) to 8 (rank 7), 8 ranks (step 4)"
+    launch = fake_launch(tmp_path)
+    (tmp_path / "tracking-0.tsv").write_text("m\tloss\t0.125\t3\t0\n")
+    (tmp_path / "tracking-1.tsv").write_text("m\tloss\t0.125\t3\t0\n")
+    state = LaunchState(launch)
+    state.refresh(tick=0)
+    chart = panel._chart_html(state)
+    assert "<figcaption" in chart and "loss — rank 0: 0.125, rank 1: 0.125 (step 3)" in chart
+    assert 'data-air-magic-legend="0"' in chart and 'data-air-magic-legend="1"' in chart
+    assert "last " not in chart  # the old caption is gone
