@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -82,7 +83,11 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         lines = [
             line for m in loaded + messages if m["msg_type"] == "stream" for line in m["content"]["text"].splitlines()
         ]
-        assert [line for line in lines if not line.startswith("[air_magic]")] == ["ranks done"], lines
+        # (air_magic's own too: the command that opens the store, on the line after the run's.)
+        command = f"    {shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri '{sqlite_uri(folder)}'"
+        assert command in lines and lines[lines.index(command) - 1].startswith("[air_magic] MLflow run '"), lines
+        ours = [line for line in lines if line.startswith("[air_magic]") or line == command]
+        assert [line for line in lines if line not in ours] == ["ranks done"], lines
 
         # Every point stored before the cell returned, in the run the cell announced.
         stdout = "".join(text for i, text in streams if messages[i]["content"]["name"] == "stdout")
