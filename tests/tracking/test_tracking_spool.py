@@ -281,6 +281,44 @@ def tag_line(key: str, value: str) -> str:
     return f"t\t{text_field(key)}\t{text_field(value)}"
 
 
+def test_the_names_of_several_ranks_items() -> None:
+    from air_magic._mlflow_upload import metric_name, place
+
+    assert [metric_name(rank, "loss") for rank in range(3)] == ["loss", "rank1/loss", "rank2/loss"]
+    # A key already named for the rank that logs it is kept; one named for another rank is not.
+    assert metric_name(2, "rank2/loss") == "rank2/loss"
+    assert metric_name(1, "rank0/loss") == "rank1/rank0/loss"
+    assert metric_name(1, "rank10/loss") == "rank1/rank10/loss"
+    assert metric_name(0, "rank1/loss") == "rank1/loss"  # rank 0's keys stay as written
+    params: dict[str, tuple[int, str]] = {}
+    sent = [
+        place(params, False, rank, key, value)
+        for rank, key, value in [
+            (1, "seed", "1001"),  # first sent: rank 1 holds "seed"
+            (0, "seed", "1000"),  # another value: kept as rank0/seed
+            (2, "seed", "1001"),  # the value stored: nothing to send
+            (0, "seed", "1000"),  # rank 0's again: nothing to send
+            (0, "seed", "7"),  # rank 0 changes its own: sent to its name, for the store to refuse
+            (1, "seed", "9"),  # rank 1 changes its own: sent under "seed", for the store to refuse
+        ]
+    ]
+    assert sent == ["seed", "rank0/seed", None, None, "rank0/seed", "seed"]
+    assert params == {"seed": (1, "1001"), "rank0/seed": (0, "1000")}
+    tags: dict[str, tuple[int, str]] = {}
+    sent = [
+        place(tags, True, rank, key, value)
+        for rank, key, value in [
+            (0, "phase", "train"),
+            (1, "phase", "train"),  # a copy
+            (0, "phase", "eval"),  # rank 0 changes its tag: MLflow overwrites it
+            (1, "phase", "done"),  # another value: rank 1's own from now on
+            (1, "phase", "eval"),  # ... even when it matches rank 0's
+        ]
+    ]
+    assert sent == ["phase", None, "phase", "rank1/phase", "rank1/phase"]
+    assert tags == {"phase": (0, "eval"), "rank1/phase": (1, "eval")}
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_each_rank_keeps_its_own_name_and_rank_0s_curve_is_alone_under_the_key(
     state: str, tmp_path: Any, ranks: int
