@@ -21,6 +21,25 @@ Requests made by air_magic's own threads use MLflow's own settings
 (``MLFLOW_HTTP_REQUEST_TIMEOUT``, ``..._MAX_RETRIES``, ``..._BACKOFF_FACTOR``,
 ``..._BACKOFF_JITTER``) with short values, so a dead server costs seconds; every other
 thread of the kernel (the user's own MLflow calls) keeps the user's settings.
+
+Names, when several ranks log under one key (decided here, where a line of rank ``r``
+becomes an MLflow item; the spool keeps the keys as written, and the live panel reads
+them so)::
+
+    metric "loss" of rank 0   -> "loss"          the chart of "loss" is rank 0's curve
+    metric "loss" of rank 3   -> "rank3/loss"    (MLflow groups the keys by "rank3/")
+    metric "rank3/loss" of rank 3 -> "rank3/loss"  (already named for its rank: kept)
+    param/tag "lr" = "0.1", first sent           -> "lr"
+    param/tag "lr" = "0.1" again, from any rank  -> nothing more to store
+    param/tag "lr" = "0.2" from rank 2 afterwards -> "rank2/lr"   (kept, not dropped)
+
+A param or tag key holds the first value sent (the first rank to send it "owns" it); a
+rank whose value differs gets its own ``rank<r>/<key>`` from then on, so every value
+logged is kept.  A rank that changes the value of its own param is refused by the store
+as in a plain MLflow run (skipped, named); its own tag it may change (MLflow
+overwrites tags).  Who owns which key is kept in the journal with the offsets sent, so a
+later kernel that sends the rest names things the same way.  MLflow's system metrics
+(``system/...``) are the kernel's machine's, logged once, not per rank.
 """
 
 from __future__ import annotations
@@ -36,6 +55,7 @@ from typing import Any, Callable, Iterator
 from ._spool import Spool, iter_lines
 
 __all__ = ["Unreachable", "SpoolUploader", "bounded_requests", "make_client", "absolute_uri", "store_name"]
+__all__ += ["metric_name", "rank_name"]
 
 #: MLflow's HTTP settings inside air_magic's threads: about 5 s for a server that hangs,
 #: well under a second for one that refuses connections.
@@ -214,6 +234,57 @@ def make_client(uri: str) -> Any:
             raise
 
 
+# -- names of several ranks' items ------------------------------------------------------------------
+
+
+def rank_name(rank: int, key: str) -> str:
+    """``rank<r>/<key>``; a key that already starts with ``rank<r>/`` (this rank's) is kept."""
+    prefix = f"rank{rank}/"
+    return key if key.startswith(prefix) else prefix + key
+
+
+def metric_name(rank: int, key: str) -> str:
+    """Where rank ``rank``'s points of metric ``key`` go: rank 0's under ``key`` as written,
+    every other rank's under ``rank<r>/<key>``."""
+    return key if rank == 0 else rank_name(rank, key)
+
+
+#: Params and tags sent, by kind ("p", "t"): key -> (the rank whose value it holds, the value).
+Names = dict[str, dict[str, tuple[int, str]]]
+
+
+def _load_names(saved: Any) -> Names:
+    names: Names = {"p": {}, "t": {}}
+    if isinstance(saved, dict):
+        for kind, table in saved.items():
+            if kind in names and isinstance(table, dict):
+                names[kind] = {key: (int(held[0]), str(held[1])) for key, held in table.items()}
+    return names
+
+
+def place(table: dict[str, tuple[int, str]], tag: bool, rank: int, key: str, value: str) -> str | None:
+    """The name under which rank ``rank``'s param (or tag) ``key`` = ``value`` is sent, or
+    None when the store holds that value there already; ``table`` is updated."""
+    own = rank_name(rank, key)
+    mine = table.get(own)
+    if own != key and mine is not None and mine[0] == rank:
+        name = own  # this rank's values of key go to its own name already
+    elif key not in table or table[key][0] == rank:
+        name = key
+    elif table[key][1] == value:
+        return None  # another rank's copy of the value stored
+    else:
+        name = own  # another value than the one stored: kept under the rank's name
+    held = table.get(name)
+    if held is not None and held[1] == value:
+        return None
+    if held is None or tag:
+        # A param keeps its first value: a changed one is sent, and refused by the store
+        # (skipped and named) as in a plain MLflow run.
+        table[name] = (rank, value)
+    return name
+
+
 # -- one spool, one run -------------------------------------------------------------------------------
 
 
@@ -223,7 +294,7 @@ class SpoolUploader:
     def __init__(self, spool: Spool, client: Any) -> None:
         self.spool = spool
         self.client = client
-        self.params: dict[str, str] = {}  # rank params sent: the first value of a key wins
+        self.names = _load_names(spool.journal.get("names"))  # params and tags sent, by rank
         self.skipped: dict[str, list[Any]] = {}  # what the store refused: label -> [count, error]
         self.points = 0  # metric points sent by this uploader
         self.progress_at = time.monotonic()  # last time the store took something
@@ -232,6 +303,11 @@ class SpoolUploader:
     @property
     def run_id(self) -> str | None:
         return self.spool.journal.get("run_id")  # type: ignore[no-any-return]
+
+    @property
+    def run_name(self) -> str | None:
+        """The run's name once it is made (MLflow makes one up when none was asked for)."""
+        return self.spool.journal.get("run_name") if self.run_id else None
 
     def _call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One request; Unreachable when the store did not answer."""
@@ -258,7 +334,7 @@ class SpoolUploader:
                 tags=journal.get("tags") or {},
                 run_name=journal.get("run_name"),
             )
-            self.spool.update(run_id=run.info.run_id, experiment_id=experiment_id)
+            self.spool.update(run_id=run.info.run_id, experiment_id=experiment_id, run_name=run.info.run_name)
         if not journal.get("params_logged"):
             from mlflow.entities import Param
 
@@ -297,15 +373,19 @@ class SpoolUploader:
                 lines, end = self.spool.read_new(rank, _READ)
                 if not lines:
                     break
-                self._send_lines(lines)
-                self.spool.mark_sent(rank, end)
+                names = self._send_lines(rank, lines)
+                self.spool.mark_sent(rank, end, names=names)
+                self.names = names
                 total += len(lines)
                 rounds += 1
         return total
 
-    def _send_lines(self, lines: list[bytes]) -> None:
+    def _send_lines(self, rank: int, lines: list[bytes]) -> Names:
+        """Send rank ``rank``'s lines; the params and tags sent, with these (to keep once
+        the lines are marked sent)."""
         from mlflow.entities import Metric, Param, RunTag
 
+        names: Names = {kind: dict(table) for kind, table in self.names.items()}
         metrics: list[Any] = []
         params: list[Any] = []
         tags: list[Any] = []
@@ -313,14 +393,15 @@ class SpoolUploader:
         for item in iter_lines(lines):
             kind = item[0]
             if kind == "m":
-                metrics.append(Metric(item[1], item[2], item[4], item[3]))
+                metrics.append(Metric(metric_name(rank, item[1]), item[2], item[4], item[3]))
             elif kind == "p":
-                # The same parameter from several ranks: the first value is kept.
-                if item[1] not in self.params:
-                    self.params[item[1]] = item[2]
-                    params.append(Param(item[1], item[2]))
+                name = place(names["p"], False, rank, item[1], item[2])
+                if name is not None:
+                    params.append(Param(name, item[2]))
             elif kind == "t":
-                tags.append(RunTag(item[1], item[2]))
+                name = place(names["t"], True, rank, item[1], item[2])
+                if name is not None:
+                    tags.append(RunTag(name, item[2]))
             else:
                 artifacts.append((item[1], item[2]))
         self._send("metrics", metrics)
@@ -329,6 +410,7 @@ class SpoolUploader:
         self._send("tags", tags)
         for local_path, artifact_path in artifacts:
             self._send_artifact(local_path, artifact_path)
+        return names
 
     def _send(self, kind: str, items: list[Any]) -> None:
         size = _BATCH[kind]

@@ -33,8 +33,12 @@ Journal (``journal.json``, rewritten whole with ``os.replace``)::
      "experiment_id": "1" | null, "experiment_name": "train" | null,
      "run_name": null, "tags": {...}, "params": {...},           # to create the run
      "run_id": "5e6f..." | null,                                 # null: not created yet
+                                                  # (then run_name is the name the run got)
      "params_logged": true,
      "sent": {"0": 18342, "1": 18290},      # per rank: bytes of tracking-<rank>.tsv sent
+     "names": {"p": {"lr": [0, "0.1"], "rank2/lr": [2, "0.2"]}, "t": {...}},
+                                            # the ranks' params and tags sent: name -> [rank
+                                            # whose value it holds, value] (_mlflow_upload)
      "status": null | "FINISHED" | "FAILED" | "KILLED",          # null: the kernel died first
      "logs_copied": false, "logs_sent": false}
 """
@@ -262,9 +266,11 @@ class Spool:
     def sent(self, rank: int) -> int:
         return int(self.journal["sent"].get(str(rank), 0))
 
-    def mark_sent(self, rank: int, offset: int) -> None:
+    def mark_sent(self, rank: int, offset: int, **fields: Any) -> None:
+        """Rank's file was sent up to ``offset``; ``fields`` are journaled with it."""
         with self._mutex:
             self.journal["sent"][str(rank)] = offset
+            self.journal.update(fields)
             if self.durable:
                 _write_json(self.folder, self.journal)
 

@@ -16,6 +16,11 @@ status (KILLED when the kernel died first) and deletes the folder::
           v                                       v
     one line: what was recovered (run, points); a store still down: said once per store
 
+The lines are sent by the same :class:`~air_magic._mlflow_upload.SpoolUploader` as a live
+launch's, so the ranks' items get the same names (rank 0's metrics under their keys, rank
+r's under ``rank<r>/<key>``); which rank holds which param or tag key is in the journal,
+saved with the offsets sent, so a recovery goes on where the dead kernel stopped.
+
 Nothing here imports MLflow until there is an orphan to send.
 """
 

@@ -20,6 +20,19 @@ on the launch's path: the ranks start at once and the run is made beside them::
 MLflow's own log lines from these threads go to the launch's log folder
 (:mod:`air_magic._mlflow_logs`), never into a cell.
 
+Several ranks, one run: rank 0's metrics are stored under the keys as written, rank ``r``'s
+under ``rank<r>/<key>`` (so the chart of ``loss`` is rank 0's curve, and ``rank1/loss`` is
+rank 1's); a param or tag key holds the first value sent, and another rank's other value is
+kept under ``rank<r>/<key>``.  The uploader names them (:mod:`air_magic._mlflow_upload` has
+the rules), for a live launch and a recovered one alike; the spool keeps the keys as written.
+
+The run is announced with its name and id, then, on a line of its own, the link to it on a
+tracking server, or the command that opens a local store in MLflow's UI with the kernel's
+own Python (:func:`open_command`); ``Launch.run_name``/``run_url``/``run_command`` hold them::
+
+    [air_magic] MLflow run 'bright-owl-123' (id 5e6f..., experiment 1, in /home/me/mlflow.db). To see it, ...
+        /home/me/.venv/bin/python -m mlflow ui --backend-store-uri 'sqlite:////home/me/mlflow.db'
+
 Nothing is lost when something fails half-way:
 
 * the store does not answer (a server down or dying): requests are cut short (seconds,
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import threading
 import time
@@ -269,9 +283,12 @@ class TrackingObserver:
         recover_in_background()
 
     def _show_run(self, run_id: str) -> None:
-        self.launch.run_id = run_id
-        self.launch.run_url = self._run_url(run_id)
-        self.launch.notify(self.describe(), "stdout")
+        launch = self.launch
+        launch.run_id = run_id
+        launch.run_name = self.writer.spool.journal.get("run_name") if self.writer is not None else None
+        launch.run_url = self._run_url(run_id)
+        launch.run_command = None if launch.run_url else open_command(self.uri)
+        launch.notify(self.describe(), "stdout")
 
     def after_end(self, launch: "Launch") -> None:
         writer = self.writer
@@ -302,14 +319,40 @@ class TrackingObserver:
         return None
 
     def describe(self) -> str:
-        run_id = self.launch.run_id
-        if self.launch.run_url:
-            return f"[air_magic] MLflow run {run_id}: {self.launch.run_url}"
+        """The lines that announce the run: its name and id, then on a line of its own the
+        link to it (a server) or the command that opens its store (see :func:`open_command`)."""
+        launch = self.launch
         experiment_id = self.writer.spool.journal.get("experiment_id") if self.writer else None
+        named = f"{launch.run_name!r} " if launch.run_name else ""
+        head = f"[air_magic] MLflow run {named}(id {launch.run_id}, experiment {experiment_id}"
+        if launch.run_url:
+            return f"{head}), open it at:\n    {launch.run_url}"
+        from ._mlflow_upload import local_store_path
+
+        path = local_store_path(self.uri)
+        head += f", in {path})" if path else ")"
+        if launch.run_command is None:
+            return head
         return (
-            f"[air_magic] MLflow run {run_id} (experiment {experiment_id}, {self.uri}); "
-            f"see it with: mlflow ui --backend-store-uri {self.uri}"
+            f"{head}. To see it, run in a terminal (with the mlflow of the kernel's environment):\n"
+            f"    {launch.run_command}"
         )
+
+
+def open_command(uri: str) -> str | None:
+    """The shell command that opens the store ``uri`` in MLflow's UI, with the kernel's own
+    Python (``mlflow`` may not be on PATH, or be another environment's); None for a server
+    (it has its own UI) and for Databricks."""
+    if uri.startswith(("http://", "https://", "databricks")):
+        return None
+    python = shlex.quote(sys.executable or "python3")
+    return f"{python} -m mlflow ui --backend-store-uri {single_quoted(uri)}"
+
+
+def single_quoted(text: str) -> str:
+    """``text`` in single quotes for a POSIX shell, always (so that the argument reads as
+    one, whatever it holds)."""
+    return "'" + text.replace("'", "'\\''") + "'"
 
 
 def _link_for_the_panel(launch: "Launch", spool: Spool) -> None:

@@ -340,7 +340,10 @@ def check_seed_ddp(nvml: Nvml, args: argparse.Namespace) -> str:
     assert launch.status == "finished", launch.status
     run = mlflow.get_run(launch.run_id)
     assert run.info.status == "FINISHED", run.info.status
-    points = len(mlflow.MlflowClient().get_metric_history(launch.run_id, "loss"))
+    client = mlflow.MlflowClient()
+    # rank 0's points under "loss", rank r's under "rank<r>/loss"
+    keys = ["loss"] + [f"rank{rank}/loss" for rank in range(1, NUM_GPUS)]
+    points = sum(len(client.get_metric_history(launch.run_id, key)) for key in keys)
     expected = epochs * NUM_GPUS * math.ceil(5000 / NUM_GPUS)
     assert points == expected, (points, expected)
     return f"{epochs} epoch(s), batch 1: MLflow run {run.info.run_id[:8]} FINISHED with {points} loss points"

@@ -166,8 +166,11 @@ def prepare_store(uri: str) -> Any:
     return client
 
 
-def count_points(client: Any, run_id: str, key: str) -> int:
-    return len(client.get_metric_history(run_id, key))
+def count_points(client: Any, run_id: str, key: str, ranks: int) -> int:
+    """Every rank's points of ``key``: air_magic stores rank 0's under ``key`` and rank r's
+    under ``rank<r>/<key>``; ranks that log to MLflow directly put them all under ``key``."""
+    keys = [key] + [f"rank{rank}/{key}" for rank in range(1, ranks)]
+    return sum(len(client.get_metric_history(run_id, name)) for name in keys)
 
 
 def launch(mode: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -210,7 +213,7 @@ def launch(mode: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
     if client is not None and run_id is not None:
         result["run_id"] = run_id
-        result["loss_points_stored"] = count_points(client, run_id, "loss")
+        result["loss_points_stored"] = count_points(client, run_id, "loss", len(ranks))
         result["loss_points_logged"] = sum(r["steps"] for r in ranks)
     return result
 

@@ -72,8 +72,11 @@ def run(fault, n, **options):
 def outcome():
     from mlflow import MlflowClient
     client = MlflowClient()
-    run_id = LAST.last_launch.run_id
-    return client.get_run(run_id).info.status, len(client.get_metric_history(run_id, "loss"))
+    launch = LAST.last_launch
+    # every rank's points: rank 0's under "loss", rank r's under "rank<r>/loss"
+    keys = ["loss"] + [f"rank{{r}}/loss" for r in range(1, launch.world_size)]
+    points = sum(len(client.get_metric_history(launch.run_id, key)) for key in keys)
+    return client.get_run(launch.run_id).info.status, points
 
 def ended_at():
     return LAST.last_launch.ended_at

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -82,7 +83,11 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         lines = [
             line for m in loaded + messages if m["msg_type"] == "stream" for line in m["content"]["text"].splitlines()
         ]
-        assert [line for line in lines if not line.startswith("[air_magic]")] == ["ranks done"], lines
+        # (air_magic's own too: the command that opens the store, on the line after the run's.)
+        command = f"    {shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri '{sqlite_uri(folder)}'"
+        assert command in lines and lines[lines.index(command) - 1].startswith("[air_magic] MLflow run '"), lines
+        ours = [line for line in lines if line.startswith("[air_magic]") or line == command]
+        assert [line for line in lines if line not in ours] == ["ranks done"], lines
 
         # Every point stored before the cell returned, in the run the cell announced.
         stdout = "".join(text for i, text in streams if messages[i]["content"]["name"] == "stdout")
@@ -91,9 +96,9 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         assert result["content"]["data"]["text/plain"] == repr([run_id, run_id])
         store = Store(sqlite_uri(folder))
         assert store.run(run_id).info.status == "FINISHED"
-        assert sorted((m.step, m.value) for m in store.history(run_id, "loss")) == sorted(
-            (step, rank + step / 100) for rank in (0, 1) for step in range(50)
-        )
+        assert store.by_rank(run_id, "loss", 2) == {
+            rank: [(step, rank + step / 100) for step in range(50)] for rank in (0, 1)
+        }
         # MLflow's lines (the new store's tables) went to a log file: the session's, when the
         # warm-up at %load_ext made the store, else the launch's, when its writer did.
         session = kernel.value("__import__('air_magic.launcher').launcher.get_launcher().session_dir")
@@ -157,9 +162,9 @@ def test_ranks_log_before_the_run_exists_and_a_call_that_needs_it_gets_it_once_m
     run = store.run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["batch"] == "32"
-    assert sorted(m.value for m in store.history(run_id, "early")) == sorted(
-        float(rank * 100 + step) for rank in (0, 1) for step in range(20)
-    )
+    assert {rank: [v for _, v in points] for rank, points in store.by_rank(run_id, "early", 2).items()} == {
+        rank: [float(rank * 100 + step) for step in range(20)] for rank in (0, 1)
+    }
     assert store.artifacts(run_id, "rank-0") == ["rank-0/note.txt"]
     assert store.read_artifact(run_id, "rank-1/note.txt", str(tmp_path / "back")) == "rank 1"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shlex
 import time
 from typing import Any, Iterator
 
@@ -51,11 +52,12 @@ def out_value(res: Any) -> Any:
     return ast.literal_eval(res.result)
 
 
-def loss_points(store: Store, run_id: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in store.history(run_id, "loss"))
+def loss_points(store: Store, run_id: str) -> dict[int, list[tuple[int, float]]]:
+    return store.by_rank(run_id, "loss", 2)
 
 
-EXPECTED_LOSS = sorted((step, rank + step / 10) for rank in (0, 1) for step in range(3))
+#: Each rank's curve: rank 0's under "loss", rank 1's under "rank1/loss".
+EXPECTED_LOSS = {rank: [(step, rank + step / 10) for step in range(3)] for rank in (0, 1)}
 
 
 def test_cell_launch_is_one_finished_run_in_the_notebooks_experiment(tk: Kernel) -> None:
@@ -64,8 +66,13 @@ def test_cell_launch_is_one_finished_run_in_the_notebooks_experiment(tk: Kernel)
     res = tk.run(f"%%distributed -n 2 --timeout 600\n{LOGGING_CELL}", timeout=180)
     assert out_value(res) == [0, 1]
     run_id = one_run_id(res.stdout)
-    line = next(line for line in res.stdout.splitlines() if run_id in line)
-    assert line.endswith(f"see it with: mlflow ui --backend-store-uri {store.uri}"), line
+    lines = res.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if run_id in line)
+    assert lines[at].startswith("[air_magic] MLflow run '"), lines[at]
+    assert lines[at].endswith("(with the mlflow of the kernel's environment):"), lines[at]
+    command = shlex.split(lines[at + 1])
+    assert command[1:] == ["-m", "mlflow", "ui", "--backend-store-uri", store.uri], lines[at + 1]
+    assert os.path.isabs(command[0]) and os.access(command[0], os.X_OK), command
 
     assert {r.info.run_id for r in store.runs()} == before | {run_id}
     run = store.run(run_id)
@@ -142,8 +149,8 @@ def test_interrupt_marks_the_run_killed_and_keeps_what_was_logged(tk: Kernel) ->
     run_id = one_run_id(res.stdout)
     store = store_of(tk)
     assert store.run(run_id).info.status == "KILLED"
-    points = sorted((m.step, m.value) for m in store.history(run_id, "before_interrupt"))
-    assert points == sorted((step, step + rank / 10) for rank in (0, 1) for step in range(20))
+    points = store.by_rank(run_id, "before_interrupt", 2)
+    assert points == {rank: [(step, step + rank / 10) for step in range(20)] for rank in (0, 1)}
 
 
 def test_no_tracking_creates_no_run_and_rank_calls_do_nothing(tk: Kernel) -> None:
@@ -236,7 +243,7 @@ def test_two_kernels_first_launches_at_once_into_a_fresh_store(tmp_path: Any) ->
         assert sorted(r.info.run_id for r in store.runs()) == sorted(run_ids)
         for run_id in run_ids:
             assert store.run(run_id).info.status == "FINISHED"
-            assert sorted(m.value for m in store.history(run_id, "loss")) == [0.0, 1.0]
+            assert store.by_rank(run_id, "loss", 2) == {0: [(0, 0.0)], 1: [(0, 1.0)]}
     finally:
         for kernel in kernels:
             kernel.shutdown()

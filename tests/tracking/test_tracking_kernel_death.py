@@ -61,7 +61,7 @@ def died_with_points_unsent(store: Store, run_id: str, state: str) -> int:
     run = store.run(run_id)
     assert run.info.status == "RUNNING"
     assert 200 < spooled
-    assert len(store.history(run_id, "slow")) < spooled, "everything was sent before the kill"
+    assert len(store.all_ranks(run_id, "slow", 2)) < spooled, "everything was sent before the kill"
     return spooled
 
 
@@ -84,7 +84,7 @@ def test_a_kernel_killed_mid_launch_leaves_every_point_to_the_next_kernel(places
         res = second.run("%%distributed -n 1\n7", timeout=180)
         assert res.error is None, res.error_text
         assert wait_until(lambda: store.run(run_id).info.status == "KILLED", timeout=60)
-        assert len(store.history(run_id, "slow")) == spooled
+        assert len(store.all_ranks(run_id, "slow", 2)) == spooled
         assert store.run(run_id).info.status == "KILLED"
         assert spool_files(env["AIR_MAGIC_STATE_DIR"]) == []
         assert os.listdir(os.path.join(env["AIR_MAGIC_STATE_DIR"], "tracking")) == []
@@ -101,7 +101,7 @@ def test_a_kernel_restarted_mid_launch_leaves_every_point_to_upload_pending(plac
         kernel.km.restart_kernel(now=True)
         kernel.refresh_pid()
         spooled = died_with_points_unsent(store, run_id, env["AIR_MAGIC_STATE_DIR"])
-        sent_before = len(store.history(run_id, "slow"))
+        sent_before = len(store.all_ranks(run_id, "slow", 2))
         kernel.kc.wait_for_ready(timeout=60)
         res = kernel.ok("import air_magic.tracking\nresults = air_magic.tracking.upload_pending()", timeout=120)
         recovered = [line for line in res.stderr.splitlines() if line.startswith("[air_magic]")]
@@ -111,7 +111,7 @@ def test_a_kernel_restarted_mid_launch_leaves_every_point_to_upload_pending(plac
         ]
         assert kernel.value("[(r.outcome, r.run_id) for r in results]") == [("sent", run_id)]
         assert store.run(run_id).info.status == "KILLED"
-        assert len(store.history(run_id, "slow")) == spooled
+        assert len(store.all_ranks(run_id, "slow", 2)) == spooled
         assert spool_files(env["AIR_MAGIC_STATE_DIR"]) == []
     finally:
         kernel.shutdown()

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import cloudpickle
 import pytest
-from tracking_support import free_port, one_run_id, run_ids_in, spooled_points, start_mlflow_server
+from tracking_support import free_port, one_run_id, rank_key, run_ids_in, spooled_points, start_mlflow_server
 
 from air_magic import distributed
 
@@ -68,6 +68,11 @@ def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
 
 
+def by_rank(uri: str, run_id: str, key: str) -> dict[int, list[tuple[int, float]]]:
+    """Each of the 2 ranks' points of ``key`` (rank 0's under it, rank 1's under rank1/<key>)."""
+    return {rank: history(uri, run_id, rank_key(rank, key)) for rank in (0, 1)}
+
+
 @distributed(num_accelerators=2, experiment="outages")
 def log_points(points: int) -> int:
     import os
@@ -115,9 +120,9 @@ def test_a_server_that_is_down_costs_seconds_and_gets_the_points_when_back(
         assert run.info.status == "FINISHED"
         assert run.data.params["points"] == "100"
         assert run.data.params["air_magic.num_accelerators"] == "2"
-        assert history(server.uri, run_id, "loss") == sorted(
-            (step, rank + step / 1000) for rank in (0, 1) for step in range(100)
-        )
+        assert by_rank(server.uri, run_id, "loss") == {
+            rank: [(step, rank + step / 1000) for step in range(100)] for rank in (0, 1)
+        }
         from mlflow import MlflowClient
 
         logs = sorted(a.path for a in MlflowClient(server.uri).list_artifacts(run_id, "logs"))
@@ -156,7 +161,7 @@ def test_a_server_that_dies_mid_launch_costs_seconds_and_gets_the_points_when_ba
         launch = log_around_a_crash.submit(str(tmp_path))
         deadline = time.monotonic() + 120
         # The run is made beside the ranks: the handle has its id once it exists.
-        while launch.run_id is None or len(history(server.uri, launch.run_id, "loss")) < 200:
+        while launch.run_id is None or sum(map(len, by_rank(server.uri, launch.run_id, "loss").values())) < 200:
             assert time.monotonic() < deadline, "the first half never reached the server"
             time.sleep(0.2)
     finally:
@@ -177,9 +182,9 @@ def test_a_server_that_dies_mid_launch_costs_seconds_and_gets_the_points_when_ba
 
     server = start_mlflow_server(server_root, port)
     try:
-        assert history(server.uri, run_id, "loss") == sorted(
-            (step, rank + step / 1000) for rank in (0, 1) for step in range(100)
-        )
+        assert by_rank(server.uri, run_id, "loss") == {
+            rank: [(step, rank + step / 1000) for step in range(100)] for rank in (0, 1)
+        }
         from air_magic.tracking import upload_pending
 
         [result] = upload_pending()
@@ -192,9 +197,9 @@ def test_a_server_that_dies_mid_launch_costs_seconds_and_gets_the_points_when_ba
 
         client = MlflowClient(server.uri)
         assert client.get_run(run_id).info.status == "FINISHED"
-        assert history(server.uri, run_id, "loss") == sorted(
-            (step, rank + step / 1000) for rank in (0, 1) for step in range(200)
-        )
+        assert by_rank(server.uri, run_id, "loss") == {
+            rank: [(step, rank + step / 1000) for step in range(200)] for rank in (0, 1)
+        }
         logs = sorted(a.path for a in client.list_artifacts(run_id, "logs"))
         assert logs == ["logs/rank-0.log", "logs/rank-1.log"]
     finally:

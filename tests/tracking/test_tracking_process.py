@@ -7,6 +7,7 @@ returns: what is there then is what the user sees.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -47,8 +48,14 @@ def test_a_launch_is_one_finished_run_with_its_configuration(store: Store, capsy
     out = capsys.readouterr().out
     run_id = one_run_id(out)
     assert log_a_little.last_launch.run_id == run_id
-    line = next(line for line in out.splitlines() if run_id in line)
-    assert line.endswith(f"see it with: mlflow ui --backend-store-uri {store.uri}"), line
+    launch = log_a_little.last_launch
+    assert launch.run_name == store.run(run_id).info.run_name and launch.run_name
+    assert launch.run_url is None
+    assert launch.run_command == f"{shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri '{store.uri}'"
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if run_id in line)
+    assert lines[at].startswith(f"[air_magic] MLflow run {launch.run_name!r} (id {run_id}, experiment "), lines[at]
+    assert lines[at + 1] == f"    {launch.run_command}"
 
     runs = store.runs()
     assert [r.info.run_id for r in runs] == [run_id]
@@ -60,9 +67,9 @@ def test_a_launch_is_one_finished_run_with_its_configuration(store: Store, capsy
     assert run.data.params["air_magic.code"] == "function log_a_little"
     assert run.data.tags["air_magic.launch_id"] == log_a_little.last_launch.id
     assert "mlflow.parentRunId" not in run.data.tags
-    assert metric_points(store, run_id, "loss") == sorted(
-        (step, float(10 * rank + step)) for rank in (0, 1) for step in range(5)
-    )
+    assert store.by_rank(run_id, "loss", 2) == {
+        rank: [(step, float(10 * rank + step)) for step in range(5)] for rank in (0, 1)
+    }
     assert store.artifacts(run_id, "logs") == ["logs/rank-0.log", "logs/rank-1.log"]
     # With no experiment chosen anywhere, the run goes to the one named after the
     # notebook; outside a notebook that is "air_magic".
@@ -86,7 +93,7 @@ def steps_of_every_number_type() -> None:
 def test_steps_and_timestamps_of_any_number_type_are_stored(store: Store, capsys: Any) -> None:
     steps_of_every_number_type.distributed()
     run_id = one_run_id(capsys.readouterr().out)
-    assert metric_points(store, run_id, "loss") == [(s, s + rank / 10) for s in (1, 2, 3, 4) for rank in (0, 1)]
+    assert store.by_rank(run_id, "loss", 2) == {rank: [(s, s + rank / 10) for s in (1, 2, 3, 4)] for rank in (0, 1)}
 
 
 @distributed(num_accelerators=2)
@@ -154,7 +161,69 @@ def test_experiment_from_environment_and_keyword_wins(
     assert store.experiment_name(chosen) == "from-keyword"
     assert run.info.run_name == "named-by-keyword"
     assert run.data.tags["mlflow.runName"] == "named-by-keyword"
-    assert sorted(m.value for m in store.history(chosen, "x")) == [0.0, 1.0]
+    assert store.by_rank(chosen, "x", 2) == {0: [(0, 0.0)], 1: [(0, 1.0)]}
+
+
+def test_the_run_line_names_the_run_and_the_command_that_opens_its_store(store: Store, capsys: Any) -> None:
+    log_into_chosen_experiment.distributed()
+    out = capsys.readouterr().out
+    run_id = one_run_id(out)
+    launch = log_into_chosen_experiment.last_launch
+    assert (launch.run_id, launch.run_name, launch.run_url) == (run_id, "named-by-keyword", None)
+    experiment_id = store.run(run_id).info.experiment_id
+    path = store.uri[len("sqlite:///") :]
+    command = f"{shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri '{store.uri}'"
+    assert launch.run_command == command
+    # The name and id, then the command alone on its line: nothing a front end would make
+    # a link of in the prose, the store's URI quoted for the shell, the kernel's own Python.
+    assert (
+        f"[air_magic] MLflow run 'named-by-keyword' (id {run_id}, experiment {experiment_id}, in {path}). "
+        "To see it, run in a terminal (with the mlflow of the kernel's environment):\n"
+        f"    {command}\n"
+    ) in out
+    assert shlex.split(command) == [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store.uri]
+    assert "://" not in out.split("\n    ")[0]
+
+
+@distributed(num_accelerators=2, timeout=600)
+def log_the_same_keys_on_every_rank(marker: str) -> int:
+    import os
+    import time
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        mlflow.log_params({"batch_size": 32, "seed": 1000})
+        open(marker, "w").close()
+    else:  # after rank 0's, so that the first value sent is rank 0's
+        while not os.path.exists(marker):
+            time.sleep(0.01)
+        time.sleep(1.0)
+        mlflow.log_params({"batch_size": 32, "seed": 1000 + rank})
+    for step in range(20):
+        mlflow.log_metric("loss", 10 * rank + step / 10, step=step)
+    return rank
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_chart_of_a_key_is_rank_0s_curve_and_each_other_rank_has_its_own(
+    store: Store, capsys: Any, ranks: int, tmp_path: Any
+) -> None:
+    launch = log_the_same_keys_on_every_rank.with_overrides(num_accelerators=ranks)
+    assert launch.distributed(str(tmp_path / "rank-0-logged")) == list(range(ranks))
+    run_id = one_run_id(capsys.readouterr().out)
+    # One point a step under "loss": rank 0's, not one per rank zigzagging between them.
+    assert metric_points(store, run_id, "loss") == [(step, step / 10) for step in range(20)]
+    for rank in range(1, ranks):
+        assert metric_points(store, run_id, f"rank{rank}/loss") == [(step, 10 * rank + step / 10) for step in range(20)]
+    assert set(store.run(run_id).data.metrics) == {"loss"} | {f"rank{r}/loss" for r in range(1, ranks)}
+    params = store.run(run_id).data.params
+    assert {k: v for k, v in params.items() if not k.startswith("air_magic.")} == {
+        "batch_size": "32",
+        "seed": "1000",
+        **{f"rank{r}/seed": str(1000 + r) for r in range(1, ranks)},
+    }
 
 
 def test_experiment_set_in_this_process_is_used_and_keyword_wins(store: Store, capsys: Any) -> None:
@@ -227,9 +296,9 @@ def test_cancel_of_a_submitted_launch_marks_the_run_killed(store: Store, capsys:
     run_id = one_run_id(capsys.readouterr().out)
     assert launch.run_id == run_id
     assert store.run(run_id).info.status == "KILLED"
-    assert metric_points(store, run_id, "before_stop") == sorted(
-        (step, step + rank / 10) for step in range(10) for rank in range(2)
-    )
+    assert store.by_rank(run_id, "before_stop", 2) == {
+        rank: [(step, step + rank / 10) for step in range(10)] for rank in range(2)
+    }
 
 
 def test_timeout_marks_the_run_killed(store: Store, capsys: Any) -> None:
@@ -237,7 +306,7 @@ def test_timeout_marks_the_run_killed(store: Store, capsys: Any) -> None:
         log_then_wait.with_overrides(timeout=10).distributed("never-read")
     run_id = one_run_id(capsys.readouterr().out)
     assert store.run(run_id).info.status == "KILLED"
-    assert len(store.history(run_id, "before_stop")) == 20
+    assert len(store.all_ranks(run_id, "before_stop", 2)) == 20
 
 
 # -- many ranks, many points ---------------------------------------------------------------------
@@ -270,15 +339,15 @@ def test_eight_ranks_every_point_param_tag_and_artifact_is_stored(store: Store, 
     assert log_everything.distributed(points) == list(range(8))
     run_id = one_run_id(capsys.readouterr().out)
     # Read back at once: everything was written before .distributed() returned.
-    loss = metric_points(store, run_id, "loss")
-    assert len(loss) == 8 * points
-    assert loss == sorted((step, rank + step / 1000) for rank in range(8) for step in range(points))
-    acc = metric_points(store, run_id, "acc")
-    assert acc == sorted((step, rank + step / 1000) for rank in range(8) for step in range(0, points, 50))
+    loss = store.by_rank(run_id, "loss", 8)
+    assert sum(len(curve) for curve in loss.values()) == 8 * points
+    assert loss == {rank: [(step, rank + step / 1000) for step in range(points)] for rank in range(8)}
+    acc = store.by_rank(run_id, "acc", 8)
+    assert acc == {rank: [(step, rank + step / 1000) for step in range(0, points, 50)] for rank in range(8)}
     run = store.run(run_id)
     assert run.info.status == "FINISHED"
     for rank in range(8):
-        assert len(store.history(run_id, f"rank{rank}.lr")) == points // 50
+        assert len(store.by_rank(run_id, f"rank{rank}.lr", 8)[rank]) == points // 50
         assert run.data.params[f"seed_of_rank_{rank}"] == str(1000 + rank)
         assert run.data.tags[f"host_of_rank_{rank}"] == f"node-{rank}"
     assert run.data.params["batch_size"] == "32"
@@ -321,7 +390,7 @@ def test_log_metric_in_a_rank_costs_microseconds(store: Store, capsys: Any) -> N
     run_id = one_run_id(capsys.readouterr().out)
     # A direct write to a sqlite store costs milliseconds; a line in a file, microseconds.
     assert all(m < 200e-6 for m in medians), [f"{m * 1e6:.1f} us" for m in medians]
-    assert len(store.history(run_id, "loss")) == 2 * 2000
+    assert len(store.all_ranks(run_id, "loss", 2)) == 2 * 2000
 
 
 # -- mistakes inside a rank ----------------------------------------------------------------------
@@ -407,7 +476,7 @@ def test_what_the_store_refuses_is_reported_and_the_run_still_ends(store: Store,
     run = store.run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["air_magic.timeout"] == "10800.0"
-    assert len(store.history(run_id, "loss")) == 200
+    assert len(store.all_ranks(run_id, "loss", 2)) == 200
     assert store.artifacts(run_id, "logs") == ["logs/rank-0.log", "logs/rank-1.log"]
     assert f"[air_magic] not everything the ranks logged reached MLflow run {run_id}: " in captured.err
     assert "Changing param values is not allowed" in captured.err

@@ -56,9 +56,9 @@ def test_a_refused_point_and_artifact_are_skipped_by_name_and_the_rest_is_stored
     run_id = one_run_id(captured.out)
     run = store.run(run_id)
     assert run.info.status == "FINISHED"
-    assert sorted((m.step, m.value) for m in store.history(run_id, "loss")) == sorted(
-        (step, rank + step / 100) for rank in (0, 1) for step in range(150)
-    )
+    assert store.by_rank(run_id, "loss", 2) == {
+        rank: [(step, rank + step / 100) for step in range(150)] for rank in (0, 1)
+    }
     assert store.artifacts(run_id, "kept") == ["kept/notes.txt"]
     assert store.artifacts(run_id, "logs") == ["logs/rank-0.log", "logs/rank-1.log"]
     skipped = (
@@ -123,5 +123,5 @@ def test_a_state_folder_others_can_read_is_refused_and_tracking_still_works(
         "are kept in the kernel's session folder and are lost if the kernel dies."
     ]
     assert store.run(run_id).info.status == "FINISHED"
-    assert len(store.history(run_id, "loss")) == 20
+    assert len(store.all_ranks(run_id, "loss", 2)) == 20
     assert os.listdir(state) == []

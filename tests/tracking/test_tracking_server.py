@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import cloudpickle
 import pytest
-from tracking_support import Server, one_run_id
+from tracking_support import Server, one_run_id, rank_key
 
 from air_magic import distributed
 
@@ -22,8 +22,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def link_pattern(server: Server) -> re.Pattern[str]:
     return re.compile(
-        rf"\[air_magic\] MLflow run ([0-9a-f]{{32}}): "
-        rf"(http://127\.0\.0\.1:{server.port}/#/experiments/(\d+)/runs/([0-9a-f]{{32}}))$",
+        rf"\[air_magic\] MLflow run '([^\n]*)' \(id ([0-9a-f]{{32}}), experiment (\d+)\), open it at:\n"
+        rf"    (http://127\.0\.0\.1:{server.port}/#/experiments/(\d+)/runs/([0-9a-f]{{32}}))$",
         re.MULTILINE,
     )
 
@@ -32,10 +32,11 @@ def check_link_opens_the_run(server: Server, output: str) -> dict[str, Any]:
     """The link in ``output`` names a run the server knows; return that run (REST JSON)."""
     match = link_pattern(server).search(output)
     assert match, f"no link to {server.uri} in:\n{output}"
-    run_id, _, experiment_id, linked_run = match.groups()
-    assert linked_run == run_id
+    name, run_id, experiment_id, _, linked_experiment, linked_run = match.groups()
+    assert (linked_run, linked_experiment) == (run_id, experiment_id)
     run = server.get("/api/2.0/mlflow/runs/get", run_id=run_id)["run"]
     assert run["info"]["run_id"] == run_id
+    assert run["info"]["run_name"] == name
     assert run["info"]["experiment_id"] == experiment_id
     return run  # type: ignore[no-any-return]
 
@@ -87,12 +88,17 @@ def test_decorator_output_links_to_the_run_on_the_server(server_env: Server, cap
     assert params["air_magic.code"] == "function log_to_server"
     experiment = server_env.get("/api/2.0/mlflow/experiments/get", experiment_id=run["info"]["experiment_id"])
     assert experiment["experiment"]["name"] == "served"
-    history = server_env.get(
-        "/api/2.0/mlflow/metrics/get-history", run_id=run_id, metric_key="loss", max_results="1000"
-    )["metrics"]
-    assert sorted((m["step"], m["value"]) for m in history) == sorted(
-        (step, rank + step / 100) for rank in (0, 1) for step in range(50)
-    )
+    assert log_to_server.last_launch.run_command is None  # the server has a UI of its own
+    assert log_to_server.last_launch.run_name == "served-run"
+    # Rank 0's curve under "loss", rank 1's under "rank1/loss".
+    for rank in (0, 1):
+        history = server_env.get(
+            "/api/2.0/mlflow/metrics/get-history",
+            run_id=run_id,
+            metric_key=rank_key(rank, "loss"),
+            max_results="1000",
+        )["metrics"]
+        assert sorted((m["step"], m["value"]) for m in history) == [(step, rank + step / 100) for step in range(50)]
     from mlflow import MlflowClient
 
     logs = sorted(a.path for a in MlflowClient(server_env.uri).list_artifacts(run_id, "logs"))
@@ -114,10 +120,11 @@ def test_cell_output_links_to_the_run_on_the_server(mlflow_server: Server, kerne
         assert ast.literal_eval(res.result) == [0, 1]
         run = check_link_opens_the_run(mlflow_server, res.stdout)
         assert run["info"]["status"] == "FINISHED"
-        history = mlflow_server.get(
-            "/api/2.0/mlflow/metrics/get-history", run_id=run["info"]["run_id"], metric_key="loss"
-        )["metrics"]
-        assert sorted(m["value"] for m in history) == [0.0, 1.0]
+        for rank in (0, 1):
+            history = mlflow_server.get(
+                "/api/2.0/mlflow/metrics/get-history", run_id=run["info"]["run_id"], metric_key=rank_key(rank, "loss")
+            )["metrics"]
+            assert [m["value"] for m in history] == [float(rank)]
         assert params_of(run)["air_magic.num_accelerators"] == "2"
         assert "mlflow ui" not in res.stdout  # a server has a UI of its own: the link is enough
     finally:

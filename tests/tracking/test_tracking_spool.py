@@ -264,10 +264,135 @@ def test_an_orphan_becomes_a_killed_run_with_every_point(state: str, tmp_path: A
     assert run.data.tags["air_magic.launch_id"] == "0001-deadbeef"
     assert run.data.params == {"air_magic.num_accelerators": "2", "lr": "0.1"}
     assert run.data.tags["note"] == NASTY[6]
-    assert len(store.history(run_id, "loss")) == 550
+    # Rank 0's curve under "loss", rank 1's under "rank1/loss", as a live kernel names them.
+    assert store.by_rank(run_id, "loss", 2) == {
+        rank: [(step, rank + step / 1000) for step in range(count)] for rank, count in ((0, 300), (1, 250))
+    }
     assert Spool.folders() == []
     upload_pending()
     assert capsys.readouterr().err == "[air_magic] nothing is waiting to be sent to MLflow.\n"
+
+
+def param_line(key: str, value: str) -> str:
+    return f"p\t{text_field(key)}\t{text_field(value)}"
+
+
+def tag_line(key: str, value: str) -> str:
+    return f"t\t{text_field(key)}\t{text_field(value)}"
+
+
+def test_the_names_of_several_ranks_items() -> None:
+    from air_magic._mlflow_upload import metric_name, place
+
+    assert [metric_name(rank, "loss") for rank in range(3)] == ["loss", "rank1/loss", "rank2/loss"]
+    # A key already named for the rank that logs it is kept; one named for another rank is not.
+    assert metric_name(2, "rank2/loss") == "rank2/loss"
+    assert metric_name(1, "rank0/loss") == "rank1/rank0/loss"
+    assert metric_name(1, "rank10/loss") == "rank1/rank10/loss"
+    assert metric_name(0, "rank1/loss") == "rank1/loss"  # rank 0's keys stay as written
+    params: dict[str, tuple[int, str]] = {}
+    sent = [
+        place(params, False, rank, key, value)
+        for rank, key, value in [
+            (1, "seed", "1001"),  # first sent: rank 1 holds "seed"
+            (0, "seed", "1000"),  # another value: kept as rank0/seed
+            (2, "seed", "1001"),  # the value stored: nothing to send
+            (0, "seed", "1000"),  # rank 0's again: nothing to send
+            (0, "seed", "7"),  # rank 0 changes its own: sent to its name, for the store to refuse
+            (1, "seed", "9"),  # rank 1 changes its own: sent under "seed", for the store to refuse
+        ]
+    ]
+    assert sent == ["seed", "rank0/seed", None, None, "rank0/seed", "seed"]
+    assert params == {"seed": (1, "1001"), "rank0/seed": (0, "1000")}
+    tags: dict[str, tuple[int, str]] = {}
+    sent = [
+        place(tags, True, rank, key, value)
+        for rank, key, value in [
+            (0, "phase", "train"),
+            (1, "phase", "train"),  # a copy
+            (0, "phase", "eval"),  # rank 0 changes its tag: MLflow overwrites it
+            (1, "phase", "done"),  # another value: rank 1's own from now on
+            (1, "phase", "eval"),  # ... even when it matches rank 0's
+        ]
+    ]
+    assert sent == ["phase", None, "phase", "rank1/phase", "rank1/phase"]
+    assert tags == {"phase": (0, "eval"), "rank1/phase": (1, "eval")}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_each_rank_keeps_its_own_name_and_rank_0s_curve_is_alone_under_the_key(
+    state: str, tmp_path: Any, ranks: int
+) -> None:
+    from air_magic._tracking_recovery import recover_pending
+
+    store = Store(sqlite_uri(tmp_path))
+    store.client.search_experiments()
+    lines = {
+        rank: [param_line("batch_size", "32"), param_line("seed", str(1000 + rank))]
+        + [tag_line("host", "node-a"), tag_line("role", "leader" if rank == 0 else "worker")]
+        + metric_lines("loss", 30, rank)
+        + [f"m\trank{rank}/grad_norm\t{rank}.5\t0\t1700000000000"]  # named for its rank already
+        for rank in range(ranks)
+    }
+    orphan(store.uri, lines)
+    [result] = recover_pending()
+    assert (result.outcome, result.points) == ("sent", 31 * ranks)
+    run_id = result.run_id
+    assert run_id is not None
+    assert [(m.step, m.value) for m in store.history(run_id, "loss")] == [(step, step / 1000) for step in range(30)]
+    for rank in range(1, ranks):
+        assert [(m.step, m.value) for m in store.history(run_id, f"rank{rank}/loss")] == [
+            (step, rank + step / 1000) for step in range(30)
+        ]
+    metrics = set(store.run(run_id).data.metrics)
+    assert metrics == {"loss"} | {f"rank{r}/loss" for r in range(1, ranks)} | {
+        f"rank{r}/grad_norm" for r in range(ranks)
+    }
+    run = store.run(run_id)
+    # The same value from every rank is one param; another value is kept under the rank's name.
+    assert run.data.params == {
+        "air_magic.num_accelerators": str(ranks),
+        "batch_size": "32",
+        "seed": "1000",
+        **{f"rank{r}/seed": str(1000 + r) for r in range(1, ranks)},
+    }
+    assert run.data.tags["host"] == "node-a" and "rank1/host" not in run.data.tags
+    assert run.data.tags["role"] == "leader"
+    assert {r: run.data.tags.get(f"rank{r}/role") for r in range(1, ranks)} == dict.fromkeys(range(1, ranks), "worker")
+    assert result.skipped is None
+
+
+def test_recovery_names_params_as_the_dead_kernel_did(state: str, tmp_path: Any) -> None:
+    from air_magic._tracking_recovery import recover_pending
+
+    store = Store(sqlite_uri(tmp_path))
+    client = store.client
+    run_id = client.create_run(client.create_experiment("named")).info.run_id
+    client.log_param(run_id, "seed", "7")  # sent by the dead kernel, from rank 1's line
+    lines = {0: [param_line("seed", "5"), param_line("lr", "0.1")], 1: [param_line("seed", "7")]}
+    sent = {"0": 0, "1": len(lines[1][0]) + 1}
+    names = {"p": {"seed": [1, "7"]}, "t": {}}
+    orphan(store.uri, lines, run_id=run_id, params_logged=True, sent=sent, names=names)
+    [result] = recover_pending()
+    assert (result.outcome, result.skipped) == ("sent", None)
+    assert store.run(run_id).data.params == {"seed": "7", "rank0/seed": "5", "lr": "0.1"}
+
+
+def test_a_rank_that_changes_its_own_param_is_refused_as_in_mlflow(state: str, tmp_path: Any) -> None:
+    from air_magic._tracking_recovery import recover_pending
+
+    store = Store(sqlite_uri(tmp_path))
+    store.client.search_experiments()
+    lines = {0: [param_line("lr", "0.1"), param_line("lr", "0.1"), param_line("lr", "0.2")]}
+    lines[1] = [param_line("lr", "0.3"), param_line("lr", "0.4"), tag_line("phase", "a"), tag_line("phase", "b")]
+    orphan(store.uri, lines)
+    [result] = recover_pending()
+    assert result.outcome == "sent"
+    assert result.skipped is not None
+    assert result.skipped.startswith("param 'lr' (") and "param 'rank1/lr' (" in result.skipped
+    run = store.run(result.run_id)
+    assert {k: v for k, v in run.data.params.items() if "lr" in k} == {"lr": "0.1", "rank1/lr": "0.3"}
+    assert run.data.tags["phase"] == "b"  # a tag its rank may change, as in MLflow
 
 
 def test_recovery_sends_only_what_was_not_sent_and_keeps_the_launchs_status(state: str, tmp_path: Any) -> None:

@@ -18,8 +18,14 @@ from typing import Any
 
 import psutil
 
-#: The line air_magic prints when a launch starts its run.
-RUN_LINE = re.compile(r"\[air_magic\] MLflow run ([0-9a-f]{32})")
+#: The line air_magic prints when a launch starts its run: its name (quoted), then its id.
+RUN_LINE = re.compile(r"\[air_magic\] MLflow run [^\n]*?\(id ([0-9a-f]{32}), ")
+
+
+def rank_key(rank: int, key: str) -> str:
+    """Where rank ``rank``'s points of metric ``key`` are: rank 0's under ``key``, the others'
+    under ``rank<r>/<key>`` (the documented naming)."""
+    return key if rank == 0 else f"rank{rank}/{key}"
 
 
 def run_ids_in(text: str) -> list[str]:
@@ -60,6 +66,16 @@ class Store:
 
     def history(self, run_id: str, key: str) -> list[Any]:
         return list(self.client.get_metric_history(run_id, key))
+
+    def by_rank(self, run_id: str, key: str, ranks: int) -> dict[int, list[tuple[int, float]]]:
+        """Each rank's points of metric ``key`` as (step, value), sorted."""
+        return {
+            rank: sorted((m.step, m.value) for m in self.history(run_id, rank_key(rank, key))) for rank in range(ranks)
+        }
+
+    def all_ranks(self, run_id: str, key: str, ranks: int) -> list[Any]:
+        """The points of metric ``key`` of every rank (each under its own name)."""
+        return [m for rank in range(ranks) for m in self.history(run_id, rank_key(rank, key))]
 
     def artifacts(self, run_id: str, path: str | None = None) -> list[str]:
         return sorted(a.path for a in self.client.list_artifacts(run_id, path))
