@@ -143,6 +143,8 @@ class Launch:
         self._failures: list[int] = []
         self._stop_at: float | None = None  # time.monotonic() when the helper began to stop it
         self.helper: Helper | None = None  # the helper process its ranks are forked from
+        self.request: LaunchRequest | None = None  # what the helper was sent
+        self.sent_again = False  # to a new helper, the first having gone before starting it
         self._cancel_requested = False
         self._done = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
@@ -388,7 +390,6 @@ class Launch:
             self.print_notices()
         self._done.set()
 
-    #: The panel's name for :meth:`print_notices` (kept while it calls it so).
     @property
     def waited_on(self) -> bool:
         """Whether a cell waits for this launch (it then prints the launch's notices)."""
@@ -447,6 +448,8 @@ class Launch:
         return outcome.ok, outcome.value
 
     def _cleanup_files(self) -> None:
+        if os.path.dirname(self.log_dir) != self.work_dir:  # the logs are kept elsewhere
+            shutil.rmtree(self.work_dir, ignore_errors=True)
         for name in os.listdir(self.work_dir) if os.path.isdir(self.work_dir) else ():
             if name != "logs":
                 path = os.path.join(self.work_dir, name)
@@ -531,7 +534,7 @@ class Launcher:
         launch.timings["call"] = called
         launch.helper = helper  # before the observers: the panel says what the launch waits for
         try:
-            request = self._prepare(launch, payload, cwd)
+            request = launch.request = self._prepare(launch, payload, cwd)
             with self._lock:
                 self.launches[launch.id] = launch
             try:
@@ -626,7 +629,29 @@ class Launcher:
             if self._helper is helper:
                 self._helper = None
         for launch in orphans:
-            launch.helper_died(returncode)
+            if not self._start_again(launch):
+                launch.helper_died(returncode)
+
+    def _start_again(self, launch: Launch) -> bool:
+        """A launch the helper never said it started (it was stopped with the request still
+        unread, or had just read it): no rank of it runs — a rank dies with its helper
+        (PDEATHSIG) — so it goes to a new helper.  False when it cannot."""
+        if "started" in launch.timings or launch.request is None or launch.status != "starting":
+            return False
+        if launch.sent_again:  # once: a helper that dies on this very request is an error
+            return False
+        launch.sent_again = True
+        try:
+            helper = self._ensure_helper()
+            with self._lock:
+                self.launches[launch.id] = launch
+            launch.helper = helper
+            helper.send(StartLaunch(launch.request))
+        except (OSError, LaunchError):  # no new helper either (the launcher was shut down)
+            with self._lock:
+                self.launches.pop(launch.id, None)
+            return False
+        return True
 
     def shutdown(self) -> None:
         """Stop every rank and the helper; delete the session's files. Idempotent."""

@@ -84,6 +84,9 @@ def ended_at():
 def folders():
     from air_magic.launcher import get_launcher
     return get_launcher().session_dir, get_launcher().shm_root
+
+def log_folder():
+    return LAST.last_launch.log_dir
 """
 
 
@@ -117,10 +120,9 @@ def _assert_nothing_left(k: Kernel) -> None:
     helper = _helper(k)
     assert wait_until(lambda: not _ranks(helper), timeout=5)
     session, shm = k.value("folders()")
-    for launch in os.listdir(session):
-        path = os.path.join(session, launch)
-        if os.path.isdir(path):
-            assert os.listdir(path) == ["logs"], (launch, os.listdir(path))  # only the bounded logs stay
+    # Nothing of a launch stays in the session folder; its bounded logs are kept in its log folder.
+    assert [name for name in os.listdir(session) if os.path.isdir(os.path.join(session, name))] == []
+    assert "rank-0.log" in os.listdir(k.value("log_folder()"))
     if shm:
         assert os.listdir(shm) == []
     assert not [c for c in helper.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
