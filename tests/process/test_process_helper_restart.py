@@ -52,7 +52,7 @@ def test_a_helper_that_dies_again_on_the_same_request_fails_the_launch() -> None
         if launch is None:
             launch = ranks_and_pid.submit()
         else:
-            assert wait_until(lambda: launch.helper is helper, timeout=30)
+            assert wait_until(lambda sent=launch, h=helper: sent.helper is h, timeout=30)
         os.kill(helper.proc.pid, signal.SIGKILL)
         assert wait_until(lambda h=helper: launcher()._helper is not h, timeout=30)
     assert launch is not None
