@@ -237,7 +237,8 @@ class OutputPump:
     A line a progress bar rewrites with carriage returns reaches the cell as its last
     state: each line is written once it ends, with only what follows its last ``\r``;
     while it is still being rewritten, its newest state is written at most once every
-    ``progress_every`` s (as ``\r`` + state, which a terminal and Jupyter show in place).
+    ``progress_every`` s (as state + ``\r``: the next text, in a terminal and in Jupyter,
+    takes its place).
     A notebook saved by nbconvert or papermill, which keeps every stream message as an
     output, so holds a few states of a bar, not one per step.
 
@@ -300,22 +301,19 @@ class OutputPump:
 
     def _collapse(self, data: bytes, final: bool) -> bytes:
         """What of ``data`` reaches the cell: ended lines at their last state, and the
-        state of the line being rewritten when it is time to show it."""
+        state of the line being rewritten when it is time to show it (followed by ``\r``,
+        as tqdm's own output is cut: the next text, a status line too, starts on it)."""
         out = []
         *ended, rest = data.split(b"\n")
         for line in ended:
-            last = _last_state(self._line + line)
-            self._line = b""
-            if self._line_shown:
-                out.append(b"\r")
-                self._line_shown = b""
-            out.append(last + b"\n")
+            out.append(_last_state(self._line + line) + b"\n")
+            self._line = self._line_shown = b""
         if rest:
             self._line = _last_state(self._line + rest) if b"\r" in rest else self._line + rest
         now = time.monotonic()
         if self._line and self._line != self._line_shown and (final or now - self._progress_at >= self.progress_every):
             self._progress_at = now
-            out.append((b"\r" if self._line_shown else b"") + self._line)
+            out.append(self._line + (b"" if final and b"\r" not in rest else b"\r"))
             self._line_shown = self._line
         return b"".join(out)
 
