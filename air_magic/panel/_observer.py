@@ -238,8 +238,14 @@ class PanelObserver(WidgetPanel):
 
         self._run(show)
         if current:
-            contextvars.Context().run(show)
+            fresh = contextvars.Context()
+            if fresh.run(self._parent) != self._run(self._parent):
+                fresh.run(show)
         self.displayed = True
+
+    def _parent(self) -> Any:
+        """The parent header IPython's display publisher uses here (None: unknown)."""
+        return getattr(getattr(self.shell, "display_pub", None), "parent_header", None)
 
     #: Summaries waiting for their cell to end in a terminal shell (bounded: a shell that
     #: runs no more cells, as in a test process, does not collect them forever).

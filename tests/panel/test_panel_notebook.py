@@ -116,7 +116,11 @@ def test_progress_is_saved_at_its_last_state_and_the_summary_last(tmp_path: Path
     assert max(status) < len(outputs) - 2
 
 
-def test_a_background_launch_saves_its_outcome_in_its_cell(tmp_path: Path) -> None:
+@pytest.mark.parametrize("panel", ["text", "widget"])
+def test_a_background_launch_saves_its_outcome_in_its_cell(
+    tmp_path: Path, panel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIR_MAGIC_PANEL", panel)  # the kernel's environment: widgets or text lines
     saved = _execute(
         [
             CELLS[0],
@@ -134,6 +138,9 @@ def test_a_background_launch_saves_its_outcome_in_its_cell(tmp_path: Path) -> No
     first = saved.cells[1].outputs
     shown = [o for o in first if o.output_type == "display_data"]
     assert len(shown) == 1, first
+    assert ("widgets" in saved.metadata) == (panel == "widget")  # the panel was live there
+    # After a restart a widget would read "model not found": none is left in the file.
+    assert WIDGET_MIME not in shown[0].data
     # Its display gave way to the static summary: the outcome, not "starting".
     assert shown[0].data["text/plain"].startswith("[air_magic] bg_train on 2 CPU ranks"), shown[0].data
     assert "finished in" in shown[0].data["text/plain"]
