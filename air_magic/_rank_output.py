@@ -239,8 +239,8 @@ class OutputPump:
     while it is still being rewritten, its newest state is written at most once every
     ``progress_every`` s (as state + ``\r``: the next text, in a terminal and in Jupyter,
     takes its place).
-    A notebook saved by nbconvert or papermill, which keeps every stream message as an
-    output, so holds a few states of a bar, not one per step.
+    nbconvert and papermill keep every stream message as an output of its own: the
+    notebook they save holds a few states of a bar, not one per step.
 
     :meth:`hold_rest` reads what is left of the log while its file is still whole (the
     launch rewrites the logs as it ends); the final :meth:`pump` writes it.

@@ -485,12 +485,15 @@ class Launch:
     def interrupt_message(self) -> str:
         """What an interrupted launch says, in its summary and as the cell's error."""
         took = (self.ended_at or time.time()) - self.started_at
-        stopped = [state.rank for state in self.ranks if state.stopped or state.returncode is None]
+        # A rank the stop reached exits with KeyboardInterrupt (1) or a signal; one that had
+        # finished on its own exits with 0.
+        stopped = [state.rank for state in self.ranks if state.returncode != 0]
         if not stopped or len(stopped) == self.world_size:
             which = _outcome.stopped(self.world_size)
         else:
             ranks = ", ".join(map(str, stopped))
-            which = f"rank{'s' * (len(stopped) != 1)} {ranks} of its {self.world_size} {'were' if len(stopped) != 1 else 'was'} stopped"
+            were = "were" if len(stopped) != 1 else "was"
+            which = f"rank{'s' * (len(stopped) != 1)} {ranks} of its {self.world_size} {were} stopped"
         return f"{self.label} was cancelled: you interrupted it after {took:.1f} s; {which}."
 
     def _cleanup_files(self) -> None:

@@ -123,16 +123,19 @@ def keep_busy(shell: Any) -> Callable[[], None]:
                 which = (parent or get_parent(channel))["header"]["msg_id"]
             except Exception:  # no header to tell whose idle it is: leave it
                 return
-            if which == cell_id:
-                active[0] = False  # the cell itself has ended
+            if which == cell_id:  # the cell itself has ended
+                remove()
             else:
                 publish("busy", "shell", cell)
 
+    def remove() -> None:
+        active[0] = False
+        if vars(kernel).get("_publish_status") is publish_status:
+            del kernel._publish_status
+
     def undo() -> None:
         with lock:
-            active[0] = False
-            if vars(kernel).get("_publish_status") is publish_status:
-                del kernel._publish_status
+            remove()
 
     try:
         kernel._publish_status = publish_status

@@ -7,10 +7,14 @@ The launcher calls :func:`panel_observer` per launch and the observer's hooks ar
     the thread    every 0.5 s: LaunchState.refresh(), then the widgets (WidgetPanel) or,
                   now and then, a text line; it ends with the launch
     before_end    the ranks' last metric lines are read (before tracking deletes its spool)
-    after_end     LaunchSummary replaces the panel (at once, or after the cell in a
-                  terminal); a background panel keeps its widgets, up to _KEEP_FINISHED
+    after_end     LaunchSummary replaces the widget panel at once; as text lines, the
+                  waiting cell shows it after rank 0's last output, before its value; a
+                  background launch's display is replaced too (its widgets stay open,
+                  up to _KEEP_FINISHED)
 
-``launch_mimebundle`` is how a ``Launch`` renders: its panel, or its summary once done.
+``launch_mimebundle`` is how a ``Launch`` renders: its panel, or its summary once done;
+nothing more in the cell that shows its panel.  While a blocking cell shows a widget panel,
+``keep_busy`` keeps the kernel's status busy (see ``_ipykernel``).
 """
 
 from __future__ import annotations
