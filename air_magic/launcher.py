@@ -285,6 +285,7 @@ class Launch:
         stall = StallWatch(self, settings.stall_seconds)
         self._pump = pump  # finish() has it read the rest before the logs are rewritten
         self._waiter = True
+        sys.stdout.flush()  # what the observers printed at the start comes before the ranks' output
         try:
             while not self._done.wait(_POLL):
                 self.print_notices()
