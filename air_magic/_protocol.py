@@ -40,6 +40,12 @@ RESULT_NAME = "__air_magic_result__"
 #: Line written to a rank's log before the traceback of its failure: the cell shows
 #: that traceback as the error, so the live copy of the log stops here.
 TRACEBACK_MARK = "[air_magic] this rank failed; its traceback follows\n"
+#: In place of TRACEBACK_MARK when air_magic stopped the rank (SIGINT: a cancel, a timeout,
+#: the panel's Stop, another rank's failure): the stack of where it was follows.
+STOP_MARK = (
+    "[air_magic] this rank was stopped by air_magic (the launch was cancelled, timed out, or "
+    "another rank failed); where it was:\n"
+)
 
 # -- paths in a launch's private work folder -----------------------------------------------------
 

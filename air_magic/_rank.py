@@ -44,6 +44,7 @@ from ._protocol import (
     LEFT_PREFIX,
     RESULT_NAME,
     STACK_SIGNAL,
+    STOP_MARK,
     TRACEBACK_MARK,
     ErrorRecord,
     LaunchRequest,
@@ -435,7 +436,10 @@ def _run(request: LaunchRequest, rank: int) -> int:
     if isinstance(record, ErrorRecord):
         # Last in the log, after anything the exit hooks printed.
         sys.stdout.flush()
-        sys.stderr.write(TRACEBACK_MARK + record.traceback)
+        # A KeyboardInterrupt in a rank is air_magic's stop (SIGINT: a cancel, a timeout, the
+        # panel's Stop, another rank's failure): the rank did not fail, it was stopped.
+        stopped = record.type_name == "KeyboardInterrupt"
+        sys.stderr.write((STOP_MARK if stopped else TRACEBACK_MARK) + record.traceback)
         sys.stderr.flush()
     try:
         _results.write_record(path, record, shm_dir if code == 0 else None, f"r{rank}", fallback_dir=request.work_dir)

@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from . import _outcome, _results
-from ._protocol import STACK_SIGNAL, TRACEBACK_MARK, TailReader, ValueRecord, stack_path
+from ._protocol import STACK_SIGNAL, STOP_MARK, TRACEBACK_MARK, TailReader, ValueRecord, stack_path
 
 if TYPE_CHECKING:
     from .launcher import Launch
@@ -234,28 +235,60 @@ class OutputPump:
     Whole lines only (a carriage return ends a line too, for progress bars), so the
     failure marker is always seen whole; the traceback after it is shown as the
     cell's error instead.
+
+    A line a progress bar rewrites with carriage returns reaches the cell as its last
+    state: each line is written once it ends, with only what follows its last ``\r``;
+    while it is still being rewritten, its newest state is written at most once every
+    ``progress_every`` s (as state + ``\r``: the next text, in a terminal and in Jupyter,
+    takes its place).
+    nbconvert and papermill keep every stream message as an output of its own: the
+    notebook they save holds a few states of a bar, not one per step.
+
+    :meth:`hold_rest` reads what is left of the log while its file is still whole (the
+    launch rewrites the logs as it ends); the final :meth:`pump` writes it.
     """
 
-    def __init__(self, path: str, limit: int) -> None:
+    def __init__(self, path: str, limit: int, progress_every: float = 2.0) -> None:
         self.path = path
         self.limit = limit
+        self.progress_every = progress_every
         self.reader = TailReader(path)
         self.shown = 0
         self.stopped = False
+        self._line = b""  # the current line's newest state (after its last \r), not yet ended
+        self._line_shown = b""  # what of the current line the cell shows
+        self._progress_at = 0.0
+        self._held: bytes | None = None
+        self._lock = threading.Lock()
+
+    def hold_rest(self) -> None:
+        """Read the rest of the log now; the final :meth:`pump` writes it."""
+        with self._lock:
+            if self._held is None:
+                room = max(0, self.limit - self.shown)
+                self._held = b"" if self.stopped else self.reader.read(room + (1 << 16), final=True)
 
     def pump(self, final: bool = False) -> None:
+        with self._lock:
+            self._pump(final)
+
+    def _pump(self, final: bool) -> None:
         if self.stopped:
             return
-        data = self.reader.read(1 << 20, final=final, ends=(b"\n", b"\r"))
-        if not data:
-            return
-        mark = data.find(_MARK)
+        if self._held is not None:
+            data, self._held = self._held, b""
+        else:
+            data = self.reader.read(1 << 20, final=final, ends=(b"\n", b"\r"))
+        mark = min((i for i in (data.find(_MARK), data.find(_STOP_MARK)) if i >= 0), default=-1)
         if mark >= 0:
             data = data[:mark]
+            final = True
+        out = self._collapse(data, final)
+        if mark >= 0:
             self.stopped = True
         room = self.limit - self.shown
-        if len(data) > room:
-            cut = data[:room]
+        if len(out) > room:
+            cut = out[:room]
             if b"\n" in cut:
                 cut = cut[: cut.rfind(b"\n") + 1]
             self._write(cut)
@@ -266,7 +299,25 @@ class OutputPump:
             )
             sys.stdout.flush()
             return
-        self._write(data)
+        self._write(out)
+
+    def _collapse(self, data: bytes, final: bool) -> bytes:
+        """What of ``data`` reaches the cell: ended lines at their last state, and the
+        state of the line being rewritten when it is time to show it (followed by ``\r``,
+        as tqdm's own output is cut: the next text, a status line too, starts on it)."""
+        out = []
+        *ended, rest = data.split(b"\n")
+        for line in ended:
+            out.append(_last_state(self._line + line) + b"\n")
+            self._line = self._line_shown = b""
+        if rest:
+            self._line = _last_state(self._line + rest) if b"\r" in rest else self._line + rest
+        now = time.monotonic()
+        if self._line and self._line != self._line_shown and (final or now - self._progress_at >= self.progress_every):
+            self._progress_at = now
+            out.append(self._line + (b"" if final and b"\r" not in rest else b"\r"))
+            self._line_shown = self._line
+        return b"".join(out)
 
     def _write(self, data: bytes) -> None:
         if not data:
@@ -276,7 +327,36 @@ class OutputPump:
         sys.stdout.flush()
 
 
+def _last_state(line: bytes) -> bytes:
+    """A line rewritten with carriage returns, as a terminal would leave it: what follows
+    its last ``\r`` (one at its very end, as in ``\r\n``, does not count)."""
+    if b"\r" not in line:
+        return line
+    parts = [part for part in line.split(b"\r") if part]
+    return parts[-1] if parts else b""
+
+
+def collapse_log(path: str) -> None:
+    """Rewrite a log so that every line a progress bar rewrote with carriage returns keeps
+    its last state only (an MLflow artifact of a tqdm loop is then readable)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        if b"\r" not in data:
+            return
+        lines = data.split(b"\n")
+        text = b"\n".join(_last_state(line) for line in lines)
+        tmp = f"{path}.collapsed"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 _MARK = TRACEBACK_MARK.encode()
+_STOP_MARK = STOP_MARK.encode()
 
 
 # -- the ranks' result records ----------------------------------------------------------------

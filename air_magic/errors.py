@@ -172,6 +172,16 @@ def render_lines(exc: BaseException) -> list[str]:
     return lines
 
 
+def interrupted(message: str) -> KeyboardInterrupt:
+    """The error of a blocking launch the user interrupted: a plain ``KeyboardInterrupt``
+    (``except KeyboardInterrupt`` around a call keeps working in a script) that IPython
+    shows as its one line, without the launcher's frames."""
+    exc = KeyboardInterrupt(message)
+    line = f"KeyboardInterrupt: {message}"
+    exc._render_traceback_ = lambda: [line]  # type: ignore[attr-defined]
+    return exc
+
+
 def attach_rank_rendering(exc: BaseException) -> BaseException:
     """Make a rebuilt user exception render as its rank traceback in IPython.
 

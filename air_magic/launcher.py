@@ -67,6 +67,7 @@ from ._rank_output import (
     OutputPump,
     StallWatch,
     bound_log,
+    collapse_log,
     describe_stacks,
     log_end,
     read_records,
@@ -75,7 +76,7 @@ from ._rank_output import (
 )
 from .accelerators import detect_hardware
 from .capture import Payload
-from .errors import LaunchError
+from .errors import LaunchCancelledError, LaunchError, interrupted
 from .settings import settings
 from .spec import LaunchSpec, Placement
 
@@ -150,7 +151,7 @@ class Launch:
         self._outcome: tuple[bool, Any] | None = None
         self._error_text: str | None = None
         self.observers: list[LaunchObserver] = []
-        self._notices: collections.deque[tuple[str, str]] = collections.deque()
+        self._notices: collections.deque[tuple[str | Callable[[], None], str]] = collections.deque()
         #: Where the time of the launch went, for ``benchmarks/launch`` and the curious:
         #: ``time.monotonic()`` (one clock for every process of the machine) at ``call``,
         #: ``sent`` (the helper has the request), ``started`` (its ranks are forked),
@@ -158,6 +159,9 @@ class Launch:
         #: ``returned``; and seconds spent in each observer's hooks (``tracking.before_start``...).
         self.timings: dict[str, float] = {"call": time.monotonic()}
         self._waiter = False  # a blocking wait (the cell) prints the notices; else the launcher
+        self._interrupted = False  # the user interrupted the cell that waited for it
+        self._interrupt_text: str | None = None
+        self._pump: OutputPump | None = None
 
     # -- public handle ----------------------------------------------------------------------
 
@@ -200,12 +204,24 @@ class Launch:
         kernel's streams themselves."""
         self._notices.append((line, stream))
 
+    def notify_call(self, show: Callable[[], None]) -> None:
+        """Like :meth:`notify`, for an observer's display (the panel's summary): ``show()``
+        is called, in turn with the lines, by the thread that prints them; for a cell that
+        waits, after the last of rank 0's output and before the cell's value."""
+        self._notices.append((show, ""))
+
     def print_notices(self) -> None:
         """Print the lines :meth:`notify` queued (from the thread that shows the launch)."""
         while self._notices:
-            line, stream = self._notices.popleft()
+            item, stream = self._notices.popleft()
+            if callable(item):
+                try:
+                    item()
+                except Exception as exc:  # an observer's display must never hide the outcome
+                    sys.stderr.write(f"[air_magic] could not show the end of the launch: {exc}\n")
+                continue
             out = sys.stdout if stream == "stdout" else sys.stderr
-            out.write(line + "\n")
+            out.write(item + "\n")
             out.flush()
 
     @property
@@ -251,7 +267,19 @@ class Launch:
         """In a notebook a launch shows as its live panel (a summary once it has ended),
         when the panel plugged itself in (``Launch.render``); else as its repr."""
         render = Launch.render
-        return render(self) if render is not None else {"text/plain": repr(self)}
+        bundle = render(self) if render is not None else {}
+        return bundle or {"text/plain": repr(self)}
+
+    @property
+    def _ipython_display_(self) -> Callable[[], None] | None:
+        """IPython's hook, present only where the panel says the launch is shown already
+        (its own cell: ``Launch.render`` gives ``{}``): the handle then adds no second,
+        soon stale, line (``Out[n]: <Launch ... starting ...>``) under its panel.  Elsewhere
+        it is None and IPython uses :meth:`_repr_mimebundle_`."""
+        render = Launch.render
+        if render is not None and not render(self):
+            return _shown_already
+        return None
 
     # -- blocking wait, from the main thread ------------------------------------------------
 
@@ -259,13 +287,16 @@ class Launch:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
         pump = OutputPump(self.ranks[0].log_path, settings.output_limit)
         stall = StallWatch(self, settings.stall_seconds)
+        self._pump = pump  # finish() has it read the rest before the logs are rewritten
         self._waiter = True
+        sys.stdout.flush()  # what the observers printed at the start comes before the ranks' output
         try:
             while not self._done.wait(_POLL):
                 self.print_notices()
                 pump.pump()
                 stall.check()
         except KeyboardInterrupt:
+            self._interrupted = True  # before the stop: the outcome says who stopped it
             where = self.where(self.stacks(timeout=1.0))
             self.cancel()
             if where:
@@ -280,9 +311,7 @@ class Launch:
                 self._done.wait(10)
             pump.pump(final=True)
             self.print_notices()
-            raise KeyboardInterrupt(
-                f"the launch of {self.label} was interrupted; {_outcome.stopped(self.world_size)}"
-            ) from None
+            raise interrupted(self._interrupt_text or self.interrupt_message()) from None
         pump.pump(final=True)
         self.print_notices()
         values = self.result()
@@ -357,6 +386,8 @@ class Launch:
         except BaseException as exc:  # never leave a waiter hanging
             outcome = (False, exc)
         self.timings["outcome"] = time.monotonic()
+        if self._pump is not None:
+            self._pump.hold_rest()  # what rank 0 printed last reaches the cell as printed
         for state in self.ranks:  # before the observers: MLflow keeps the bounded log too
             bound_log(state.log_path, settings.log_limit)
         try:
@@ -379,6 +410,10 @@ class Launch:
                         before_end(self)
                 except Exception as exc:  # as after_end: never hides the outcome
                     sys.stderr.write(f"[air_magic] {type(observer).__name__} failed at the end: {exc}\n")
+        # The panel has read the logs whole (before_end); MLflow keeps them (after_end) with
+        # each progress bar at its last state.
+        for state in self.ranks:
+            collapse_log(state.log_path)
         for observer in self.observers:
             try:
                 with self.timed(observer, "after_end"):
@@ -445,7 +480,25 @@ class Launch:
             tails = {r: log_end(self.ranks[r].log_path) for r in _outcome.failed_ranks(ending, records)}
         outcome = _outcome.decide(ending, records, where, tails)
         self.status = outcome.status
+        if self._interrupted and outcome.status == "cancelled":
+            # The summary and the cell's error say the same thing, in the same words.
+            self._interrupt_text = self.interrupt_message()
+            return False, LaunchCancelledError(self._interrupt_text)
         return outcome.ok, outcome.value
+
+    def interrupt_message(self) -> str:
+        """What an interrupted launch says, in its summary and as the cell's error."""
+        took = (self.ended_at or time.time()) - self.started_at
+        # A rank the stop reached exits with KeyboardInterrupt (1) or a signal; one that had
+        # finished on its own exits with 0.
+        stopped = [state.rank for state in self.ranks if state.returncode != 0]
+        if not stopped or len(stopped) == self.world_size:
+            which = _outcome.stopped(self.world_size)
+        else:
+            ranks = ", ".join(map(str, stopped))
+            were = "were" if len(stopped) != 1 else "was"
+            which = f"rank{'s' * (len(stopped) != 1)} {ranks} of its {self.world_size} {were} stopped"
+        return f"{self.label} was cancelled: you interrupted it after {took:.1f} s; {which}."
 
     def _cleanup_files(self) -> None:
         if os.path.dirname(self.log_dir) != self.work_dir:  # the logs are kept elsewhere
@@ -665,6 +718,10 @@ class Launcher:
         for path in (self.session_dir, self.shm_root):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _shown_already() -> None:
+    """What displaying a launch does where its panel is shown already: nothing."""
 
 
 _launcher: Launcher | None = None

@@ -8,6 +8,7 @@ improvement, never the panel::
     observer thread ends     --> release_iopub(shell)        its iopub socket closed now
     Stop / Where? built      --> clicks_where_sent(button)   clicks run on their subshell
     Stop's state each tick   --> subshells_active(shell)     can a click arrive mid-cell?
+    a blocking panel shown   --> keep_busy(shell)            the kernel reads busy all along
 
 Written against ipykernel 7.4 (installed: 7.4.0), ipywidgets 8.1 and comm 0.2.
 """
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["clicks_where_sent", "release_iopub", "subshells_active"]
+__all__ = ["clicks_where_sent", "keep_busy", "release_iopub", "subshells_active"]
 
 
 def subshells_active(shell: Any) -> bool:
@@ -80,3 +81,64 @@ def release_iopub(shell: Any) -> None:
         pipe.close()
     except Exception:  # private state that ipykernel's own collector may change meanwhile (zmq errors too)
         pass
+
+
+def _nothing() -> None:
+    pass
+
+
+def keep_busy(shell: Any) -> Callable[[], None]:
+    """While the running cell lasts, say "busy" again after each "idle" of another request.
+
+    JupyterLab shows the kernel's state from every iopub ``status`` message, whichever
+    request it answers (only ``untracked_message_types`` are left out).  A widget panel in
+    a cell that blocks brings requests that ipykernel (7.4) handles beside the cell: the
+    front end's ``create_subshell_request`` for the widgets' comms (control channel), and
+    clicks on a subshell; each ends with an "idle" status, and the status bar read Idle
+    while the cell still ran.  ``Kernel._publish_status`` (called for every status) is
+    wrapped on the kernel instance: after such an "idle", a "busy" with the cell's parent.
+
+    Called on the cell's thread (the parent of the shell channel is the cell's request);
+    returns the undo, to call before the cell ends (its own "idle" also undoes it).
+    """
+    kernel: Any = getattr(shell, "kernel", None)
+    publish = getattr(kernel, "_publish_status", None)
+    get_parent = getattr(kernel, "get_parent", None)
+    if publish is None or get_parent is None or "_publish_status" in vars(kernel):
+        return _nothing  # not an ipykernel 7, or another cell's wrapper is still there
+    try:
+        cell = get_parent("shell")
+        cell_id = cell["header"]["msg_id"]
+    except Exception:  # a private API: no parent to keep busy for
+        return _nothing
+    lock = threading.Lock()
+    active = [True]
+
+    def publish_status(status: str, channel: str, parent: Any = None) -> None:
+        with lock:
+            publish(status, channel, parent)
+            if status != "idle" or not active[0]:
+                return
+            try:
+                which = (parent or get_parent(channel))["header"]["msg_id"]
+            except Exception:  # no header to tell whose idle it is: leave it
+                return
+            if which == cell_id:  # the cell itself has ended
+                remove()
+            else:
+                publish("busy", "shell", cell)
+
+    def remove() -> None:
+        active[0] = False
+        if vars(kernel).get("_publish_status") is publish_status:
+            del kernel._publish_status
+
+    def undo() -> None:
+        with lock:
+            remove()
+
+    try:
+        kernel._publish_status = publish_status
+    except Exception:  # a kernel class that refuses new attributes
+        return _nothing
+    return undo

@@ -7,10 +7,14 @@ The launcher calls :func:`panel_observer` per launch and the observer's hooks ar
     the thread    every 0.5 s: LaunchState.refresh(), then the widgets (WidgetPanel) or,
                   now and then, a text line; it ends with the launch
     before_end    the ranks' last metric lines are read (before tracking deletes its spool)
-    after_end     LaunchSummary replaces the panel (at once, or after the cell in a
-                  terminal); a background panel keeps its widgets, up to _KEEP_FINISHED
+    after_end     LaunchSummary replaces the widget panel at once; as text lines, the
+                  waiting cell shows it after rank 0's last output, before its value; a
+                  background launch's display is replaced too (its widgets stay open,
+                  up to _KEEP_FINISHED)
 
-``launch_mimebundle`` is how a ``Launch`` renders: its panel, or its summary once done.
+``launch_mimebundle`` is how a ``Launch`` renders: its panel, or its summary once done;
+nothing more in the cell that shows its panel.  While a blocking cell shows a widget panel,
+``keep_busy`` keeps the kernel's status busy (see ``_ipykernel``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ._format import _status_text, _where
 from ._frontend import _shell, panel_mode
-from ._ipykernel import release_iopub
+from ._ipykernel import keep_busy, release_iopub
 from ._render import LaunchSummary, text_status
 from ._state import LaunchState
 from ._widgets import WidgetPanel
@@ -62,6 +66,7 @@ class PanelObserver(WidgetPanel):
         self._next_text = 3.0
         self._error: str | None = None
         self._registered = False
+        self._keep_busy: Callable[[], None] = _nothing
         self.summary: LaunchSummary | None = None
 
     # -- observer --------------------------------------------------------------------------
@@ -75,6 +80,8 @@ class PanelObserver(WidgetPanel):
             if events is not None:
                 events.register("post_run_cell", self._cell_ended)
                 self._registered = True
+        if self.mode == "widget":
+            self._keep_busy = keep_busy(shell)  # the status bar says Busy while the cell runs
         try:
             if self.mode == "widget":
                 self._build_widgets()
@@ -83,6 +90,7 @@ class PanelObserver(WidgetPanel):
             else:
                 self._show({"text/plain": self._start_line()}, update=False)
         except BaseException:  # the launcher goes on without this panel: leave nothing behind
+            self._keep_busy()
             self._unregister()
             self._close_widgets()
             raise
@@ -104,6 +112,7 @@ class PanelObserver(WidgetPanel):
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
+        self._keep_busy()
         self._unregister()
         # A first lint (the linter's import) can take a second: a short launch does not
         # wait for it, it only misses the findings in its summary.
@@ -118,14 +127,25 @@ class PanelObserver(WidgetPanel):
             # A blocking launch's panel gives way to the summary at once: its last state is
             # enough there; a background panel stays, with everything up to date.
             self._run(lambda: self._update_widgets(final=True, full=self.background))
+        terminal = self.shell is not None and getattr(self.shell, "kernel", None) is None
         if not self.background:
-            if self.shell is not None and getattr(self.shell, "kernel", None) is None:
+            if self.mode == "widget":
+                self._show(summary, update=True)  # in place of the panel
+                self._retire()
+            elif self.launch.waited_on:
+                # Text lines: the summary comes last, after the status lines and the last
+                # of rank 0's output (the cell's thread shows it), before the cell's value.
+                self.launch.notify_call(lambda: self._show(summary, update=False, new=True))
+            elif terminal:
                 self._after_cell(summary)
             else:
                 self._show(summary, update=True)
-            if self.mode == "widget":
-                self._retire()
-        elif self.mode == "widget":
+            return
+        # A background launch: the launching cell is over; its display gives way to the
+        # summary, so that a saved notebook keeps the outcome, not a live panel's first state.
+        if not terminal and self.shell is not None:
+            self._show(summary, update=True, current=True)
+        if self.mode == "widget":
             self._keep_open()
         else:
             # The launching cell is over: say it where the user is now.
@@ -158,6 +178,7 @@ class PanelObserver(WidgetPanel):
         release_iopub(self.shell)  # this thread's iopub socket, now that it ends
 
     def _cell_ended(self, *_: Any) -> None:
+        self._keep_busy()
         if not self.launch.done() and self.launch.ended_at is None:
             self.background = True
         self._unregister()
@@ -194,7 +215,15 @@ class PanelObserver(WidgetPanel):
             return fn()
         return self._ctx.copy().run(fn)
 
-    def _show(self, obj: Any, *, update: bool) -> None:
+    def _show(self, obj: Any, *, update: bool, new: bool = False, current: bool = False) -> None:
+        """Display ``obj`` as the launch's display (``update``: in its place); ``new``: a
+        display of its own; ``current``: also with the parent of the cell that runs now.
+
+        A front end that is executing another cell (nbclient: nbconvert, papermill) reads
+        only that cell's messages: an update of a background launch's display is sent
+        with that cell's parent too (ipykernel's publisher falls back to the parent of
+        the latest request where the context sets none).
+        """
         if self.shell is None:  # plain Python: progress goes where tqdm's goes
             text = obj.text if isinstance(obj, LaunchSummary) else obj.get("text/plain", "")
             print(text, file=sys.stderr, flush=True)
@@ -206,11 +235,21 @@ class PanelObserver(WidgetPanel):
         def show() -> None:
             if update:
                 update_display(obj, display_id=self.display_id, raw=raw)
+            elif new:
+                display(obj, raw=raw)
             else:
                 display(obj, display_id=self.display_id, raw=raw)
 
         self._run(show)
+        if current:
+            fresh = contextvars.Context()
+            if fresh.run(self._parent) != self._run(self._parent):
+                fresh.run(show)
         self.displayed = True
+
+    def _parent(self) -> Any:
+        """The parent header IPython's display publisher uses here (None: unknown)."""
+        return getattr(getattr(self.shell, "display_pub", None), "parent_header", None)
 
     #: Summaries waiting for their cell to end in a terminal shell (bounded: a shell that
     #: runs no more cells, as in a test process, does not collect them forever).
@@ -242,22 +281,26 @@ class PanelObserver(WidgetPanel):
         shell.events.register("post_run_cell", show)
 
     def mimebundle(self) -> dict[str, Any]:
-        """How ``Launch`` renders: the live panel, the summary once done, text in its own cell."""
-        text = repr(self.launch)
+        """How ``Launch`` renders: the live panel, the summary once done, text in its own
+        cell; ``{}`` in the cell that displayed its panel (the panel is its display there)."""
         same_cell = (
             self.shell is not None
             and self.cell is not None
             and getattr(self.shell, "execution_count", None) == self.cell
             and self.displayed
         )
-        if same_cell:  # the panel is right above
-            return {"text/plain": text}
+        if same_cell:  # the panel is right above: the handle shows as nothing more
+            return {}
         summary = self.summary
         if summary is not None:
             return {"text/plain": summary.text, "text/html": summary.html}
         if self.mode == "widget" and self.widgets:
             return self._widget_bundle()
         return {"text/plain": text_status(self.state)}
+
+
+def _nothing() -> None:
+    pass
 
 
 def panel_observer(launch: "Launch") -> PanelObserver | None:

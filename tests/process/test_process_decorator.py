@@ -552,3 +552,42 @@ def test_launcher_shutdown_takes_the_helper_and_its_files() -> None:
     assert rank_info.distributed(1) == [(0, 2, 1), (1, 2, 1)]
     air_magic.launcher.get_launcher().shutdown()
     assert wait_until(lambda: not air_magic_processes(), timeout=5)
+
+
+def test_a_cancelled_launch_s_ranks_log_that_they_were_stopped() -> None:
+    launch = fail_on_rank_one.submit(-1)  # both ranks sleep 60 s
+    assert wait_until(lambda: launch.status == "running", timeout=30)
+    time.sleep(0.5)
+    launch.cancel()
+    with pytest.raises(air_magic.LaunchCancelledError):
+        launch.result(timeout=10)
+    for path in launch.log_paths:
+        with open(path, encoding="utf-8") as handle:
+            log = handle.read()
+        assert "[air_magic] this rank was stopped by air_magic" in log, log
+        assert "this rank failed" not in log, log
+
+
+@distributed(num_accelerators=1, tracking=False, panel=False)
+def progress_bar(steps: int) -> int:
+    for step in range(steps + 1):
+        print(f"\rstep {step}/{steps} " + "#" * (step * 40 // steps), end="", flush=True)
+    print(flush=True)
+    print("after the bar", flush=True)
+    return steps
+
+
+def test_carriage_return_progress_is_kept_at_its_last_state(capsys: pytest.CaptureFixture[str]) -> None:
+    assert progress_bar.distributed(3000) == [3000]
+    out = capsys.readouterr().out
+    # The cell (here stdout) gets a few states of the bar, not 3000, and its last one once.
+    assert out.count("step ") < 10, out[:2000]
+    assert out.count("step 3000/3000") == 1, out[-2000:]
+    assert "after the bar" in out
+    # The saved log (MLflow's logs/rank-0.log artifact) holds the bar's last state only.
+    launch = progress_bar.last_launch
+    assert launch is not None
+    with open(launch.log_paths[0], encoding="utf-8") as handle:
+        log = handle.read()
+    assert "\r" not in log
+    assert log.splitlines()[:2] == ["step 3000/3000 " + "#" * 40, "after the bar"], log[:500]
