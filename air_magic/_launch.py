@@ -1,0 +1,497 @@
+"""The handle of one launch (:class:`Launch`): its state, the blocking wait from the
+cell, what the helper tells of its ranks, and its outcome.  :mod:`air_magic.launcher`
+starts launches and re-exports this class.
+
+Messages from the helper (read by the helper's reader thread) -> ``Launch.handle`` ->
+the ranks' states; ``Done`` -> ``finish()``: the records read (``_rank_output``) and
+turned into values or one error (``_outcome``), the observers' ``before_end`` and
+``after_end``, the session files removed, ``done()`` true.  The cell's thread meanwhile
+waits in ``wait_streaming()``, copying rank 0's output and printing the observers'
+notices.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol
+
+from . import _logs, _outcome, _results
+from ._helper import Helper
+from ._outcome import RankState
+from ._protocol import (
+    Exited,
+    LaunchRequest,
+    Started,
+    StartFailed,
+    Stop,
+    Stopping,
+    ToKernel,
+    joined_path,
+    left_path,
+    log_dir,
+    log_path,
+)
+from ._rank_output import (
+    OutputPump,
+    StallWatch,
+    bound_log,
+    collapse_log,
+    describe_stacks,
+    log_end,
+    read_records,
+    read_stacks,
+    request_stacks,
+)
+from .capture import Payload
+from .errors import LaunchCancelledError, LaunchError, interrupted
+from .settings import settings
+from .spec import LaunchSpec, Placement
+
+if TYPE_CHECKING:
+    from .launcher import Launcher
+
+__all__ = ["Launch", "LaunchObserver", "ObserverFactory"]
+
+_POLL = 0.05
+
+
+class LaunchObserver(Protocol):
+    """What optional pieces (MLflow tracking, the panel) see of a launch."""
+
+    def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
+        """Called before the ranks start; may add environment variables for them."""
+
+    def after_end(self, launch: "Launch") -> None:
+        """Called once every rank has ended and the outcome is known (an observer may also
+        have ``before_end(launch)``, called for every observer before the first
+        ``after_end``: to read what another observer's ``after_end`` cleans up)."""
+
+
+ObserverFactory = Callable[["Launch"], "LaunchObserver | None"]
+
+
+class Launch:
+    """One launch of a function or cell on N ranks, running in the background.
+
+    ``result()`` waits for it (``.distributed()`` does exactly that), ``cancel()``
+    stops it, ``done()`` and ``status`` tell where it is.
+    """
+
+    #: How a launch shows in a notebook: set by the panel's plug-in (``air_magic._plugins``).
+    render: ClassVar[Callable[["Launch"], dict[str, Any]] | None] = None
+
+    def __init__(self, launcher: "Launcher", spec: LaunchSpec, placement: Placement, payload: Payload) -> None:
+        self.launcher = launcher
+        self.spec = spec
+        self.placement = placement
+        self.label = payload.label
+        self.kind = payload.kind
+        self.id = f"{launcher.next_number():04d}-{uuid.uuid4().hex[:8]}"
+        self.work_dir = os.path.join(launcher.session_dir, self.id)
+        self.started_at = time.time()
+        # Kept after the kernel exits (the user's log folder), else in the session folder.
+        logs = launcher.log_folder.root()
+        self.log_dir = _logs.launch_log_dir(logs, self.id, self.started_at) if logs else log_dir(self.work_dir)
+        self.shm_dir = os.path.join(launcher.shm_root, self.id) if launcher.shm_root else None
+        self.world_size = placement.world_size
+        self.ranks = [RankState(r, log_path(self.log_dir, r)) for r in range(self.world_size)]
+        #: The launch's MLflow run, once tracking has made it (set by the tracking plug-in):
+        #: its id, its name, a link to it on an http(s) server, and the command that opens
+        #: it where there is no server (``mlflow ui --backend-store-uri ...``).
+        self.run_id: str | None = None
+        self.run_name: str | None = None
+        self.run_url: str | None = None
+        self.run_command: str | None = None
+        self.ended_at: float | None = None
+        self.status = "starting"
+        # Only the cell/function sources stay (for the panel's linter): the pickled
+        # arguments and globals are not pinned in the kernel by `last_launch`.
+        self.sources = payload.sources
+        self._stop_reason: str | None = None
+        self._failures: list[int] = []
+        self._stop_at: float | None = None  # time.monotonic() when the helper began to stop it
+        self.helper: Helper | None = None  # the helper process its ranks are forked from
+        self.request: LaunchRequest | None = None  # what the helper was sent
+        self.sent_again = False  # to a new helper, the first having gone before starting it
+        self._cancel_requested = False
+        self._done = threading.Event()
+        self._outcome: tuple[bool, Any] | None = None
+        self._error_text: str | None = None
+        self.observers: list[LaunchObserver] = []
+        self._notices: collections.deque[tuple[str | Callable[[], None], str]] = collections.deque()
+        #: Where the time of the launch went, for ``benchmarks/launch`` and the curious:
+        #: ``time.monotonic()`` (one clock for every process of the machine) at ``call``,
+        #: ``sent`` (the helper has the request), ``started`` (its ranks are forked),
+        #: ``done`` (every rank has ended), ``outcome`` (the values are read) and
+        #: ``returned``; and seconds spent in each observer's hooks (``tracking.before_start``...).
+        self.timings: dict[str, float] = {"call": time.monotonic()}
+        self._waiter = False  # a blocking wait (the cell) prints the notices; else the launcher
+        self._interrupted = False  # the user interrupted the cell that waited for it
+        self._interrupt_text: str | None = None
+        self._pump: OutputPump | None = None
+
+    # -- public handle ----------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Whether every rank has ended and the outcome is known."""
+        return self._done.is_set()
+
+    @property
+    def log_paths(self) -> list[str]:
+        return [r.log_path for r in self.ranks]
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """Wait for the launch; the per-rank return values in rank order, or raise its error."""
+        wait = None if timeout is None else min(max(0.0, timeout), threading.TIMEOUT_MAX)
+        if not self._done.wait(wait):
+            raise TimeoutError(f"launch {self.id} is still running after {timeout} s")
+        assert self._outcome is not None
+        ok, value = self._outcome
+        if ok and value is None:
+            raise LaunchError(
+                f"the values of launch {self.id} were returned by the .distributed() call that ran "
+                "it and are not kept; use .submit(...).result() to keep a handle with its values."
+            )
+        if ok:
+            return list(value)
+        raise value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The launch's error once it has ended, None if it succeeded (as a future's
+        ``exception()``); ``TimeoutError`` if it is still running after ``timeout`` s."""
+        wait = None if timeout is None else min(max(0.0, timeout), threading.TIMEOUT_MAX)
+        if self._outcome is None and not self._done.wait(wait) or self._outcome is None:
+            raise TimeoutError(f"launch {self.id} is still running after {timeout} s")
+        ok, value = self._outcome
+        return None if ok else value  # type: ignore[no-any-return]
+
+    def notify(self, line: str, stream: str = "stdout") -> None:
+        """A line for the cell from a background thread (an observer's): printed by the
+        thread that waits for the launch, so that threads of air_magic never write to the
+        kernel's streams themselves."""
+        self._notices.append((line, stream))
+
+    def notify_call(self, show: Callable[[], None]) -> None:
+        """Like :meth:`notify`, for an observer's display (the panel's summary): ``show()``
+        is called, in turn with the lines, by the thread that prints them; for a cell that
+        waits, after the last of rank 0's output and before the cell's value."""
+        self._notices.append((show, ""))
+
+    def print_notices(self) -> None:
+        """Print the lines :meth:`notify` queued (from the thread that shows the launch)."""
+        while self._notices:
+            item, stream = self._notices.popleft()
+            if callable(item):
+                try:
+                    item()
+                except Exception as exc:  # an observer's display must never hide the outcome
+                    sys.stderr.write(f"[air_magic] could not show the end of the launch: {exc}\n")
+                continue
+            out = sys.stdout if stream == "stdout" else sys.stderr
+            out.write(item + "\n")
+            out.flush()
+
+    @property
+    def waiting_for(self) -> str:
+        """What a launch that has not started its ranks yet waits for ('' once they run)."""
+        if self.status != "starting":
+            return ""
+        helper = self.helper
+        if helper is not None and not helper.ready.is_set():
+            return "waiting for the helper process to import torch"
+        return f"forking {self.world_size} rank{'s' * (self.world_size != 1)}"
+
+    def cancel(self) -> bool:
+        """Stop every rank (SIGINT, then SIGTERM, then SIGKILL). False if it had already ended."""
+        if self._done.is_set():
+            return False
+        self._cancel_requested = True
+        self.launcher.send(Stop(self.id, "cancel"))
+        return True
+
+    def stacks(self, timeout: float = 2.0) -> dict[int, str]:
+        """Every running rank's Python stacks, all threads, by rank (cell names as in the
+        notebook).  The ranks write them from a signal handler, so this works while they
+        are blocked in a collective or in native code.
+
+        >>> print(handle.stacks()[1])     # doctest: +SKIP
+        """
+        running = {state.rank: state.pid for state in self.ranks if state.pid and state.returncode is None}
+        request_stacks(self.work_dir, running, timeout)
+        return read_stacks(self.work_dir, running, self.sources)
+
+    def where(self, stacks: dict[int, str]) -> str:
+        """One line per rank: where it was, and which rank the others wait for."""
+        return describe_stacks(stacks, self.world_size)
+
+    def __repr__(self) -> str:
+        took = (self.ended_at or time.time()) - self.started_at
+        where = f"{self.world_size} {'GPU' if self.placement.device == 'cuda' else 'CPU'} rank{'s' * (self.world_size != 1)}"
+        run = f", MLflow run {self.run_id}" if self.run_id else ""
+        return f"<Launch {self.id} {self.label}: {self.status} after {took:.1f} s on {where}{run}>"
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        """In a notebook a launch shows as its live panel (a summary once it has ended),
+        when the panel plugged itself in (``Launch.render``); else as its repr."""
+        render = Launch.render
+        bundle = render(self) if render is not None else {}
+        return bundle or {"text/plain": repr(self)}
+
+    @property
+    def _ipython_display_(self) -> Callable[[], None] | None:
+        """IPython's hook, present only where the panel says the launch is shown already
+        (its own cell: ``Launch.render`` gives ``{}``): the handle then adds no second,
+        soon stale, line (``Out[n]: <Launch ... starting ...>``) under its panel.  Elsewhere
+        it is None and IPython uses :meth:`_repr_mimebundle_`."""
+        render = Launch.render
+        if render is not None and not render(self):
+            return _shown_already
+        return None
+
+    # -- blocking wait, from the main thread ------------------------------------------------
+
+    def wait_streaming(self) -> list[Any]:
+        """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
+        pump = OutputPump(self.ranks[0].log_path, settings.output_limit)
+        stall = StallWatch(self, settings.stall_seconds)
+        self._pump = pump  # finish() has it read the rest before the logs are rewritten
+        self._waiter = True
+        sys.stdout.flush()  # what the observers printed at the start comes before the ranks' output
+        try:
+            while not self._done.wait(_POLL):
+                self.print_notices()
+                pump.pump()
+                stall.check()
+        except KeyboardInterrupt:
+            self._interrupted = True  # before the stop: the outcome says who stopped it
+            where = self.where(self.stacks(timeout=1.0))
+            self.cancel()
+            if where:
+                sys.stderr.write(where + "\n")
+                sys.stderr.flush()
+            try:
+                while not self._done.wait(_POLL):
+                    pump.pump()
+            except KeyboardInterrupt:  # a second interrupt: no more grace
+                self.launcher.send(Stop(self.id, "kill"))
+                self._kill_now()
+                self._done.wait(10)
+            pump.pump(final=True)
+            self.print_notices()
+            raise interrupted(self._interrupt_text or self.interrupt_message()) from None
+        pump.pump(final=True)
+        self.print_notices()
+        values = self.result()
+        # The caller owns the values now; the handle (kept as .last_launch) must not pin
+        # hundreds of MB of returned tensors in the kernel.
+        self._outcome = (True, None)
+        self.timings["returned"] = time.monotonic()
+        return values
+
+    # -- events from the helper (reader thread) ---------------------------------------------
+
+    def handle(self, message: ToKernel) -> None:
+        """A message from the helper about this launch (the helper's reader thread)."""
+        if isinstance(message, Started):
+            self._on_started(message.pids)
+        elif isinstance(message, Exited):
+            self._on_exit(message.rank, message.returncode, message.at)
+        elif isinstance(message, Stopping):
+            self._on_stopping(message.reason, message.at)
+        elif isinstance(message, StartFailed):
+            self._error_text = message.text  # the launcher then calls finish()
+
+    def _on_started(self, pids: dict[int, int]) -> None:
+        self.timings["started"] = time.monotonic()
+        for rank, pid in pids.items():
+            self.ranks[rank].pid = pid
+        if self.status == "starting":
+            self.status = "running"
+
+    def _on_exit(self, rank: int, returncode: int, at: float | None = None) -> None:
+        state = self.ranks[rank]
+        state.returncode = returncode
+        state.ended_at = at
+        state.stopped = _outcome.is_stopped_exit(returncode, at, self._stop_at)
+        # Exit code 0 without a result (os._exit(0)): its peers would wait for it in
+        # init_process_group or a collective until the timeout. A failure: stop them now.
+        state.left = returncode == 0 and not os.path.exists(_results.result_path(self.work_dir, rank))
+        if returncode == 0 and not state.left and self._left_before_the_rendezvous(rank):
+            state.left = state.returned_early = True
+        if (returncode != 0 or state.left) and self._stop_reason is None:
+            self._failures.append(rank)
+            if state.left and self.world_size > 1:
+                self.launcher.send(Stop(self.id, "failure"))
+
+    def _left_before_the_rendezvous(self, rank: int) -> bool:
+        """``rank`` returned without entering init_process_group(): mark it for ranks that
+        enter later (they fail at once), and say whether ranks already wait in it."""
+        if os.path.exists(joined_path(self.work_dir, rank)):
+            return False
+        try:
+            os.close(os.open(left_path(self.work_dir, rank), os.O_WRONLY | os.O_CREAT, 0o600))
+            waiting = [
+                r
+                for r in range(self.world_size)
+                if r != rank and self.ranks[r].returncode is None and os.path.exists(joined_path(self.work_dir, r))
+            ]
+        except OSError:
+            return False
+        return bool(waiting)
+
+    def _on_stopping(self, reason: str, at: float | None = None) -> None:
+        self._stop_reason = self._stop_reason or reason
+        if self._stop_at is None:
+            self._stop_at = at if at is not None else time.monotonic()
+        self.status = "stopping"
+
+    def finish(self) -> None:
+        """Every rank has ended: the outcome, the observers' end, the files' cleanup."""
+        self.timings["done"] = time.monotonic()
+        try:
+            outcome = self._build_outcome()
+        except BaseException as exc:  # never leave a waiter hanging
+            outcome = (False, exc)
+        self.timings["outcome"] = time.monotonic()
+        if self._pump is not None:
+            self._pump.hold_rest()  # what rank 0 printed last reaches the cell as printed
+        for state in self.ranks:  # before the observers: MLflow keeps the bounded log too
+            bound_log(state.log_path, settings.log_limit)
+        try:
+            from ._teardown import check
+
+            held = check(self)
+        except Exception:  # pragma: no cover - a check must never hide the outcome
+            held = None
+        if held:
+            sys.stderr.write(held + "\n")
+            if not outcome[0] and isinstance(outcome[1], BaseException):
+                outcome[1].add_note(held)
+        self._outcome = outcome
+        self.ended_at = time.time()
+        for observer in self.observers:
+            before_end = getattr(observer, "before_end", None)
+            if before_end is not None:
+                try:
+                    with self.timed(observer, "before_end"):
+                        before_end(self)
+                except Exception as exc:  # as after_end: never hides the outcome
+                    sys.stderr.write(f"[air_magic] {type(observer).__name__} failed at the end: {exc}\n")
+        # The panel has read the logs whole (before_end); MLflow keeps them (after_end) with
+        # each progress bar at its last state.
+        for state in self.ranks:
+            collapse_log(state.log_path)
+        for observer in self.observers:
+            try:
+                with self.timed(observer, "after_end"):
+                    observer.after_end(self)
+            except Exception as exc:  # an observer must never hide the launch's outcome
+                sys.stderr.write(f"[air_magic] {type(observer).__name__} failed at the end: {exc}\n")
+        self._cleanup_files()
+        if not self._waiter:  # a submitted launch: nobody else prints them
+            self.print_notices()
+        self._done.set()
+
+    @property
+    def waited_on(self) -> bool:
+        """Whether a cell waits for this launch (it then prints the launch's notices)."""
+        return self._waiter
+
+    @contextlib.contextmanager
+    def timed(self, observer: Any, hook: str) -> Iterator[None]:
+        """Time an observer's hook into ``timings`` (``<name>.<hook>``, seconds)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = getattr(observer, "timing_name", type(observer).__name__)
+            self.timings[f"{name}.{hook}"] = time.perf_counter() - began
+
+    def _kill_now(self) -> None:
+        for state in self.ranks:
+            if state.pid and state.returncode is None:
+                try:
+                    os.killpg(state.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def helper_died(self, returncode: int | None) -> None:
+        """The helper went away with this launch running: its ranks are killed, it fails."""
+        self._kill_now()
+        self._error_text = (
+            f"the air_magic helper process died (exit {returncode}); the ranks were stopped. "
+            "The next launch starts a new helper."
+        )
+        self.finish()
+
+    # -- outcome (the decision itself: _outcome) ------------------------------------------------
+
+    def _build_outcome(self) -> tuple[bool, Any]:
+        ending = _outcome.Ending(
+            label=self.label,
+            world_size=self.world_size,
+            ranks=tuple(dataclasses.replace(state) for state in self.ranks),  # a snapshot
+            timeout=self.spec.timeout,
+            device=self.placement.device,
+            error_text=self._error_text,
+            stop_reason=self._stop_reason,
+            cancel_requested=self._cancel_requested,
+            failures=tuple(self._failures),
+        )
+        records = read_records(self.work_dir, ending) if _outcome.needs_records(ending) else {}
+        where = ""
+        if ending.error_text is None and ending.stop_reason == "timeout":
+            where = self.where(read_stacks(self.work_dir, range(self.world_size), self.sources))
+        tails = {}
+        if ending.failures and _outcome.needs_records(ending):
+            tails = {r: log_end(self.ranks[r].log_path) for r in _outcome.failed_ranks(ending, records)}
+        outcome = _outcome.decide(ending, records, where, tails)
+        self.status = outcome.status
+        if self._interrupted and outcome.status == "cancelled":
+            # The summary and the cell's error say the same thing, in the same words.
+            self._interrupt_text = self.interrupt_message()
+            return False, LaunchCancelledError(self._interrupt_text)
+        return outcome.ok, outcome.value
+
+    def interrupt_message(self) -> str:
+        """What an interrupted launch says, in its summary and as the cell's error."""
+        took = (self.ended_at or time.time()) - self.started_at
+        # A rank the stop reached exits with KeyboardInterrupt (1) or a signal; one that had
+        # finished on its own exits with 0.
+        stopped = [state.rank for state in self.ranks if state.returncode != 0]
+        if not stopped or len(stopped) == self.world_size:
+            which = _outcome.stopped(self.world_size)
+        else:
+            ranks = ", ".join(map(str, stopped))
+            were = "were" if len(stopped) != 1 else "was"
+            which = f"rank{'s' * (len(stopped) != 1)} {ranks} of its {self.world_size} {were} stopped"
+        return f"{self.label} was cancelled: you interrupted it after {took:.1f} s; {which}."
+
+    def _cleanup_files(self) -> None:
+        if os.path.dirname(self.log_dir) != self.work_dir:  # the logs are kept elsewhere
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        for name in os.listdir(self.work_dir) if os.path.isdir(self.work_dir) else ():
+            if name != "logs":
+                path = os.path.join(self.work_dir, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+        if self.shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def _shown_already() -> None:
+    """What displaying a launch does where its panel is shown already: nothing."""
