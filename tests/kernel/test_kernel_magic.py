@@ -14,15 +14,21 @@ pytestmark = pytest.mark.kernel
 LAUNCH_DIRS = """
 def _launch_dirs():
     import os, re
-    from air_magic.launcher import get_launcher
-    return sorted(n for n in os.listdir(get_launcher().session_dir) if re.match(r"\\d{4}-", n))
+    from air_magic.settings import settings
+    if not os.path.isdir(settings.log_dir):
+        return []
+    return sorted(n for n in os.listdir(settings.log_dir) if re.match(r"\\d{8}-\\d{6}-\\d{4}-", n))
 """
 
 
 @pytest.fixture(scope="module")
-def k(kernel: Kernel) -> Iterator[Kernel]:
+def k(kernel_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
+    # A log folder of its own: each launch keeps one folder there, so launches can be counted.
+    logs = tmp_path_factory.mktemp("magic-logs") / "logs"
+    kernel = kernel_factory(extra_env={"AIR_MAGIC_LOG_DIR": str(logs)})
     kernel.ok(LAUNCH_DIRS)
     yield kernel
+    kernel.shutdown()
 
 
 def launch_count(k: Kernel) -> int:

@@ -13,17 +13,21 @@ pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")
-def k(kernel: Kernel) -> Iterator[Kernel]:
+def k(kernel_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
+    # A log folder of its own: the last launch's logs are its newest folder there.
+    logs = tmp_path_factory.mktemp("output-logs") / "logs"
+    kernel = kernel_factory(extra_env={"AIR_MAGIC_LOG_DIR": str(logs)})
     kernel.ok(
         "def _last_log(rank):\n"
         "    import os, re\n"
-        "    from air_magic.launcher import get_launcher\n"
-        "    d = get_launcher().session_dir\n"
-        "    last = sorted(n for n in os.listdir(d) if re.match(r'\\d{4}-', n))[-1]\n"
-        "    with open(os.path.join(d, last, 'logs', f'rank-{rank}.log')) as f:\n"
+        "    from air_magic.settings import settings\n"
+        "    d = settings.log_dir\n"
+        "    last = sorted(n for n in os.listdir(d) if re.match(r'\\d{8}-\\d{6}-\\d{4}-', n))[-1]\n"
+        "    with open(os.path.join(d, last, f'rank-{rank}.log')) as f:\n"
         "        return f.read()\n"
     )
     yield kernel
+    kernel.shutdown()
 
 
 def test_rank_zero_prints_stream_into_the_cell_in_order(k: Kernel) -> None:

@@ -25,6 +25,8 @@ def shell() -> Iterator[Any]:
     ip.register_magics(LintMagics)
     yield ip
     ip.user_ns.pop("__vsc_ipynb_file__", None)
+    # The shell is process-wide: later tests of this process run as plain Python again.
+    InteractiveShell.clear_instance()
 
 
 def run(shell: Any, cell: str) -> int:
