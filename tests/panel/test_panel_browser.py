@@ -10,6 +10,10 @@ to the local server: the panel needs no CDN.  The page is 1280 px wide: the pane
 and as a summary, must fit its output area (no horizontal overflow); a PNG of the live
 panel goes to ``AIR_MAGIC_UI_SCREENSHOT`` when set (else into the test's temp folder).
 
+``test_panel_browser_pages`` uses the same helpers (``serve_jupyter``, ``open_chromium``) for
+the kernel status during a blocking launch, a saved notebook reopened with a new kernel,
+and the panel in Notebook 7.
+
 Needs ``chromium`` (``apt-get install chromium``; ``scripts/setup_env.sh`` does it) and
 ``jupyterlab``; skipped without them, unless ``AIR_MAGIC_UI_REQUIRED=1`` (CI) makes that a failure.
 """
