@@ -10,6 +10,10 @@ to the local server: the panel needs no CDN.  The page is 1280 px wide: the pane
 and as a summary, must fit its output area (no horizontal overflow); a PNG of the live
 panel goes to ``AIR_MAGIC_UI_SCREENSHOT`` when set (else into the test's temp folder).
 
+``test_panel_browser_pages`` uses the same helpers (``serve_jupyter``, ``open_chromium``) for
+the kernel status during a blocking launch, a saved notebook reopened with a new kernel,
+and the panel in Notebook 7.
+
 Needs ``chromium`` (``apt-get install chromium``; ``scripts/setup_env.sh`` does it) and
 ``jupyterlab``; skipped without them, unless ``AIR_MAGIC_UI_REQUIRED=1`` (CI) makes that a failure.
 """
@@ -17,6 +21,8 @@ Needs ``chromium`` (``apt-get install chromium``; ``scripts/setup_env.sh`` does 
 from __future__ import annotations
 
 import base64
+import contextlib
+import importlib
 import json
 import os
 import re
@@ -194,15 +200,8 @@ class DevTools:
         return result["result"].get("value")
 
 
-@pytest.fixture
-def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """JupyterLab on 127.0.0.1 with a token; its root, config and state in ``tmp_path``."""
-    try:
-        import jupyterlab  # noqa: F401
-    except ImportError:
-        _missing("jupyterlab (pip install -e '.[test]')")
-    root = tmp_path / "root"
-    root.mkdir()
+def notebook_json(cells: list[str]) -> str:
+    """An nbformat 4 notebook of these code cells (no outputs), on the python3 kernel."""
     notebook = {
         "cells": [
             {
@@ -213,13 +212,27 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 "outputs": [],
                 "source": source,
             }
-            for i, source in enumerate(NOTEBOOK_CELLS)
+            for i, source in enumerate(cells)
         ],
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
         "nbformat": 4,
         "nbformat_minor": 5,
     }
-    (root / "panel.ipynb").write_text(json.dumps(notebook))
+    return json.dumps(notebook)
+
+
+@contextlib.contextmanager
+def serve_jupyter(tmp_path: Path, notebooks: dict[str, list[str]], app: str = "jupyterlab") -> Iterator[dict[str, Any]]:
+    """JupyterLab (``app="jupyterlab"``) or Notebook 7 (``app="notebook"``) on 127.0.0.1 with
+    a token; its root (holding ``notebooks``), config and state in ``tmp_path``."""
+    try:
+        importlib.import_module(app)
+    except ImportError:
+        _missing(f"{app} (pip install -e '.[test]')")
+    root = tmp_path / "root"
+    root.mkdir()
+    for name, cells in notebooks.items():
+        (root / name).write_text(notebook_json(cells))
     port, token = _free_port(), uuid.uuid4().hex
     config = tmp_path / "jupyter_config.py"
     config.write_text(
@@ -231,6 +244,10 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
         "c.LabApp.extension_manager = 'readonly'\n"
         f"c.LabApp.workspaces_dir = {str(tmp_path / 'workspaces')!r}\n"
         f"c.LabApp.user_settings_dir = {str(tmp_path / 'settings')!r}\n"
+        # Notebook 7's pages (/tree, /notebooks/...): the same, for its own app
+        "c.JupyterNotebookApp.expose_app_in_browser = True\n"
+        f"c.JupyterNotebookApp.workspaces_dir = {str(tmp_path / 'workspaces')!r}\n"
+        f"c.JupyterNotebookApp.user_settings_dir = {str(tmp_path / 'settings')!r}\n"
     )
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
@@ -242,9 +259,10 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
         JUPYTER_DATA_DIR=str(tmp_path / "data"),
     )
     env.pop("AIR_MAGIC_PANEL", None)  # the page is a widget front end: found by itself
-    with open(tmp_path / "lab.log", "wb") as log:  # the server keeps its own descriptor
+    log_path = tmp_path / f"{app}.log"
+    with open(log_path, "wb") as log:  # the server keeps its own descriptor
         server = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", f"--config={config}"],
+            [sys.executable, "-m", app, f"--config={config}"],
             cwd=root,
             env=env,
             stdout=log,
@@ -262,9 +280,9 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
             except OSError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
+                raise AssertionError(f"{app} did not start:\n" + log_path.read_text()[-3000:])
             time.sleep(0.3)
-        yield {"base": base, "token": token, "log": tmp_path / "lab.log", "tmp": tmp_path}
+        yield {"base": base, "token": token, "log": log_path, "tmp": tmp_path, "root": root}
     finally:
         try:  # a clean stop shuts its kernels down (and their ranks with them)
             request = urllib.request.Request(f"{base}/api/shutdown?token={token}", method="POST")
@@ -279,13 +297,14 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 server.wait()
 
 
-@pytest.fixture
-def browser(lab: dict[str, Any]) -> Iterator[DevTools]:
+@contextlib.contextmanager
+def open_chromium(tmp_path: Path) -> Iterator[DevTools]:
+    """Headless Chromium (its profile in ``tmp_path``) and a DevTools client on its page."""
     chromium = _chromium()
     if chromium is None:
         _missing("Chromium (apt-get install chromium)")
-    profile = lab["tmp"] / "chromium"
-    with open(lab["tmp"] / "chromium.log", "wb") as log:
+    profile = tmp_path / "chromium"
+    with open(tmp_path / "chromium.log", "wb") as log:
         proc = subprocess.Popen(
             [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
             stdout=subprocess.DEVNULL,
@@ -297,7 +316,7 @@ def browser(lab: dict[str, Any]) -> Iterator[DevTools]:
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("Chromium did not start: " + (lab["tmp"] / "chromium.log").read_text()[-2000:])
+                raise AssertionError("Chromium did not start: " + (tmp_path / "chromium.log").read_text()[-2000:])
             time.sleep(0.1)
         devtools_port = int(port_file.read_text().split()[0])
         with urllib.request.urlopen(f"http://127.0.0.1:{devtools_port}/json/list", timeout=10) as reply:
@@ -312,6 +331,19 @@ def browser(lab: dict[str, Any]) -> Iterator[DevTools]:
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """JupyterLab on 127.0.0.1 with a token; its root, config and state in ``tmp_path``."""
+    with serve_jupyter(tmp_path, {"panel.ipynb": NOTEBOOK_CELLS}) as server:
+        yield server
+
+
+@pytest.fixture
+def browser(lab: dict[str, Any]) -> Iterator[DevTools]:
+    with open_chromium(lab["tmp"]) as tools:
+        yield tools
 
 
 def _poll(tools: DevTools, seen: list[dict[str, Any]], until: Any, timeout: float, what: str) -> dict[str, Any]:

@@ -1,0 +1,291 @@
+"""The panel's pages beyond one live run: the kernel status, a saved notebook reopened, Notebook 7.
+
+One JupyterLab server, one Notebook 7 server (only for its test) and one headless
+Chromium serve the whole module (the helpers of ``test_panel_browser``: loopback, a
+token, temp folders, the DevTools protocol); after each test its kernels are shut down.
+
+* While a blocking ``%%distributed -n 2`` cell with its widget panel runs (the panel
+  shown, then a click on Where?, which JupyterLab sends on a kernel subshell), the
+  kernel status the page shows (the notebook toolbar's indicator, ``data-status``, and
+  the status bar's "Python 3 (ipykernel) | ..." item) never reads Idle; it does once
+  the cell has ended.
+* A notebook with a blocking launch and a background one (``h = f.submit()``, then
+  ``h.result()`` in a later cell), saved, its kernel shut down and the page reloaded
+  (a new kernel): both cells show their static summary ("finished") and the page shows
+  no "Error displaying widget" / "model not found"; in the saved ``.ipynb`` both
+  cells' outputs hold the summary (text/plain and text/html).
+* Notebook 7 (``/notebooks/<path>``) at 1280 px: a short tqdm cell's panel renders as
+  widgets, ends in success, and neither it nor the output area overflows sideways.
+
+Skipped without Chromium, JupyterLab or Notebook 7, unless ``AIR_MAGIC_UI_REQUIRED=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any, Iterator
+
+import nbformat
+import pytest
+from panel_support import WIDGET_MIME, status_of
+from test_panel_browser import PROBE, DevTools, _check_widths, _poll, _running_progress, open_chromium, serve_jupyter
+
+pytestmark = [pytest.mark.ui, pytest.mark.kernel]
+
+SETUP = "%load_ext air_magic\n%config DistributedMagics.tracking = False"
+
+BUSY_CELLS = [SETUP, "%%distributed -n 2\nimport time\ntime.sleep(8)\n'slept'"]
+
+SAVED_CELLS = [
+    SETUP,
+    "%%distributed -n 2\nimport os, time\ntime.sleep(1)\nint(os.environ['RANK'])",
+    "from air_magic import distributed\n"
+    "@distributed(num_accelerators=2)\n"
+    "def f():\n"
+    "    import os, time\n"
+    "    time.sleep(2)\n"
+    "    return int(os.environ['RANK'])\n"
+    "h = f.submit()",
+    "h.result(timeout=60)",
+]
+
+NOTEBOOK7_CELLS = [
+    SETUP,
+    "%%distributed -n 2\n"
+    "import os, time\n"
+    "from tqdm.auto import tqdm\n"
+    "print('epoch 1: ' + 'a long line of log output that must not widen the panel ' * 6)\n"
+    "for i in tqdm(range(50), desc='train'):\n"
+    "    time.sleep(0.1)\n"
+    "int(os.environ['RANK'])",
+]
+
+# The kernel's state as the page shows it: the toolbar's indicator and the status bar's item.
+KERNEL_SHOWN = r"""
+(() => {
+  const indicator = document.querySelector('.jp-Notebook-ExecutionIndicator');
+  const item = document.querySelector('#jp-main-statusbar [title^="Change kernel for"]');
+  const shown = item && !item.closest('.lm-mod-hidden');
+  return JSON.stringify({indicator: indicator ? indicator.dataset.status : null, bar: shown ? item.textContent : null});
+})()
+"""
+
+RUN_ALL = (
+    "(() => { const app = window.jupyterapp;"
+    " const widget = [...app.shell.widgets('main')].find(w => w.sessionContext);"
+    " if (app.shell.activateById) app.shell.activateById(widget.id);"
+    " app.commands.execute('notebook:run-all-cells'); return true; })()"
+)
+
+
+def _api(server: dict[str, Any], path: str, method: str = "GET") -> Any:
+    request = urllib.request.Request(f"{server['base']}{path}?token={server['token']}", method=method)
+    with urllib.request.urlopen(request, timeout=20) as reply:
+        body = reply.read()
+    return json.loads(body) if body else None
+
+
+def _shut_kernels_down(server: dict[str, Any]) -> None:
+    """End every session and kernel of the server, and wait until none is left."""
+    for session in _api(server, "/api/sessions"):
+        _api(server, f"/api/sessions/{session['id']}", "DELETE")
+    for kernel in _api(server, "/api/kernels"):
+        _api(server, f"/api/kernels/{kernel['id']}", "DELETE")
+    deadline = time.monotonic() + 30
+    while _api(server, "/api/kernels") and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    notebooks = {"busy.ipynb": BUSY_CELLS, "saved.ipynb": SAVED_CELLS}
+    with serve_jupyter(tmp_path_factory.mktemp("lab"), notebooks) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevTools]:
+    with open_chromium(tmp_path_factory.mktemp("browser")) as tools:
+        tools.call("Page.enable")
+        tools.call("Emulation.setFocusEmulationEnabled", enabled=True)  # the status bar follows the focused notebook
+        tools.call("Emulation.setDeviceMetricsOverride", width=1280, height=1600, deviceScaleFactor=1, mobile=False)
+        yield tools
+
+
+@pytest.fixture
+def lab(lab_server: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The module's JupyterLab; the test's kernels are shut down after it."""
+    try:
+        yield lab_server
+    finally:
+        _shut_kernels_down(lab_server)
+
+
+def _open(tools: DevTools, url: str, seen: list[dict[str, Any]]) -> dict[str, Any]:
+    tools.call("Page.navigate", url=url)
+    time.sleep(0.5)  # the old page goes first
+    state = _poll(tools, seen, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
+    tools.evaluate(
+        "(() => { const app = window.jupyterapp; const w = [...app.shell.widgets('main')].find(w => w.sessionContext);"
+        " if (app.shell.activateById) app.shell.activateById(w.id); return true; })()"
+    )
+    return state
+
+
+def _cell(state: dict[str, Any], index: int) -> dict[str, Any]:
+    return state["cells"][index] if state.get("ready") and len(state["cells"]) > index else {}
+
+
+def _panel(state: dict[str, Any], index: int) -> dict[str, Any]:
+    panels = _cell(state, index).get("panels", [])
+    return panels[0] if panels else {}
+
+
+def test_the_kernel_reads_busy_while_a_blocking_launch_runs(lab: dict[str, Any], page: DevTools) -> None:
+    tools = page
+    seen: list[dict[str, Any]] = []
+    _open(tools, f"{lab['base']}/lab/tree/busy.ipynb?reset&token={lab['token']}", seen)
+    deadline = time.monotonic() + 10
+    while json.loads(tools.evaluate(KERNEL_SHOWN)) != {"indicator": "idle", "bar": "Python 3 (ipykernel) | Idle"}:
+        assert time.monotonic() < deadline, tools.evaluate(KERNEL_SHOWN)
+        time.sleep(0.2)
+    tools.evaluate(RUN_ALL)
+
+    def where_enabled(state: dict[str, Any]) -> bool:
+        panel = _panel(state, 1)
+        return panel.get("status") == "running" and panel.get("widget") and panel.get("stop") is True
+
+    running = _poll(tools, seen, where_enabled, 60, "the blocking launch's panel, its buttons enabled")
+    launch = _panel(running, 1)["launch"]
+    clicked = tools.evaluate(
+        f"(() => {{ const p = document.querySelector('[data-air-magic-launch=\"{launch}\"]');"
+        " const b = [...p.closest('.widget-vbox').querySelectorAll('button')].find(b => /Where/.test(b.textContent));"
+        " b.click(); return b.textContent; })()"
+    )
+    assert "Where" in clicked
+
+    # While the launch runs, the page never shows the kernel idle.
+    samples = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = json.loads(tools.evaluate(PROBE))
+        shown = json.loads(tools.evaluate(KERNEL_SHOWN))
+        panel = _panel(state, 1)
+        if panel.get("status") != "running":
+            break
+        samples.append({**shown, "kernel": state.get("kernel"), "prompt": _cell(state, 1).get("prompt")})
+        time.sleep(0.3)
+    assert len(samples) >= 5, samples
+    assert all(s["bar"] for s in samples), samples
+    idle = [s for s in samples if s["indicator"] == "idle" or "idle" in (s["bar"] or "").lower()]
+    assert not idle, samples
+
+    # The cell ends: the summary, then the kernel reads idle.
+    def ended(state: dict[str, Any]) -> bool:
+        return _panel(state, 1).get("status") == "finished" and _cell(state, 1)["prompt"].strip() == "[2]:"
+
+    _poll(tools, seen, ended, 60, "the cell to end")
+    deadline = time.monotonic() + 10
+    while True:
+        shown = json.loads(tools.evaluate(KERNEL_SHOWN))
+        if shown["indicator"] == "idle" and "Idle" in shown["bar"]:
+            break
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.25)
+
+
+def test_a_saved_notebook_reopens_with_its_summaries(lab: dict[str, Any], page: DevTools) -> None:
+    tools = page
+    seen: list[dict[str, Any]] = []
+    url = f"{lab['base']}/lab/tree/saved.ipynb?reset&token={lab['token']}"
+    _open(tools, url, seen)
+    tools.evaluate(RUN_ALL)
+
+    def done(state: dict[str, Any]) -> bool:
+        return (
+            _cell(state, 3).get("prompt", "").strip() == "[4]:"
+            and "[0, 1]" in _cell(state, 3)["text"]
+            and all(_panel(state, i).get("status") == "finished" and not _panel(state, i)["widget"] for i in (1, 2))
+        )
+
+    _poll(tools, seen, done, 120, "both launches to end in their summaries")
+    saved_at = (lab["root"] / "saved.ipynb").stat().st_mtime_ns
+    tools.evaluate(
+        "(async () => { const app = window.jupyterapp;"
+        " app.shell.activateById([...app.shell.widgets('main')].find(w => w.sessionContext).id);"
+        " await app.commands.execute('docmanager:save'); return true; })()"
+    )
+    deadline = time.monotonic() + 20
+    while (lab["root"] / "saved.ipynb").stat().st_mtime_ns == saved_at:
+        assert time.monotonic() < deadline, "the notebook was not saved"
+        time.sleep(0.2)
+
+    # The file: each launch's cell holds its summary, and no widget view.
+    saved = nbformat.read(lab["root"] / "saved.ipynb", as_version=4)
+    for index in (1, 2):
+        outputs = saved.cells[index].outputs
+        bundles = [o.data for o in outputs if o.output_type in ("display_data", "execute_result")]
+        assert bundles and not any(WIDGET_MIME in b for b in bundles), outputs
+        summaries = [b for b in bundles if "text/html" in b and status_of(b["text/html"]) is not None]
+        assert len(summaries) == 1, outputs
+        assert status_of(summaries[0]["text/html"]) == "finished", summaries
+        assert "finished" in summaries[0]["text/plain"], summaries
+    assert saved.cells[3].outputs[-1].data["text/plain"] == "[0, 1]"
+
+    # A new kernel, the page reloaded: the summaries stay, no widget is missed.
+    _shut_kernels_down(lab)
+    state = _open(tools, url, seen)
+    time.sleep(2)  # outputs and any widget views render
+    state = json.loads(tools.evaluate(PROBE))
+    for index in (1, 2):
+        panel = _panel(state, index)
+        assert panel.get("status") == "finished" and not panel["widget"], _cell(state, index)
+        assert "finished" in _cell(state, index)["text"], _cell(state, index)
+    text = tools.evaluate("document.body.innerText")
+    for error in ("Error displaying widget", "model not found"):
+        assert error not in text, text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def notebook7_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    with serve_jupyter(tmp_path_factory.mktemp("notebook7"), {"nb7.ipynb": NOTEBOOK7_CELLS}, app="notebook") as server:
+        yield server
+
+
+@pytest.fixture
+def notebook7(notebook7_server: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The module's Notebook 7; the test's kernels are shut down after it."""
+    try:
+        yield notebook7_server
+    finally:
+        _shut_kernels_down(notebook7_server)
+
+
+def test_the_panel_in_notebook_7(notebook7: dict[str, Any], page: DevTools) -> None:
+    tools = page
+    seen: list[dict[str, Any]] = []
+    _open(tools, f"{notebook7['base']}/notebooks/nb7.ipynb?token={notebook7['token']}", seen)
+    tools.evaluate(RUN_ALL)
+
+    def progressed(state: dict[str, Any]) -> bool:
+        return len({p for s in seen for p in _running_progress(_cell(s, 1))}) >= 2
+
+    _poll(tools, seen, progressed, 120, "the panel to show the bar moving while the cell runs")
+    live = [s for s in seen if _running_progress(_cell(s, 1))]
+    assert all(p["widget"] for s in live for p in _cell(s, 1)["panels"])
+    first = _cell(live[0], 1)["panels"][0]
+    assert len(first["rows"]) == 2
+    widths = _check_widths(tools, 1)
+    assert widths["status"] in ("running", "finished"), widths
+
+    def finished(state: dict[str, Any]) -> bool:
+        return _panel(state, 1).get("status") == "finished" and "[0, 1]" in _cell(state, 1)["text"]
+
+    done = _poll(tools, seen, finished, 120, "the launch to end in success")
+    summary = _panel(done, 1)
+    assert summary["launch"] == first["launch"] and not summary["widget"]
+    assert [row.split()[0] for row in summary["rows"]] == ["finished", "finished"]
+    assert "100% 50/50" in " ".join(summary["rows"])
+    _check_widths(tools, 1)
