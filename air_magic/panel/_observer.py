@@ -135,7 +135,7 @@ class PanelObserver(WidgetPanel):
             elif self.launch.waited_on:
                 # Text lines: the summary comes last, after the status lines and the last
                 # of rank 0's output (the cell's thread shows it), before the cell's value.
-                self.launch.notify_call(lambda: self._show(summary, update=False, new=True))
+                self.launch.notify_call(lambda: self._show_last(summary))
             elif terminal:
                 self._after_cell(summary)
             else:
@@ -214,6 +214,13 @@ class PanelObserver(WidgetPanel):
         if self._ctx is None:
             return fn()
         return self._ctx.copy().run(fn)
+
+    def _show_last(self, summary: LaunchSummary) -> None:
+        """The summary as the cell's last display: the lines written before it (the status
+        lines, rank 0's output, buffered by the kernel's streams) are sent first."""
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        self._show(summary, update=False, new=True)
 
     def _show(self, obj: Any, *, update: bool, new: bool = False, current: bool = False) -> None:
         """Display ``obj`` as the launch's display (``update``: in its place); ``new``: a
