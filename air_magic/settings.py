@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .errors import ConfigurationError
 
@@ -113,19 +113,14 @@ class Settings:
         """
         if self._warn_mb is not None:
             return self._warn_mb
-        text = self._env(WARN_MB_ENV).strip()
-        if not text:
-            return DEFAULT_WARN_MB
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if math.isnan(value) or value < 0:
-            raise ConfigurationError(
+        return self._number(
+            WARN_MB_ENV,
+            DEFAULT_WARN_MB,
+            lambda text: (
                 f"{WARN_MB_ENV} must be a number of megabytes (0 or more), got {text!r}. Set it to "
                 f"a number such as 500, or unset it for the default of {DEFAULT_WARN_MB:g}."
-            )
-        return value
+            ),
+        )
 
     @capture_warn_mb.setter
     def capture_warn_mb(self, value: float) -> None:
@@ -212,7 +207,8 @@ class Settings:
         """The oldest launch logs are pruned past this many MB in all (``AIR_MAGIC_LOG_KEEP_MB``)."""
         return self._number(LOG_KEEP_MB_ENV, 1024.0)
 
-    def _number(self, name: str, default: float) -> float:
+    def _number(self, name: str, default: float, bad: Callable[[str], str] | None = None) -> float:
+        """``name``'s value, 0 or more (``default`` when unset); ``bad(text)`` says what is wrong."""
         text = self._env(name).strip()
         if not text:
             return default
@@ -221,7 +217,10 @@ class Settings:
         except ValueError:
             value = math.nan
         if math.isnan(value) or value < 0:
-            raise ConfigurationError(f"{name} must be a number (0 or more), got {text!r}; unset it for {default:g}.")
+            message = (
+                bad(text) if bad else f"{name} must be a number (0 or more), got {text!r}; unset it for {default:g}."
+            )
+            raise ConfigurationError(message)
         return value
 
     @property
