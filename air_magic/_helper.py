@@ -22,12 +22,17 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from ._protocol import Shutdown, ToHelper, ToKernel, decode, encode
+from .accelerators import Hardware, detect_hardware
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Helper:
-    """The running helper process and the reader thread of its control channel."""
+    """The running helper process and the reader thread of its control channel: the
+    local backend (:class:`air_magic._backend.Backend`)."""
+
+    name = "local"
+    local_processes = True
 
     def __init__(
         self,
@@ -89,6 +94,17 @@ class Helper:
 
     def returncode(self) -> int | None:
         return self.proc.poll()
+
+    def hardware(self) -> Hardware:
+        return detect_hardware()
+
+    def waiting_for(self, world_size: int) -> str:
+        if not self.ready.is_set():
+            return "waiting for the helper process to import torch"
+        return f"forking {world_size} rank{'s' * (world_size != 1)}"
+
+    def stacks(self, launch_id: str, timeout: float) -> dict[int, str]:
+        return {}  # local ranks are asked directly (Launch.stacks)
 
     def _read(self) -> None:
         while True:

@@ -25,7 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol
 
 from . import _logs, _outcome, _results
-from ._helper import Helper
+from ._backend import Backend
 from ._outcome import RankState
 from ._protocol import (
     Exited,
@@ -119,7 +119,9 @@ class Launch:
         self._stop_reason: str | None = None
         self._failures: list[int] = []
         self._stop_at: float | None = None  # time.monotonic() when the helper began to stop it
-        self.helper: Helper | None = None  # the helper process its ranks are forked from
+        #: What runs its ranks: the helper process they are forked from, or another backend
+        #: (:class:`air_magic._ray_backend.RayBackend`) that speaks the same messages.
+        self.helper: Backend | None = None
         self.request: LaunchRequest | None = None  # what the helper was sent
         self.sent_again = False  # to a new helper, the first having gone before starting it
         self._cancel_requested = False
@@ -205,9 +207,8 @@ class Launch:
         """What a launch that has not started its ranks yet waits for ('' once they run)."""
         if self.status != "starting":
             return ""
-        helper = self.helper
-        if helper is not None and not helper.ready.is_set():
-            return "waiting for the helper process to import torch"
+        if self.helper is not None:
+            return self.helper.waiting_for(self.world_size)
         return f"forking {self.world_size} rank{'s' * (self.world_size != 1)}"
 
     def cancel(self) -> bool:
@@ -225,9 +226,16 @@ class Launch:
 
         >>> print(handle.stacks()[1])     # doctest: +SKIP
         """
+        if self.helper is not None and not self.helper.local_processes:  # its backend asks them
+            return read_stacks(self.work_dir, self.helper.stacks(self.id, timeout), self.sources)
         running = {state.rank: state.pid for state in self.ranks if state.pid and state.returncode is None}
         request_stacks(self.work_dir, running, timeout)
         return read_stacks(self.work_dir, running, self.sources)
+
+    @property
+    def local_processes(self) -> bool:
+        """Whether the ranks are processes of this machine (their pids mean something here)."""
+        return self.helper is None or self.helper.local_processes
 
     def where(self, stacks: dict[int, str]) -> str:
         """One line per rank: where it was, and which rank the others wait for."""
@@ -417,6 +425,8 @@ class Launch:
             self.timings[f"{name}.{hook}"] = time.perf_counter() - began
 
     def _kill_now(self) -> None:
+        if not self.local_processes:
+            return  # the backend was sent Stop(kill)
         for state in self.ranks:
             if state.pid and state.returncode is None:
                 try:

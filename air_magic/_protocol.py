@@ -140,6 +140,14 @@ class LaunchRequest:
     argv: list[str] | None
     umask: int | None
     rlimits: dict[str, int]
+    #: What a backend that places ranks on several machines sets per rank, over what a
+    #: local rank gets (``NODE_RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``...): ``{rank: {name: value}}``.
+    rank_env: dict[int, dict[str, str]] | None = None
+    #: Whether ``init_process_group()`` meets in a ``FileStore`` in ``work_dir`` (one machine)
+    #: rather than torch's own TCP store at ``MASTER_ADDR:MASTER_PORT`` (several machines).
+    private_rendezvous: bool = True
+    #: ``"cuda"`` (one GPU per rank) or ``"cpu"``.
+    device: str = "cpu"
 
 
 # -- messages --------------------------------------------------------------------------------------

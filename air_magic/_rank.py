@@ -85,7 +85,8 @@ def child_main(request: LaunchRequest, rank: int, port: int, alive_fd: int, clos
         _dump_stacks_on_signal(stack_path(request.work_dir, rank))
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
-        _private_rendezvous(request.work_dir, port)
+        if request.private_rendezvous:
+            _private_rendezvous(request.work_dir, port)
         _apply_process_limits(request)
         _install_notebook_builtins()
         code = _run(request, rank)
@@ -308,6 +309,8 @@ def _apply_environment(request: LaunchRequest, rank: int, port: int) -> None:
         CROSS_RANK="0",
         CROSS_SIZE="1",
     )
+    if request.rank_env:  # where the ranks were placed across machines (a Ray launch)
+        env.update(request.rank_env.get(rank, {}))
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request.cwd)

@@ -38,6 +38,7 @@ def request(launch: "Launch", payload: "Payload", env: dict[str, str], cwd: str,
         argv=payload.argv,
         umask=current_umask(),
         rlimits=soft_limits(),
+        device=launch.placement.device,
     )
 
 

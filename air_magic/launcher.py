@@ -39,6 +39,7 @@ import threading
 import time
 
 from . import _logs, _request
+from ._backend import Backend
 from ._helper import Helper
 from ._launch import Launch, LaunchObserver, ObserverFactory
 from ._outcome import RankState, describe_exit
@@ -73,6 +74,7 @@ class Launcher:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._helper: Helper | None = None
+        self._backends: dict[str, Backend] = {}  # other backends than the local helper, by name
         self._counter = itertools.count(1)
         self.launches: dict[str, Launch] = {}
         self.session_dir = tempfile.mkdtemp(prefix=f"air_magic-{os.getpid()}-")
@@ -118,19 +120,40 @@ class Launcher:
                 self._helper = Helper(self.session_dir, self.shm_root, self._dispatch, self._helper_gone)
             return self._helper
 
+    def backend_for(self, name: str) -> Backend:
+        """The backend called ``name`` (``LaunchSpec.backend``), started or connected on first use."""
+        if name == "local":
+            return self._ensure_helper()
+        with self._lock:
+            if self._closed:
+                raise LaunchError("the launcher was shut down; restart the kernel to launch again")
+            backend = self._backends.get(name)
+            if backend is None or not backend.alive:
+                if name != "ray":
+                    raise LaunchError(f"no backend called {name!r}")
+                from ._ray_backend import RayBackend
+
+                backend = self._backends[name] = RayBackend(self._dispatch, self._helper_gone)
+            return backend
+
     def send(self, message: Stop) -> None:
-        """Send to the helper if it runs (a helper that went away ended its launches)."""
-        helper = self._helper
-        if helper is not None:
-            helper.try_send(message)
+        """Send to the backend that runs the launch (one that went away ended its launches)."""
+        launch = self.launches.get(message.launch_id)
+        backend = launch.helper if launch is not None and launch.helper is not None else self._helper
+        if backend is not None:
+            backend.try_send(message)
 
     def start(self, spec: LaunchSpec, payload: Payload) -> Launch:
         """Start ``payload`` on the ranks ``spec`` asks for; returns at once."""
         called = time.monotonic()
-        placement = spec.resolve(detect_hardware())
+        if spec.backend == "local":
+            placement = spec.resolve(detect_hardware())
+            helper: Backend = self._ensure_helper()
+        else:
+            helper = self.backend_for(spec.backend)
+            placement = spec.resolve(helper.hardware())
         cwd = _request.working_directory()
         self._ensure_session_folders()
-        helper = self._ensure_helper()
         launch = Launch(self, spec, placement, payload)
         launch.timings["call"] = called
         launch.helper = helper  # before the observers: the panel says what the launch waits for
@@ -201,7 +224,7 @@ class Launcher:
 
     # -- messages from the helper (reader thread) ----------------------------------------------
 
-    def _dispatch(self, helper: Helper, message: ToKernel) -> None:
+    def _dispatch(self, helper: Backend, message: ToKernel) -> None:
         if isinstance(message, Ready):
             helper.ready.set()
             return
@@ -214,14 +237,14 @@ class Launcher:
                 self.launches.pop(launch.id, None)
             launch.finish()
 
-    def _replace_helper(self, helper: Helper) -> Helper:
+    def _replace_helper(self, helper: Backend) -> Backend:
         with self._lock:
             helper.alive = False
             if self._helper is helper:
                 self._helper = None
         return self._ensure_helper()
 
-    def _helper_gone(self, helper: Helper) -> None:
+    def _helper_gone(self, helper: Backend) -> None:
         returncode = helper.returncode()
         with self._lock:
             orphans = [launch for launch in self.launches.values() if launch.helper is helper]
@@ -261,8 +284,11 @@ class Launcher:
                 return
             self._closed = True
             helper, self._helper = self._helper, None
+            others, self._backends = list(self._backends.values()), {}
         if helper is not None:
             helper.close()
+        for backend in others:
+            backend.close()
         for path in (self.session_dir, self.shm_root):
             if path:
                 shutil.rmtree(path, ignore_errors=True)

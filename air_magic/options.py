@@ -134,7 +134,10 @@ OPTIONS: tuple[Option, ...] = (
         "backend",
         default="local",
         flags=("--backend",),
-        help="Where the ranks run: local (the default; ray is not available yet).",
+        help=(
+            "Where the ranks run: local (the default: this machine's accelerators) or ray "
+            "(the nodes of the Ray cluster air_magic.ray_init() or RAY_ADDRESS names)."
+        ),
     ),
     Option("remote", default=False),  # refused: kept so that old code gets a clear error
     # None: the kernel's setting (%config DistributedMagics.panel, AIR_MAGIC_PANEL).

@@ -38,6 +38,11 @@ Environment variable           Setting (default)
 ``AIR_MAGIC_STATE_DIR``        ``state_dir``: state that outlives a kernel (``None``:
                                ``$XDG_STATE_HOME/air_magic``, else
                                ``~/.local/state/air_magic``)
+``AIR_MAGIC_RAY_STRATEGY``     ``ray_strategy``: how a Ray launch's ranks are placed on the
+                               cluster's nodes: ``PACK`` (default: as few nodes as
+                               possible), ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``
+``AIR_MAGIC_RAY_PLACE_TIMEOUT`` ``ray_place_timeout``: seconds a Ray launch waits for the
+                               cluster to have room for its ranks (60)
 =============================  ===========================================================
 
 Set by air_magic for its own child processes, not settings: ``AIR_MAGIC_TRACKING_DIR``
@@ -86,6 +91,9 @@ STATE_DIR_ENV = "AIR_MAGIC_STATE_DIR"
 LOG_DIR_ENV = "AIR_MAGIC_LOG_DIR"
 LOG_KEEP_DAYS_ENV = "AIR_MAGIC_LOG_KEEP_DAYS"
 LOG_KEEP_MB_ENV = "AIR_MAGIC_LOG_KEEP_MB"
+RAY_STRATEGY_ENV = "AIR_MAGIC_RAY_STRATEGY"
+RAY_PLACE_TIMEOUT_ENV = "AIR_MAGIC_RAY_PLACE_TIMEOUT"
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 _PANEL_OFF = ("0", "off", "false", "no", "none")
 
@@ -222,6 +230,21 @@ class Settings:
             )
             raise ConfigurationError(message)
         return value
+
+    @property
+    def ray_strategy(self) -> str:
+        """Ray's placement-group strategy for a launch's ranks (``AIR_MAGIC_RAY_STRATEGY``)."""
+        text = self._env(RAY_STRATEGY_ENV, "PACK").strip().upper() or "PACK"
+        if text not in RAY_STRATEGIES:
+            raise ConfigurationError(
+                f"{RAY_STRATEGY_ENV} must be one of {', '.join(RAY_STRATEGIES)}, got {text!r}; unset it for PACK."
+            )
+        return text
+
+    @property
+    def ray_place_timeout(self) -> float:
+        """Seconds a Ray launch waits for room on the cluster (``AIR_MAGIC_RAY_PLACE_TIMEOUT``, 60)."""
+        return self._number(RAY_PLACE_TIMEOUT_ENV, 60.0)
 
     @property
     def state_dir(self) -> str | None:

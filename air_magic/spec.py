@@ -9,6 +9,7 @@ kernel-wide settings (``AIR_MAGIC_*``) are in :mod:`air_magic.settings`.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 import operator
@@ -341,10 +342,10 @@ def make_spec(
         raise ConfigurationError(f"tracking must be True or False, got {tracking!r}.")
     if backend not in BACKENDS:
         raise ConfigurationError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}.")
-    if backend != "local":  # known, not built yet: said at decoration, not at every launch
+    if backend == "ray" and importlib.util.find_spec("ray") is None:  # said at decoration
         raise ConfigurationError(
-            f"backend={backend!r} is not available in this version of air_magic; "
-            "use backend='local' (every accelerator of this machine)."
+            "backend='ray' needs Ray, which is not installed in the environment this kernel runs in: "
+            "pip install 'air_magic[ray]' (and the same on every node of the cluster)."
         )
     if panel is not None and not isinstance(panel, bool):
         raise ConfigurationError(f"panel must be True, False or None (the kernel's setting), got {panel!r}.")

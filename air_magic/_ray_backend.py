@@ -1,0 +1,463 @@
+"""The Ray backend: a launch's ranks as Ray actors on the nodes of a cluster.
+
+It speaks the same messages as the local helper process (:mod:`air_magic._helper`), so the
+:class:`~air_magic._launch.Launch`, tracking and the panel see a Ray launch as a local one::
+
+    Launcher --send(StartLaunch | Stop | Shutdown)--> RayBackend
+    Launcher <--on_message(backend, Started | Exited | Stopping | Done | StartFailed)-- a thread per launch
+
+For each launch, a thread of this module:
+
+1. checks the cluster has room (CPUs or GPUs) and makes a placement group, one bundle per
+   rank (``{"CPU": 1}``, or ``{"CPU": 1, "GPU": 1}`` for GPU ranks; strategy
+   ``AIR_MAGIC_RAY_STRATEGY``, PACK by default);
+2. places one :class:`~air_magic._ray_agent.RankAgent` per bundle, asks each where it runs,
+   and derives torchrun's variables from the placement: ``NODE_RANK`` (nodes in the order of
+   their lowest rank), ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (rank 0's node),
+   ``MASTER_PORT`` (free there), ``CUDA_VISIBLE_DEVICES`` (the GPUs Ray gave the node's
+   ranks, in local-rank order, so ``cuda:LOCAL_RANK`` is the rank's own);
+3. starts the ranks (each a fresh Python process on its node, meeting in torch's TCP store);
+4. polls the agents: their ranks' log and MLflow spool bytes are appended to the kernel's own
+   files (the cell's output, the panel and the MLflow writer read them as for local ranks),
+   an exit code becomes ``Exited`` once the rank's result record is in the launch's folder;
+   the first failure stops the others (fail fast), as do a timeout and a ``Stop``;
+5. removes the actors and the placement group, then says ``Done``.
+
+A node that dies takes its agents along: their ranks are reported lost (``StartFailed``
+with the node's address and ranks) and the others are stopped.  The actors belong to the
+kernel's Ray driver (never detached): a kernel that exits or dies takes them with it, and
+each rank dies with its agent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+from . import _ray_agent
+from ._protocol import (
+    Done,
+    Exited,
+    LaunchRequest,
+    Shutdown,
+    Started,
+    StartFailed,
+    StartLaunch,
+    Stop,
+    Stopping,
+    ToHelper,
+    ToKernel,
+    result_path,
+    spool_file,
+    stack_path,
+)
+from ._spool import SPOOL_DIR_ENV, artifact_dir, read_run
+from .accelerators import Hardware
+from .errors import ConfigurationError, LaunchError
+from .settings import settings
+
+#: Escalation after a stop request, by reason, as for local ranks: (delay in seconds, signal).
+_ESCALATION: dict[str, list[tuple[float, int]]] = {
+    "cancel": [(0.0, 2), (1.0, 15), (3.0, 9)],  # SIGINT, SIGTERM, SIGKILL
+    "failure": [(0.0, 15), (2.0, 9)],
+    "timeout": [(0.0, 15), (2.0, 9)],
+    "kill": [(0.0, 9)],
+}
+#: How often the agents are asked for new output and exits.
+_POLL = 0.1
+#: How long the ranks get to write their stacks before a timeout stops them.
+_STACK_GRACE = 0.5
+
+
+class RayBackend:
+    """The kernel's connection to a Ray cluster, used by launches with ``backend="ray"``."""
+
+    name = "ray"
+    #: The ranks' pids are processes of other machines: nothing here signals or samples them.
+    local_processes = False
+
+    def __init__(self, on_message: Callable[[Any, ToKernel], None], on_gone: Callable[[Any], None]) -> None:
+        self.ray = connect()
+        self.ready = threading.Event()
+        self.ready.set()
+        self.alive = True
+        self._on_message = on_message
+        self._on_gone = on_gone
+        self._lock = threading.Lock()
+        self._launches: dict[str, _RayLaunch] = {}
+        self._agent_class: Any = None
+
+    # -- what the launcher uses ------------------------------------------------------------
+
+    def hardware(self) -> Hardware:
+        """What the cluster offers, as :meth:`LaunchSpec.resolve` reads a machine."""
+        resources = self.ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0))
+        kinds = [key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:")]
+        name = f"NVIDIA {kinds[0]}" if gpus and kinds else None
+        return Hardware(gpu_count=gpus, gpu_name=name, cpu_count=max(1, int(resources.get("CPU", 1))))
+
+    def waiting_for(self, world_size: int) -> str:
+        return f"placing {world_size} rank{'s' * (world_size != 1)} on the Ray cluster"
+
+    def send(self, message: ToHelper) -> None:
+        if isinstance(message, StartLaunch):
+            launch = _RayLaunch(self, message.request)
+            with self._lock:
+                self._launches[launch.id] = launch
+            threading.Thread(target=launch.run, name=f"air_magic-ray-{launch.id}", daemon=True).start()
+        elif isinstance(message, Stop):
+            with self._lock:
+                found = self._launches.get(message.launch_id)
+            if found is not None:
+                found.stop(message.reason)
+        elif isinstance(message, Shutdown):
+            self.close()
+
+    def try_send(self, message: ToHelper) -> None:
+        self.send(message)
+
+    def returncode(self) -> int | None:
+        return None
+
+    def stacks(self, launch_id: str, timeout: float) -> dict[int, str]:
+        """Every running rank's stacks, by rank (asked of the agents)."""
+        with self._lock:
+            found = self._launches.get(launch_id)
+        return found.stacks(timeout) if found is not None else {}
+
+    def close(self, wait: float = 5.0) -> None:
+        """Kill every rank of every launch and remove their actors."""
+        with self._lock:
+            launches = list(self._launches.values())
+        for launch in launches:
+            launch.stop("kill")
+        deadline = time.monotonic() + wait
+        for launch in launches:
+            launch.finished.wait(max(0.0, deadline - time.monotonic()))
+        self.alive = False
+
+    # -- for the launches ----------------------------------------------------------------------
+
+    def agent_class(self) -> Any:
+        if self._agent_class is None:
+            self._agent_class = self.ray.remote(_ray_agent.RankAgent)
+        return self._agent_class
+
+    def emit(self, message: ToKernel) -> None:
+        try:
+            self._on_message(self, message)
+        except Exception as exc:  # pragma: no cover - a bug must not stop the launch's thread
+            import sys
+
+            sys.stderr.write(f"[air_magic] internal error handling {message.KIND!r}: {exc}\n")
+
+    def forget(self, launch: "_RayLaunch") -> None:
+        with self._lock:
+            self._launches.pop(launch.id, None)
+
+
+class _RayLaunch:
+    """One launch on the cluster, driven by its own thread (:meth:`run`)."""
+
+    def __init__(self, backend: RayBackend, request: LaunchRequest) -> None:
+        self.backend = backend
+        self.ray = backend.ray
+        self.request = request
+        self.id = request.launch_id
+        self.agents: list[Any] = []
+        self.nodes: list[dict[str, Any]] = []
+        self.group: Any = None
+        self.running: set[int] = set()
+        self.lost: dict[int, str] = {}  # rank -> the address of the node that died under it
+        self.stopping: str | None = None
+        self._steps: list[tuple[float, int]] = []  # (when, signal) still to send
+        self._lock = threading.Lock()
+        self.finished = threading.Event()
+        self.spool = request.env.get(SPOOL_DIR_ENV)
+        self.run_id: str | None = None
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            try:
+                pids = self._start()
+            except BaseException as exc:  # any failure to place or start: the launch's error
+                text = str(exc) if isinstance(exc, LaunchError) else traceback.format_exc()
+                self._remove()
+                self.backend.emit(StartFailed(self.id, text))
+                return
+            self.backend.emit(Started(self.id, pids))
+            if self.stopping is not None:  # stopped while starting
+                self._schedule(self.stopping)
+            try:
+                self._watch()
+            except Exception as exc:  # the cluster went away under the launch (Ray shut down)
+                self._remove()
+                self.backend.emit(StartFailed(self.id, f"the connection to the Ray cluster was lost: {exc}"))
+                return
+            self._remove()
+            if self.lost:
+                self.backend.emit(StartFailed(self.id, self._lost_text()))
+            else:
+                self.backend.emit(Done(self.id))
+        finally:
+            self.backend.forget(self)
+            self.finished.set()
+
+    def _start(self) -> dict[int, int]:
+        ray = self.ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        n = self.request.world_size
+        gpu = self.request.device == "cuda"
+        bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
+        self._check_room(bundle, n)
+        self.group = placement_group([dict(bundle) for _ in range(n)], strategy=settings.ray_strategy)
+        ready, _ = ray.wait([self.group.ready()], timeout=settings.ray_place_timeout)
+        if not ready:
+            raise LaunchError(
+                f"the Ray cluster could not place {n} rank{'s' * (n != 1)} of {_bundle(bundle)} within "
+                f"{settings.ray_place_timeout:g} s (strategy {settings.ray_strategy}; it has "
+                f"{_resources(ray.available_resources())} free of {_resources(ray.cluster_resources())}). "
+                "Free some of it or ask for fewer ranks (AIR_MAGIC_RAY_PLACE_TIMEOUT sets the wait)."
+            )
+        agent = self.backend.agent_class()
+        for rank in range(n):
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
+            options: dict[str, Any] = {"num_cpus": 1, "scheduling_strategy": strategy, "max_restarts": 0}
+            if gpu:
+                options["num_gpus"] = 1
+            self.agents.append(agent.options(**options).remote())
+        self.nodes = ray.get([a.node.remote() for a in self.agents])
+        port = ray.get(self.agents[0].free_port.remote())
+        rank_env = placement_environment(self.nodes, port)
+        request = _with_rank_env(self.request, rank_env)
+        with open(self.request.payload_path, "rb") as handle:
+            payload = ray.put(handle.read())
+        pids = ray.get([a.start.remote(request, payload, rank, port) for rank, a in enumerate(self.agents)])
+        self.running = set(range(n))
+        return dict(enumerate(pids))
+
+    def _check_room(self, bundle: dict[str, float], n: int) -> None:
+        total = self.ray.cluster_resources()
+        for key, amount in bundle.items():
+            if total.get(key, 0) < amount * n:
+                raise LaunchError(
+                    f"the Ray cluster has {_resources(total)}: not enough for {n} rank{'s' * (n != 1)} "
+                    f"of {_bundle(bundle)} each. Ask for fewer ranks, or add nodes to the cluster."
+                )
+
+    def _watch(self) -> None:
+        ray = self.ray
+        timeout_at = None if self.request.timeout is None else time.monotonic() + self.request.timeout
+        while self.running:
+            if timeout_at is not None and time.monotonic() >= timeout_at and self.stopping is None:
+                self._timeout()
+            self._send_due_signals()
+            if self.spool and self.run_id is None:
+                self.run_id = read_run(self.spool)
+            ranks = sorted(self.running)
+            refs = [self.agents[r].poll.remote(self.run_id) for r in ranks]
+            for rank, ref in zip(ranks, refs):
+                try:
+                    log, spool, code = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                    self._rank_lost(rank)
+                    continue
+                self._append(self.request.log_paths[rank], log)
+                if self.spool:
+                    self._append(spool_file(self.spool, rank), spool)
+                if code is not None:
+                    self._rank_ended(rank, code)
+            if self.running:
+                time.sleep(_POLL)
+
+    def _rank_ended(self, rank: int, code: int) -> None:
+        try:
+            result, artifacts = self.ray.get(self.agents[rank].finish.remote())
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.ObjectLostError):
+            self._rank_lost(rank)
+            return
+        if result is not None:
+            path = result_path(self.request.work_dir, rank)
+            with open(os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
+                handle.write(result)
+            os.replace(f"{path}.tmp", path)
+        if artifacts and self.spool:
+            root = artifact_dir(self.spool, rank)
+            for relative, data in artifacts.items():
+                target = os.path.join(root, relative)
+                os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+                with open(target, "wb") as handle:
+                    handle.write(data)
+        self.running.discard(rank)
+        self.backend.emit(Exited(self.id, rank, code, time.monotonic()))
+        if code != 0 and self.stopping is None:
+            self.stop("failure")
+
+    def _rank_lost(self, rank: int) -> None:
+        self.running.discard(rank)
+        self.lost[rank] = self.nodes[rank]["address"] if rank < len(self.nodes) else "?"
+        self.backend.emit(Exited(self.id, rank, -9, time.monotonic()))
+        if self.stopping is None:
+            self.stop("failure")
+
+    def _lost_text(self) -> str:
+        by_node: dict[str, list[int]] = {}
+        for rank, address in sorted(self.lost.items()):
+            by_node.setdefault(address, []).append(rank)
+        parts = []
+        for address, ranks in by_node.items():
+            node_id = next((n["node_id"] for n in self.nodes if n["address"] == address), "")
+            which = ", ".join(map(str, ranks))
+            parts.append(
+                f"the Ray node {address} (node id {node_id[:12]}) went away while rank{'s' * (len(ranks) != 1)} "
+                f"{which} ran there"
+            )
+        return "; ".join(parts) + (
+            f"; the other ranks of {self.request.world_size} were stopped. "
+            "The node died or was removed from the cluster (its raylet's log says why)."
+        )
+
+    def _timeout(self) -> None:
+        self.stacks(_STACK_GRACE)  # where each rank was: the timeout's error says it
+        self.stop("timeout")
+
+    def _append(self, path: str, data: bytes) -> None:
+        if data:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def stop(self, reason: str) -> None:
+        """Stop the ranks (a stop of reason ``kill`` also overrides one under way)."""
+        with self._lock:
+            if self.stopping is not None and reason != "kill":
+                return
+            first = self.stopping is None
+            self.stopping = self.stopping or reason
+            if not self.running and not self.agents:
+                return  # still being placed: the thread applies the stop once started
+            self._schedule(reason)
+        if first:
+            self.backend.emit(Stopping(self.id, reason, time.monotonic()))
+        self._send_due_signals()
+
+    def _schedule(self, reason: str) -> None:
+        now = time.monotonic()
+        self._steps = sorted(self._steps + [(now + delay, signum) for delay, signum in _ESCALATION[reason]])
+
+    def _send_due_signals(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            due = [signum for at, signum in self._steps if at <= now]
+            self._steps = [step for step in self._steps if step[0] > now]
+            ranks = sorted(self.running)
+        for signum in due:
+            for rank in ranks:
+                self.agents[rank].signal.remote(signum)
+
+    def stacks(self, timeout: float) -> dict[int, str]:
+        """The running ranks' stacks, by rank, also written where a local rank writes its own
+        (the launch's folder), for :func:`air_magic._rank_output.read_stacks`."""
+        ranks = sorted(self.running)
+        refs = {rank: self.agents[rank].stacks.remote(min(timeout, _STACK_GRACE)) for rank in ranks}
+        found = {}
+        for rank, ref in refs.items():
+            try:
+                text = self.ray.get(ref, timeout=timeout + 2)
+            except Exception:  # a rank or node gone: no stack from it
+                continue
+            if text:
+                found[rank] = text
+                path = stack_path(self.request.work_dir, rank)
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
+                    handle.write(text)
+        return found
+
+    def _remove(self) -> None:
+        for agent in self.agents:
+            try:
+                self.ray.kill(agent, no_restart=True)
+            except Exception:  # an actor already gone
+                pass
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.group)
+            except Exception:  # the cluster is gone
+                pass
+
+
+def connect() -> Any:
+    """The ``ray`` module, connected: to the cluster ``ray_init()`` joined, else to
+    ``RAY_ADDRESS``, else to a new local cluster of this machine."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigurationError(
+            "backend='ray' needs Ray, which is not installed: pip install 'air_magic[ray]' "
+            "(in the environment this kernel runs in)."
+        ) from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
+    return ray
+
+
+def placement_environment(nodes: list[dict[str, Any]], port: int) -> dict[int, dict[str, str]]:
+    """torchrun's variables for each rank from where Ray placed it (``nodes[rank]``)."""
+    order: list[str] = []
+    for node in nodes:
+        if node["node_id"] not in order:
+            order.append(node["node_id"])
+    on_node = {node_id: [r for r, n in enumerate(nodes) if n["node_id"] == node_id] for node_id in order}
+    master = nodes[0]["address"]
+    env: dict[int, dict[str, str]] = {}
+    for rank, node in enumerate(nodes):
+        ranks = on_node[node["node_id"]]
+        node_rank = order.index(node["node_id"])
+        values = {
+            "LOCAL_RANK": str(ranks.index(rank)),
+            "NODE_RANK": str(node_rank),
+            "GROUP_RANK": str(node_rank),
+            "LOCAL_WORLD_SIZE": str(len(ranks)),
+            "GROUP_WORLD_SIZE": str(len(order)),
+            "LOCAL_SIZE": str(len(ranks)),
+            "CROSS_RANK": str(node_rank),
+            "CROSS_SIZE": str(len(order)),
+            "MASTER_ADDR": master,
+            "MASTER_PORT": str(port),
+            # No agent hosts the store (torchrun's agent does): rank 0's init_process_group() does.
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+        }
+        gpus = [g for r in ranks for g in nodes[r]["gpu_ids"]]
+        if gpus:
+            values["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        env[rank] = values
+    return env
+
+
+def _with_rank_env(request: LaunchRequest, rank_env: dict[int, dict[str, str]]) -> LaunchRequest:
+    import dataclasses
+
+    return dataclasses.replace(request, rank_env=rank_env, private_rendezvous=False)
+
+
+def _bundle(bundle: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"
+
+
+def _resources(resources: dict[str, float]) -> str:
+    cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+    return f"{cpus:g} CPU{'s' * (cpus != 1)} and {gpus:g} GPU{'s' * (gpus != 1)}"
