@@ -310,7 +310,7 @@ class Launch:
     def handle(self, message: ToKernel) -> None:
         """A message from the helper about this launch (the helper's reader thread)."""
         if isinstance(message, Started):
-            self._on_started(message.pids)
+            self._on_started(message.pids, message.nodes or {})
         elif isinstance(message, Exited):
             self._on_exit(message.rank, message.returncode, message.at)
         elif isinstance(message, Stopping):
@@ -318,10 +318,11 @@ class Launch:
         elif isinstance(message, StartFailed):
             self._error_text = message.text  # the launcher then calls finish()
 
-    def _on_started(self, pids: dict[int, int]) -> None:
+    def _on_started(self, pids: dict[int, int], nodes: dict[int, str]) -> None:
         self.timings["started"] = time.monotonic()
         for rank, pid in pids.items():
             self.ranks[rank].pid = pid
+            self.ranks[rank].node = nodes.get(rank)
         if self.status == "starting":
             self.status = "running"
 

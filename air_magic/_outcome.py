@@ -71,6 +71,7 @@ class RankState:
     rank: int
     log_path: str
     pid: int | None = None
+    node: str | None = None  # the machine it runs on, when that is not this one (a Ray node)
     returncode: int | None = None
     ended_at: float | None = None  # time.monotonic() when the helper saw it exit
     stopped: bool = False  # ended by air_magic's stop signal (another rank failed, cancel, timeout)

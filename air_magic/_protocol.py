@@ -193,6 +193,8 @@ class Started:
     KIND: ClassVar[str] = "started"
     launch_id: str
     pids: dict[int, int]
+    #: Where each rank runs, for ranks on other machines (``{rank: "node 1 (10.0.0.7)"}``).
+    nodes: dict[int, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ class _RayLaunch:
                 self._remove()
                 self.backend.emit(StartFailed(self.id, text))
                 return
-            self.backend.emit(Started(self.id, pids))
+            self.backend.emit(Started(self.id, pids, self._node_names()))
             if self.stopping is not None:  # stopped while starting
                 self._schedule(self.stopping)
             try:
@@ -243,6 +243,14 @@ class _RayLaunch:
         pids = ray.get([a.start.remote(request, payload, rank, port) for rank, a in enumerate(self.agents)])
         self.running = set(range(n))
         return dict(enumerate(pids))
+
+    def _node_names(self) -> dict[int, str]:
+        """``{rank: "node 1 (10.0.0.7)"}``: its NODE_RANK and address."""
+        order: list[str] = []
+        for node in self.nodes:
+            if node["node_id"] not in order:
+                order.append(node["node_id"])
+        return {r: f"node {order.index(n['node_id'])} ({n['address']})" for r, n in enumerate(self.nodes)}
 
     def _check_room(self, bundle: dict[str, float], n: int) -> None:
         total = self.ray.cluster_resources()

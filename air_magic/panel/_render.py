@@ -168,7 +168,7 @@ def _table_html(state: LaunchState) -> str:
         line = _clip(log.last_line)
         rows.append(
             f'<tr data-rank="{rank}" data-state="{_esc(rank_state)}">'
-            f'<td style="{_CELL}">{rank}</td>'
+            f'<td style="{_CELL};{_WRAP}">{rank}{_node_html(launch.ranks[rank].node)}</td>'
             f'<td style="{_CELL};{_WRAP};color:{color}">{icon} {_esc(rank_state)}{exit_note}</td>'
             f'<td style="{_CELL};{_WRAP}">{bar}{_esc(_progress_text(progress, metrics.max_step, running))}</td>'
             f'<td style="{_CELL};{_WRAP}">{_esc(_metrics_text(metrics.latest))}</td>'
@@ -180,6 +180,15 @@ def _table_html(state: LaunchState) -> str:
         '<table style="border-collapse:collapse;margin:4px 0;table-layout:fixed;width:100%;max-width:100%">'
         f"<colgroup>{cols}</colgroup><thead><tr>{head}</tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
+def _node_html(node: str | None) -> str:
+    """Under the rank's number, the machine it runs on (ranks placed on a cluster's nodes)."""
+    if not node:
+        return ""
+    return (
+        f'<div data-air-magic-node style="font-size:smaller;color:var(--jp-ui-font-color2,#6b7280)">{_esc(node)}</div>'
     )
 
 
@@ -350,7 +359,8 @@ class LaunchSummary:
                 bits.append(metrics)
             if log.last_line:
                 bits.append(repr(_clip(log.last_line, 80)))
-            lines.append(f"  rank {rank}: " + " · ".join(bits))
+            node = launch.ranks[rank].node
+            lines.append(f"  rank {rank}{f' on {node}' if node else ''}: " + " · ".join(bits))
         run_id, name, url, command = _run(launch)
         if run_id or name:
             run = f"{name} ({run_id})" if name and run_id else (name or run_id)
