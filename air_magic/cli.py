@@ -368,12 +368,15 @@ def _syntax_error(exc: SyntaxError) -> str:
 
 
 def _user_traceback(exc: BaseException) -> str:
-    """The traceback of an error in the user's code, without this module's frames."""
-    tb = exc.__traceback__
-    here = os.path.dirname(os.path.abspath(__file__))
-    while tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here:
-        tb = tb.tb_next
-    stack = [frame for frame in traceback.extract_tb(tb) if "importlib._bootstrap" not in frame.filename]
+    """The traceback of an error in the user's code, without the frames of this module and
+    of the import machinery that ran it."""
+    machinery = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(importlib.__file__)))
+    stack = [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if not frame.filename.startswith("<frozen importlib")
+        and os.path.dirname(os.path.abspath(frame.filename)) not in machinery
+    ]
     lines = ["Traceback (most recent call last):\n", *traceback.format_list(stack)]
     return "".join(lines + traceback.format_exception_only(type(exc), exc))
 

@@ -1,4 +1,6 @@
-"""``air-magic``: the command line.  ``air-magic lint [--fix] [--diff] [--format json] PATH...``
+"""``air-magic lint [--fix] [--diff] [--format json] PATH...``: the linter's verb of the
+``air-magic`` command (:mod:`air_magic.cli` adds it with :func:`add_parser` and runs it with
+:func:`run`; :func:`main` is the verb alone, with ``air-magic``'s name).
 
 Exit codes follow ruff: 0 nothing found (or everything fixed), 1 findings left,
 2 usage error (bad option, missing path, unreadable file, fixes that do not settle).
