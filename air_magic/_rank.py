@@ -416,7 +416,7 @@ def _run(request: LaunchRequest, rank: int) -> int:
                 if not key.startswith("__"):
                     main.__dict__.setdefault(key, value)
             value = func(*args, **kwargs)
-        else:
+        else:  # a cell, or a script (its __file__ among the names)
             for name, blob in payload["names"].items():
                 main.__dict__[name] = cloudpickle.loads(blob)
             exec(payload["code"], main.__dict__)

@@ -1,4 +1,4 @@
-"""Turning a notebook function or cell into a payload the ranks can run.
+"""Turning a notebook function or cell (or a script file) into a payload the ranks can run.
 
 Only what the code uses travels:
 
@@ -7,7 +7,9 @@ Only what the code uses travels:
   them), looked up in the notebook's namespace;
 * a function: the function itself, by value when it was defined in the notebook,
   with the globals and closures it (and notebook functions it calls) reads —
-  cloudpickle's own traversal; its arguments.
+  cloudpickle's own traversal; its arguments;
+* a script (``air-magic run SCRIPT.py``): its compiled code and its file name, nothing
+  of the launching process (a script starts from nothing, as under ``torchrun``).
 
 Everything is pickled *before* any process starts.  Objects that cannot be pickled
 are all named in one :class:`~air_magic.errors.CaptureError` (name, type, reason);
@@ -37,7 +39,15 @@ from . import settings as _settings_module
 from ._protocol import RESULT_NAME
 from .errors import CaptureError
 
-__all__ = ["Payload", "function_payload", "cell_payload", "free_names", "CaptureWarning", "settings"]
+__all__ = [
+    "Payload",
+    "function_payload",
+    "cell_payload",
+    "script_payload",
+    "free_names",
+    "CaptureWarning",
+    "settings",
+]
 
 
 class CaptureWarning(UserWarning):
@@ -84,7 +94,7 @@ def _shell() -> Any:
 class Payload:
     """What the ranks run: pickled once in the kernel, read by every rank."""
 
-    kind: str  # "function" or "cell"
+    kind: str  # "function", "cell" or "script" (a script runs as a cell does)
     label: str
     data: dict[str, Any]
     #: filename -> (display name, source) so rank tracebacks show the notebook's lines.
@@ -511,4 +521,33 @@ def cell_payload(
         data={"code": code, "names": blobs},
         sources=sources,
         argv=list(argv) if argv is not None else [display],
+    )
+
+
+def script_payload(path: str, args: list[str] | None = None, *, argv0: str | None = None) -> Payload:
+    """A Python script for the ranks, run as ``python SCRIPT ARGS`` (``torchrun``'s workers) runs it.
+
+    Each rank executes the script's code as its ``__main__`` module: ``__name__`` is
+    ``"__main__"``, ``__file__`` the script's absolute path, ``sys.argv`` is ``[argv0, *args]``
+    (``argv0``: the path as the user wrote it).  Tracebacks name the script's file and lines
+    (the source read now is the one shown, even if the file changes during the launch).
+    The script's folder first on ``sys.path`` is the launcher's to arrange (the ranks take
+    the launching process's ``sys.path``).  ``OSError`` when it cannot be read,
+    ``SyntaxError`` when it does not compile, both before any process starts.
+    """
+    import importlib.util
+
+    absolute = os.path.abspath(path)
+    with open(absolute, "rb") as handle:
+        raw = handle.read()
+    source = importlib.util.decode_source(raw)  # its coding cookie, as Python reads it
+    # dont_inherit: the script gets its own __future__ imports, not this module's.
+    code = compile(raw, absolute, "exec", dont_inherit=True)
+    names = {"__file__": dumps(absolute), "__cached__": dumps(None)}
+    return Payload(
+        kind="script",
+        label=os.path.basename(absolute),
+        data={"code": code, "names": names},
+        sources={absolute: (f'File "{absolute}"', source)},
+        argv=[argv0 if argv0 is not None else path, *(args or [])],
     )

@@ -21,25 +21,15 @@ from ._protocol import RESULT_NAME
 from .errors import ConfigurationError
 from .options import apply_arguments
 from .settings import DEFAULT_WARN_MB, settings
-from .spec import DEFAULT_TIMEOUT, LaunchSpec, check_timeout, make_spec
+from .spec import DEFAULT_TIMEOUT, LaunchSpec, check_timeout, make_spec, timeout_from_text
 
 __all__ = ["DistributedMagics"]
 
 
 def _timeout_arg(text: str) -> float | None:
     """``--timeout``: seconds > 0, or ``none`` for no limit (0 is refused, as ``timeout=0`` is)."""
-    if text.strip().lower() in ("none", "off"):
-        return None
-    value: int | float
     try:
-        value = int(text)  # shown as written in a message: "got 0", not "got 0.0"
-    except ValueError:
-        try:
-            value = float(text)
-        except ValueError:
-            raise UsageError(f"%%distributed: --timeout takes a number of seconds or 'none', got {text!r}") from None
-    try:
-        return check_timeout(value, no_limit="--timeout none")
+        return timeout_from_text(text)
     except ConfigurationError as exc:
         raise UsageError(f"%%distributed: {exc}") from None
 

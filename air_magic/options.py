@@ -10,7 +10,9 @@ around its value.  Built from it:
 * :data:`FLAG_TO_OPTION` (each flag and the option it sets);
 * :func:`line_parser`, a plain ``argparse`` parser of a ``%%distributed`` line that
   raises :class:`OptionError` with the message the magic's parser gives (the linter
-  uses it: no IPython needed).
+  uses it: no IPython needed);
+* :func:`add_launch_arguments`, the same flags on another parser (``air-magic run``'s),
+  without those only a notebook has (``--async``).
 
 ``tests/unit/test_options.py`` checks the table against ``distributed(...)``'s
 signature and against the magic's parser.  Standard library only.
@@ -30,6 +32,7 @@ __all__ = [
     "FLAG_TO_OPTION",
     "OptionError",
     "apply_arguments",
+    "add_launch_arguments",
     "line_parser",
     "unquoted",
 ]
@@ -182,6 +185,15 @@ def line_parser(parse: Callable[[Callable[[str], Any]], Callable[[str], Any]] | 
     for option in _flagged():
         parser.add_argument(*option.flags, **option.argparse_keywords(parse))
     return parser
+
+
+def add_launch_arguments(parser: Any) -> None:
+    """Add the flags of every option ``@distributed`` has a keyword for to ``parser`` (an
+    ``argparse`` parser or argument group): the magic's flags but ``--async``, with the
+    same values, defaults (``None``: not given) and help."""
+    for option in _flagged():
+        if option.keyword is not None:
+            parser.add_argument(*option.flags, **option.argparse_keywords())
 
 
 def unquoted(option: Option, value: Any) -> Any:

@@ -34,6 +34,7 @@ __all__ = [
     "Placement",
     "make_spec",
     "max_cpu_ranks",
+    "timeout_from_text",
     "DEFAULT_TIMEOUT",
     "UNSET",
     "BACKENDS",
@@ -236,6 +237,22 @@ def check_timeout(value: object, no_limit: str = "timeout=None") -> float | None
         raise ConfigurationError(f"timeout must be more than 0 seconds, got {shown}. Pass {no_limit} for no limit.")
     # Huge finite values are kept as they are: the helper caps its own waits.
     return None if math.isinf(seconds) else seconds
+
+
+def timeout_from_text(text: str, no_limit: str = "--timeout none") -> float | None:
+    """``--timeout``'s value as written on a command line or a magic line: seconds > 0, or
+    ``none`` (also ``off``) for no limit.  ``ConfigurationError`` says what was wrong."""
+    if text.strip().lower() in ("none", "off"):
+        return None
+    value: int | float
+    try:
+        value = int(text)  # shown as written in a message: "got 0", not "got 0.0"
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigurationError(f"--timeout takes a number of seconds or 'none', got {text!r}") from None
+    return check_timeout(value, no_limit=no_limit)
 
 
 def _check_text(value: object, name: str) -> str | None:

@@ -1,4 +1,6 @@
-"""``air-magic``: the command line.  ``air-magic lint [--fix] [--diff] [--format json] PATH...``
+"""``air-magic lint [--fix] [--diff] [--format json] PATH...``: the linter's verb of the
+``air-magic`` command (:mod:`air_magic.cli` adds it with :func:`add_parser` and runs it with
+:func:`run`; :func:`main` is the verb alone, with ``air-magic``'s name).
 
 Exit codes follow ruff: 0 nothing found (or everything fixed), 1 findings left,
 2 usage error (bad option, missing path, unreadable file, fixes that do not settle).
@@ -18,7 +20,7 @@ from .._version import __version__
 from ._files import UnreadableFile, finding_text, lines, lint_file, plural, summary
 from .diagnostics import ConvergenceError, Diagnostic
 
-__all__ = ["main"]
+__all__ = ["main", "add_parser", "run"]
 
 _SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", ".ipynb_checkpoints", "build", "dist"}
 
@@ -35,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"air-magic {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
+    add_parser(verbs)
+    return parser
+
+
+def add_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+    """Add the ``lint`` verb to a command line's verbs (``air-magic``'s, :mod:`air_magic.cli`)."""
     lint = verbs.add_parser(
         "lint",
         help="find (and fix) serverless_gpu / databricks.air / TorchDistributor code",
@@ -52,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     lint.add_argument("--diff", action="store_true", help="show what --fix would change; write nothing")
     lint.add_argument("--format", choices=["text", "json"], default="text", help="output format (default text)")
     lint.add_argument("-q", "--quiet", action="store_true", help="print the findings only, no summary")
-    return parser
+    return lint
 
 
 def _files(paths: Sequence[str]) -> Iterator[str]:
@@ -131,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help / --version exit 0, a usage error 2
         return int(exc.code or 0)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``air-magic lint`` with its parsed arguments; returns the exit status."""
     out = sys.stdout
     try:
         outcomes = [_process(path, args.fix, args.diff, args.unsafe_fixes) for path in _files(args.paths)]
