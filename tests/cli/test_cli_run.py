@@ -318,11 +318,6 @@ def test_a_notebook_function_that_fails_names_the_rank_and_the_notebook_cell(tmp
         ),
         (["jobs:rank_and_argv", "--backend", "slurm"], "backend must be one of 'local', 'ray', got 'slurm'."),
         (
-            ["jobs:rank_and_argv", "--backend", "ray", "--address", "127.0.0.1:6379"],
-            "backend='ray' is not available in this version of air_magic; use backend='local' (every accelerator of "
-            "this machine).",
-        ),
-        (
             ["jobs:rank_and_argv", "--address", "127.0.0.1:6379"],
             "--address is the address of a Ray cluster: use it with --backend ray.",
         ),
