@@ -80,8 +80,8 @@ def describe_holders(holders: list[tuple[int, int, int]]) -> str:
 
 def check(launch: Any) -> str | None:
     """For a GPU launch that has ended: the warning to show, or ``None``."""
-    if getattr(launch.placement, "device", "cpu") != "cuda":
-        return None
+    if getattr(launch.placement, "device", "cpu") != "cuda" or not getattr(launch, "local_processes", True):
+        return None  # (ranks on other machines hold nothing of this machine's GPUs)
     pids = {state.pid for state in launch.ranks if state.pid}
     holders = wait_for_release(pids, launch.id)
     return describe_holders(holders) if holders else None
