@@ -188,10 +188,16 @@ class Launch:
         waits, after the last of rank 0's output and before the cell's value."""
         self._notices.append((show, ""))
 
-    def print_notices(self) -> None:
-        """Print the lines :meth:`notify` queued (from the thread that shows the launch)."""
+    def print_notices(self, final: bool = True) -> None:
+        """Print the lines :meth:`notify` queued (from the thread that shows the launch);
+        before ``final`` (the last of rank 0's output is written), up to a display of
+        :meth:`notify_call` only: that one comes after rank 0's output."""
         while self._notices:
+            if not final and callable(self._notices[0][0]):
+                return
             item, stream = self._notices.popleft()
+            if self._pump is not None:
+                self._pump.end_line()  # in a terminal: not over the end of a progress bar
             if callable(item):
                 try:
                     item()
@@ -269,26 +275,29 @@ class Launch:
 
     def wait_streaming(self) -> list[Any]:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
-        pump = OutputPump(self.ranks[0].log_path, settings.output_limit)
+        pump = OutputPump(self.ranks[0].log_path, settings.output_limit, terminal=_is_terminal(sys.stdout))
         stall = StallWatch(self, settings.stall_seconds)
         self._pump = pump  # finish() has it read the rest before the logs are rewritten
         self._waiter = True
         sys.stdout.flush()  # what the observers printed at the start comes before the ranks' output
         try:
             while not self._done.wait(_POLL):
-                self.print_notices()
+                self.print_notices(final=False)
                 pump.pump()
                 stall.check()
         except KeyboardInterrupt:
             self._interrupted = True  # before the stop: the outcome says who stopped it
             where = self.where(self.stacks(timeout=1.0))
             self.cancel()
+            self.print_notices(final=False)  # the lines that came before the interrupt
             if where:
+                pump.end_line()
                 sys.stderr.write(where + "\n")
                 sys.stderr.flush()
             try:
                 while not self._done.wait(_POLL):
                     pump.pump()
+                    self.print_notices(final=False)
             except KeyboardInterrupt:  # a second interrupt: no more grace
                 self.launcher.send(Stop(self.id, "kill"))
                 self._kill_now()
@@ -502,6 +511,15 @@ class Launch:
                         pass
         if self.shm_dir:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def _is_terminal(stream: Any) -> bool:
+    """Whether rank 0's output is copied to a terminal (terminal IPython, a script run in
+    one), where a carriage return only moves the cursor; not a Jupyter kernel's stream."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # a replaced or closed stream
+        return False
 
 
 def _shown_already() -> None:

@@ -224,9 +224,8 @@ class StallWatch:
             return
         self.quiet_since = now  # next look after another quiet spell
         where = self.launch.where(self.launch.stacks(timeout=1.0))
-        if "<- behind" in where:
-            sys.stderr.write(f"[air_magic] no rank has written anything for {self.seconds:g} s.\n{where}\n")
-            sys.stderr.flush()
+        if "<- behind" in where:  # printed with the launch's other lines, on a line of its own
+            self.launch.notify(f"[air_magic] no rank has written anything for {self.seconds:g} s.\n{where}", "stderr")
 
 
 class OutputPump:
@@ -239,24 +238,34 @@ class OutputPump:
     A line a progress bar rewrites with carriage returns reaches the cell as its last
     state: each line is written once it ends, with only what follows its last ``\r``;
     while it is still being rewritten, its newest state is written at most once every
-    ``progress_every`` s (as state + ``\r``: the next text, in a terminal and in Jupyter,
-    takes its place).
+    ``progress_every`` s, as state + ``\r``: in Jupyter the next text, a status line
+    too, takes its place.
     nbconvert and papermill keep every stream message as an output of its own: the
     notebook they save holds a few states of a bar, not one per step.
+
+    In a terminal (``terminal``), a carriage return only moves the cursor: text shorter
+    than the state would leave its end on screen (``s]``).  There a state is written as
+    tqdm writes it, carriage return + state (padded over a longer one it replaces, cut to
+    the terminal's width), the cursor after it; :meth:`end_line` ends such a line before any
+    other text (a status line, the stacks of an interrupt, the summary), and the final
+    :meth:`pump` ends it too.
 
     :meth:`hold_rest` reads what is left of the log while its file is still whole (the
     launch rewrites the logs as it ends); the final :meth:`pump` writes it.
     """
 
-    def __init__(self, path: str, limit: int, progress_every: float = 2.0) -> None:
+    def __init__(self, path: str, limit: int, progress_every: float = 2.0, terminal: bool = False) -> None:
         self.path = path
         self.limit = limit
         self.progress_every = progress_every
+        self.terminal = terminal
         self.reader = TailReader(path)
         self.shown = 0
         self.stopped = False
         self._line = b""  # the current line's newest state (after its last \r), not yet ended
+        self._returned = False  # that state was followed by a \r: the line's next text replaces it
         self._line_shown = b""  # what of the current line the cell shows
+        self._open = 0  # terminal: the width of the state the cursor stands after (0: none)
         self._progress_at = 0.0
         self._held: bytes | None = None
         self._lock = threading.Lock()
@@ -271,6 +280,20 @@ class OutputPump:
     def pump(self, final: bool = False) -> None:
         with self._lock:
             self._pump(final)
+            if final:
+                self._end_line()
+
+    def end_line(self) -> None:
+        """In a terminal: end the line of a progress state the cursor stands after, so
+        that the next text starts on a line of its own (nothing to do elsewhere)."""
+        with self._lock:
+            self._end_line()
+
+    def _end_line(self) -> None:
+        if self._open:
+            self._open = 0
+            sys.stdout.write("\n")
+            sys.stdout.flush()
 
     def _pump(self, final: bool) -> None:
         if self.stopped:
@@ -293,6 +316,7 @@ class OutputPump:
                 cut = cut[: cut.rfind(b"\n") + 1]
             self._write(cut)
             self.stopped = True
+            self._open = 0  # the line below starts on a line of its own
             sys.stdout.write(
                 f"\n[air_magic] rank 0 printed more than {self.limit // 1024} KiB; the rest is not "
                 f"shown here. Full log: {self.path}\n"
@@ -303,21 +327,39 @@ class OutputPump:
 
     def _collapse(self, data: bytes, final: bool) -> bytes:
         """What of ``data`` reaches the cell: ended lines at their last state, and the
-        state of the line being rewritten when it is time to show it (followed by ``\r``,
-        as tqdm's own output is cut: the next text, a status line too, starts on it)."""
+        state of the line being rewritten when it is time to show it (in a notebook
+        followed by ``\r``, as tqdm's own output is cut: the next text, a status line too,
+        starts on it; in a terminal as :meth:`_state` writes it)."""
         out = []
         *ended, rest = data.split(b"\n")
+        # A read ends after a \r: what the next read brings of the line replaces the state
+        # before it (a bar updated once per read is not run into one long line).
+        pending = self._line + (b"\r" if self._returned else b"")
         for line in ended:
-            out.append(_last_state(self._line + line) + b"\n")
-            self._line = self._line_shown = b""
-        if rest:
-            self._line = _last_state(self._line + rest) if b"\r" in rest else self._line + rest
+            out.append(self._state(_last_state(pending + line), ended=True))
+            pending = self._line_shown = b""
+        pending += rest
+        self._line = _last_state(pending)
+        self._returned = pending.endswith(b"\r")
         now = time.monotonic()
         if self._line and self._line != self._line_shown and (final or now - self._progress_at >= self.progress_every):
             self._progress_at = now
-            out.append(self._line + (b"" if final and b"\r" not in rest else b"\r"))
+            out.append(self._state(self._line, ended=False, returned=not final or b"\r" in rest))
             self._line_shown = self._line
         return b"".join(out)
+
+    def _state(self, text: bytes, ended: bool, returned: bool = True) -> bytes:
+        """How the cell gets a line's state: ended (with a newline), or shown while it is
+        rewritten (see the class docstring: in a notebook, in a terminal)."""
+        if not self.terminal:
+            return text + (b"\n" if ended else b"\r" if returned else b"")
+        if not ended:
+            text = _fit(text, _columns() - 1)
+        width = _width(text)
+        if self._open:  # in place of the state the cursor stands after
+            text = b"\r" + text + b" " * max(0, self._open - width)
+        self._open = 0 if ended else max(width, 1)
+        return text + b"\n" if ended else text
 
     def _write(self, data: bytes) -> None:
         if not data:
@@ -325,6 +367,26 @@ class OutputPump:
         self.shown += len(data)
         sys.stdout.write(data.decode("utf-8", "replace"))
         sys.stdout.flush()
+
+
+def _width(text: bytes) -> int:
+    """Columns a line takes in a terminal (one per character)."""
+    return len(text.decode("utf-8", "replace"))
+
+
+def _fit(text: bytes, columns: int) -> bytes:
+    """A state cut to the terminal's width: a wrapped one would leave rows behind at each
+    update (a carriage return goes back to the start of the last row only)."""
+    if columns < 20 or _width(text) <= columns:
+        return text
+    return text.decode("utf-8", "replace")[:columns].encode()
+
+
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # not a terminal after all, or a replaced stream
+        return 80
 
 
 def _last_state(line: bytes) -> bytes:

@@ -205,7 +205,11 @@ class PanelObserver(WidgetPanel):
             return
         # Lines thin out as the launch gets older: a 3 h run prints a few dozen, not thousands.
         self._next_text = elapsed + max(3.0, min(300.0, elapsed / 5))
-        print(text_status(self.state), file=sys.stdout if self.shell is not None else sys.stderr, flush=True)
+        stream = "stdout" if self.shell is not None else "stderr"
+        if self.launch.waited_on:  # the cell's thread prints it, in turn with rank 0's output
+            self.launch.notify(text_status(self.state), stream)
+        else:
+            print(text_status(self.state), file=getattr(sys, stream), flush=True)
 
     # -- displaying ----------------------------------------------------------------------------
 

@@ -210,3 +210,76 @@ def test_the_kernel_reads_busy_while_a_blocking_launch_with_a_panel_runs(kernel_
             kc.control_channel.send(kc.session.msg("delete_subshell_request", {"subshell_id": subshell}))
             kc.control_channel.get_msg(timeout=10)
         kernel.shutdown()
+
+
+def test_no_busy_of_a_launch_cell_follows_its_idle(kernel_factory: Any) -> None:
+    """The "busy" the panel sends for its cell after another request's "idle" never comes
+    after the cell's own "idle", even with requests on a subshell ending all along, across
+    the cell's end (a front end would read Busy for a cell that is over)."""
+    kernel = kernel_factory(extra_env=WIDGET_ENV)
+    kc = kernel.kc
+    subshell = None
+    try:
+        kernel.ok(NAP)
+        kernel.ok("nap.distributed(0)")
+        msg_id = kernel.execute("nap.distributed(3)")
+        every: Messages = []
+        buttons: list[str] = []
+        sent = 0
+        next_note = 0.0
+        ended_at = None
+        deadline = time.monotonic() + 90
+        # Read on for a second after the cell's idle: a late busy would have arrived by then.
+        while ended_at is None or time.monotonic() < ended_at + 1.0:
+            assert time.monotonic() < deadline, [m["msg_type"] for m in every]
+            if subshell is not None and time.monotonic() >= next_note:  # a request ends every 20 ms
+                note = kc.session.msg(
+                    "comm_msg",
+                    {"comm_id": buttons[sent % 2], "data": {"method": "custom", "content": {"event": "none"}}},
+                )
+                note["header"]["subshell_id"] = subshell
+                kc.shell_channel.send(note)
+                sent += 1
+                next_note = time.monotonic() + 0.02
+            try:
+                msg = kc.get_iopub_msg(timeout=0.02)
+            except queue.Empty:
+                continue
+            every.append(msg)
+            if subshell is None:
+                buttons = [
+                    m["content"]["comm_id"]
+                    for m in every
+                    if m["msg_type"] == "comm_open"
+                    and m["content"]["data"]["state"].get("_model_name") == "ButtonModel"
+                ]
+                if len(buttons) == 2:  # the panel is shown: a subshell, as JupyterLab opens one
+                    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
+                    subshell = kc.control_channel.get_msg(timeout=10)["content"]["subshell_id"]
+            if (
+                msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"
+                and msg["parent_header"].get("msg_id") == msg_id
+            ):
+                ended_at = time.monotonic()
+        reply = kernel._shell_reply(msg_id, 10)
+        assert reply["status"] == "ok", reply
+        statuses = [
+            (m["content"]["execution_state"], m["parent_header"].get("msg_id"), m["parent_header"].get("msg_type"))
+            for m in every
+            if m["msg_type"] == "status"
+        ]
+        first = statuses.index(("busy", msg_id, "execute_request"))
+        end = statuses.index(("idle", msg_id, "execute_request"))
+        after = statuses[end + 1 :]
+        assert not [s for s in after if s[1] == msg_id], after[:40]
+        assert not [s for s in after if s[2] == "execute_request"], after[:40]  # nor of an earlier cell
+        # The test did what it says: the panel said busy again after subshell idles while
+        # the cell ran, and subshell requests still ended after the cell had.
+        assert statuses[first + 1 : end].count(("busy", msg_id, "execute_request")) >= 5, statuses[first:end]
+        assert ("idle", "comm_msg") in {(state, kind) for state, _, kind in after}, after[:40]
+    finally:
+        if subshell is not None:
+            kc.control_channel.send(kc.session.msg("delete_subshell_request", {"subshell_id": subshell}))
+            kc.control_channel.get_msg(timeout=10)
+        kernel.shutdown()
