@@ -84,10 +84,11 @@ def load_ipython_extension(ipython: Any) -> None:
     from .magics import DistributedMagics
 
     ipython.register_magics(DistributedMagics, LintMagics)
-    from ._plugins import get_launcher
+    from ._plugins import connect_lab, get_launcher
 
     launcher = get_launcher()
     launcher.warm()
+    connect_lab(ipython)  # the JupyterLab extension's list of launches, Stop and logs
     from .tracking import recover_in_background, warm_in_background
 
     recover_in_background()  # what launches of a kernel that died left unsent (in the background)
@@ -100,3 +101,14 @@ def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext air_magic``: remove ``%%distributed`` and ``%air_lint``; running launches are not touched."""
     ipython.magics_manager.magics["cell"].pop("distributed", None)
     ipython.magics_manager.magics["line"].pop("air_lint", None)
+
+
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """Where Jupyter finds the prebuilt JupyterLab extension (``labextension/``, built into
+    ``air_magic/labextension``; pip installs it under ``share/jupyter/labextensions``)."""
+    return [{"src": "labextension", "dest": "air-magic-labextension"}]
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    """The Jupyter server extension: the lab extension's migration command (``air_magic.lint.server``)."""
+    return [{"module": "air_magic.lint.server"}]

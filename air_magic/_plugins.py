@@ -4,9 +4,10 @@ The launcher knows only :class:`~air_magic.launcher.LaunchObserver`; the fronts
 (``@distributed``, ``%%distributed``, ``%load_ext``) get their launcher here, and the
 first call registers the plug-ins' factories with ``Launcher.add_observer``::
 
-    front --get_launcher()--> register (once): tracking, panel, "tracking is off" line
-                              (observer factories), the panel as a launch's notebook view
-                              --> launcher.get_launcher()
+    front --get_launcher()--> register (once): tracking, panel, "tracking is off" line,
+                              the lab extension's list (observer factories), the panel as
+                              a launch's notebook view --> launcher.get_launcher()
+    %load_ext --connect_lab(shell)--> the lab extension's comm (panel._lab)
 
 Nothing heavy is imported here: each factory imports its module at a launch's start.
 """
@@ -55,6 +56,21 @@ def tracking_off(launch: "Launch") -> None:
     return None
 
 
+def lab(launch: "Launch") -> "LaunchObserver | None":
+    """The JupyterLab extension's list of launches (only in a kernel: panel._lab)."""
+    from .panel._lab import lab_observer
+
+    return lab_observer(launch)
+
+
+def connect_lab(shell: Any) -> None:
+    """``%load_ext``: the comm the JupyterLab extension talks to, opened now (a first
+    launch would open it too)."""
+    from .panel._lab import connect
+
+    connect(shell)
+
+
 def register() -> None:
     """Register the plug-ins with the launcher (idempotent)."""
     global _registered
@@ -67,6 +83,7 @@ def register() -> None:
         Launcher.add_observer(tracking)
         Launcher.add_observer(panel)
         Launcher.add_observer(tracking_off)
+        Launcher.add_observer(lab)
         _registered = True
 
 

@@ -22,3 +22,9 @@ pin="$(mktemp)"
 python -W ignore -c "import torch; print('torch==' + torch.__version__)" > "$pin"
 python -m pip install -q -e ".[test]" -c "$pin"
 rm -f "$pin"
+# An editable install does not place the data files Jupyter reads (a regular `pip install .`
+# does): link the prebuilt JupyterLab extension and switch the server extension on.
+prefix="$(python -c 'import sys; print(sys.prefix)')"
+mkdir -p "$prefix/share/jupyter/labextensions" "$prefix/etc/jupyter/jupyter_server_config.d"
+ln -sfn "$PWD/air_magic/labextension" "$prefix/share/jupyter/labextensions/air-magic-labextension"
+cp jupyter-config/jupyter_server_config.d/air_magic.json "$prefix/etc/jupyter/jupyter_server_config.d/"

@@ -7,6 +7,7 @@ improvement, never the panel::
 
     observer thread ends     --> release_iopub(shell)        its iopub socket closed now
     Stop / Where? built      --> clicks_where_sent(button)   clicks run on their subshell
+    the lab extension's comm --> messages_where_sent(comm)   its messages too
     Stop's state each tick   --> subshells_active(shell)     can a click arrive mid-cell?
     a blocking panel shown   --> keep_busy(shell)            the kernel reads busy all along
 
@@ -19,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["clicks_where_sent", "keep_busy", "release_iopub", "subshells_active"]
+__all__ = ["clicks_where_sent", "keep_busy", "messages_where_sent", "release_iopub", "subshells_active"]
 
 
 def subshells_active(shell: Any) -> bool:
@@ -50,7 +51,12 @@ def clicks_where_sent(button: Any) -> None:
     launch, i.e. the main shell, which a blocking launch keeps busy.  A click needs no such
     reply, so it may run where JupyterLab sent it.
     """
-    comm = getattr(button, "comm", None)
+    messages_where_sent(getattr(button, "comm", None))
+
+
+def messages_where_sent(comm: Any) -> None:
+    """Handle this comm's messages on the subshell the front end sent them on (as
+    :func:`clicks_where_sent`): the lab extension's Stop during a blocking launch."""
     if comm is not None and hasattr(comm, "_reply_subshell_for"):
         comm._reply_subshell_for = _keep_subshell
 

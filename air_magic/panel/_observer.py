@@ -304,7 +304,7 @@ class PanelObserver(WidgetPanel):
             return {}
         summary = self.summary
         if summary is not None:
-            return {"text/plain": summary.text, "text/html": summary.html}
+            return summary.bundle()
         if self.mode == "widget" and self.widgets:
             return self._widget_bundle()
         return {"text/plain": text_status(self.state)}

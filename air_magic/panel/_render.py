@@ -10,7 +10,8 @@ to call them and where the result goes::
                 --> _log_html    one rank's log tab (its last lines)
                 --> _lint_html   the linter's findings tab (each with its hint; --fix only if it fixes some)
                 --> text_status  one compact line, for front ends without widgets
-                --> LaunchSummary  what stays in the notebook at the end (HTML + text/plain)
+                --> LaunchSummary  what stays in the notebook at the end (HTML + text/plain, and
+                                   the same as data under its own MIME type: _mime.summary_data)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ._format import (
     _where,
 )
 from ._lint import _Finding
+from ._mime import SUMMARY_MIME, summary_data
 from ._state import LaunchState
 from ._svg import chart_caption, chart_svg, line_sample
 
@@ -335,11 +337,17 @@ def text_status(state: LaunchState) -> str:
 
 
 class LaunchSummary:
-    """What stays in the notebook after a launch: HTML for Jupyter, text for everything else."""
+    """What stays in the notebook after a launch: HTML for Jupyter, text for everything else,
+    and the data the lab extension draws it from (``application/vnd.air-magic.summary+json``)."""
 
     def __init__(self, state: LaunchState) -> None:
         self.text = self._text(state)
         self.html = self._html(state)
+        self.data = summary_data(state)
+
+    def bundle(self) -> dict[str, Any]:
+        """Every form of the summary, as a display's MIME bundle."""
+        return {"text/plain": self.text, "text/html": self.html, SUMMARY_MIME: self.data}
 
     @staticmethod
     def _text(state: LaunchState) -> str:
@@ -391,6 +399,9 @@ class LaunchSummary:
         if any(m.series for m in state.metrics):
             chart = f"<details open><summary>metrics</summary>{_chart_html(state)}</details>"
         return _top_html(state) + f'<div style="{_FONT}">{chart}{"".join(details)}{_lint_html(state)}</div>'
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        return self.bundle()
 
     def _repr_html_(self) -> str:
         return self.html

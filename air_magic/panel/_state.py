@@ -108,15 +108,7 @@ class LaunchState:
 
     def rank_state(self, rank: int) -> str:
         """``starting``, ``running``, ``stopping``, ``finished``, ``stopped`` or ``failed``."""
-        state = self.launch.ranks[rank]
-        status = self.launch.status
-        if state.returncode is not None and state.returncode != 0 and status in ("cancelled", "timed out", "stopping"):
-            return "stopped"
-        if state.returncode is None and status == "stopping":
-            return "stopping"
-        if state.returncode is None and status in _ENDED:  # the launch ended without this rank's exit code
-            return "stopped"
-        return state.state
+        return rank_state(self.launch, rank)
 
     def overall(self) -> "Overall | None":
         """The launch's progress across ranks while it runs (None when no running rank shows a bar).
@@ -166,20 +158,7 @@ class LaunchState:
 
     def outcome(self) -> str:
         """The launch's end in one line ('' while it runs)."""
-        launch = self.launch
-        if not launch.done() and launch.ended_at is None:
-            return ""
-        try:
-            error, ended = launch.exception(timeout=0), True
-        except TimeoutError:  # its outcome is not read yet
-            error, ended = None, False
-        took = _fmt_elapsed(self.elapsed())
-        if launch.status == "finished" or (ended and error is None):
-            return f"finished in {took}"
-        if error is not None:
-            first = (str(error).strip().splitlines() or [""])[0]
-            return f"{launch.status} after {took}: {type(error).__name__}: {_clip(first, 300)}"
-        return f"{launch.status} after {took}"
+        return outcome_text(self.launch, self.elapsed())
 
     def chart_series(self) -> dict[str, dict[int, list[tuple[float, float]]]]:
         keys: list[str] = []
@@ -195,3 +174,34 @@ class LaunchState:
 
     def close(self) -> None:
         self.usage.close()
+
+
+def rank_state(launch: "Launch", rank: int) -> str:
+    """How rank ``rank`` of ``launch`` is: ``starting``, ``running``, ``stopping``, ``finished``,
+    ``stopped`` or ``failed`` (the panel's rows, the lab extension's list)."""
+    state = launch.ranks[rank]
+    status = launch.status
+    if state.returncode is not None and state.returncode != 0 and status in ("cancelled", "timed out", "stopping"):
+        return "stopped"
+    if state.returncode is None and status == "stopping":
+        return "stopping"
+    if state.returncode is None and status in _ENDED:  # the launch ended without this rank's exit code
+        return "stopped"
+    return state.state
+
+
+def outcome_text(launch: "Launch", elapsed: float) -> str:
+    """A launch's end in one line ('' while it runs)."""
+    if not launch.done() and launch.ended_at is None:
+        return ""
+    try:
+        error, ended = launch.exception(timeout=0), True
+    except TimeoutError:  # its outcome is not read yet
+        error, ended = None, False
+    took = _fmt_elapsed(elapsed)
+    if launch.status == "finished" or (ended and error is None):
+        return f"finished in {took}"
+    if error is not None:
+        first = (str(error).strip().splitlines() or [""])[0]
+        return f"{launch.status} after {took}: {type(error).__name__}: {_clip(first, 300)}"
+    return f"{launch.status} after {took}"

@@ -1,0 +1,323 @@
+"""The JupyterLab extension's kernel side: the comm target ``air_magic`` and what it says.
+
+The extension (``labextension/``) lists this kernel's launches with Stop, a rank's log
+and the cell that started each one.  Everything goes over one Jupyter comm, and the
+kernel speaks only when something changed: no front end polls it::
+
+    front end (labextension/src/channel.ts)          kernel (this module)
+    ---------------------------------------          --------------------
+                                  <--- comm_open    at %load_ext (or a first launch): the
+                                                     channel, opened by the kernel, and the
+                                                     comm target registered for front ends
+                                                     that open their own (or reconnect)
+    comm_open "air_magic" / {"type": "list"} --->   {"type": "launches", ...}
+                                  <--- "launches"   at a launch's start, each change of its
+                                                     state (a watcher thread, only while a
+                                                     launch runs) and its end
+    {"type": "stop", "launch", "request"}   --->    Launch.cancel(); reply {"ok": ...}
+    {"type": "log", "launch", "rank", ...}  --->    the end of that rank's log; reply {"text"}
+
+Every message from the front end that asks something carries ``request``; its answer is
+``{"type": "reply", "request": ..., "ok": true|false, ...}``.  A launch is described by
+:func:`describe` (``launches``: the running ones and the last ``_RECENT`` ended ones, newest
+first); an ended launch is kept as that description only, so the list never holds a
+launch's values.
+
+Stopping a blocking launch.  JupyterLab >= 4.4 sends comm messages on a kernel subshell
+when the kernel has them (ipykernel >= 7): the message is handled on the subshell's
+thread while the cell blocks the main one (``_ipykernel.messages_where_sent`` keeps it
+there).  Where the kernel has no subshell, the front end interrupts the kernel instead
+(``blocking`` says which launch that stops).
+
+Migration (``air-magic lint --fix`` on the open notebook) needs no kernel: the server
+extension :mod:`air_magic.lint.server` does it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._format import _where
+from ._ipykernel import messages_where_sent, release_iopub
+from ._state import outcome_text, rank_state
+
+if TYPE_CHECKING:
+    from ..launcher import Launch
+
+__all__ = ["TARGET", "LabChannel", "channel", "connect", "lab_observer", "describe"]
+
+TARGET = "air_magic"
+_RECENT = 10  # ended launches listed
+_WATCH = 0.5  # seconds between looks at running launches
+_LOG_BYTES = 64 * 1024  # of a rank's log, sent at most
+
+
+def describe(launch: "Launch", cell: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One launch as the extension lists it (JSON-able)."""
+    ended = launch.ended_at
+    elapsed = (ended or time.time()) - launch.started_at
+    run = None
+    if launch.run_id or launch.run_name:
+        run = {"id": launch.run_id or "", "name": launch.run_name or "", "url": launch.run_url or ""}
+    return {
+        "id": launch.id,
+        "label": launch.label,
+        "kind": launch.kind,
+        "status": launch.status,
+        "where": _where(launch),
+        "world_size": launch.world_size,
+        "ranks": [
+            {"rank": s.rank, "state": rank_state(launch, s.rank), "pid": s.pid, "returncode": s.returncode}
+            for s in launch.ranks
+        ],
+        "started_at": launch.started_at,
+        "ended_at": ended,
+        "elapsed": elapsed,
+        "outcome": outcome_text(launch, elapsed) if ended else "",
+        "blocking": launch.waited_on and not ended,
+        "cell": cell or {},
+        "run": run,
+        "logs": len(launch.ranks),
+    }
+
+
+class LabChannel:
+    """This kernel's side of the extension: its comms, the launches it lists, the watcher."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.comms: list[Any] = []
+        self.running: dict[str, tuple["Launch", dict[str, Any]]] = {}  # id -> (launch, its cell)
+        self.ended: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECENT)
+        self.log_paths: dict[str, list[str]] = {}  # the ended launches' logs, by id
+        self._wake = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._sent: Any = None
+        self.shell: Any = None
+
+    # -- what is listed ------------------------------------------------------------------------
+
+    def launches(self) -> list[dict[str, Any]]:
+        with self._lock:
+            running = [describe(launch, cell) for launch, cell in self.running.values()]
+            return sorted(running, key=lambda d: -d["started_at"]) + list(self.ended)
+
+    def message(self) -> dict[str, Any]:
+        return {"type": "launches", "launches": self.launches(), "now": time.time()}
+
+    def started(self, launch: "Launch", cell: dict[str, Any]) -> None:
+        with self._lock:
+            self.running[launch.id] = (launch, cell)
+            self._ensure_watcher()
+        self.push()
+
+    def ended_launch(self, launch: "Launch") -> None:
+        with self._lock:
+            entry = self.running.pop(launch.id, None)
+            cell = entry[1] if entry else {}
+            self.ended.appendleft(describe(launch, cell))
+            self.log_paths[launch.id] = list(launch.log_paths)
+            known = {d["id"] for d in self.ended}
+            for stale in [i for i in self.log_paths if i not in known]:
+                del self.log_paths[stale]
+        self.push()
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def push(self, force: bool = False) -> None:
+        """Send the list to every front end, if it changed (the clocks aside)."""
+        message = self.message()
+        shape = [{k: v for k, v in d.items() if k != "elapsed"} for d in message["launches"]]
+        with self._lock:
+            if shape == self._sent and not force:
+                return
+            self._sent = shape
+            comms = list(self.comms)
+        for comm in comms:
+            self._send(comm, message)
+
+    def _send(self, comm: Any, message: dict[str, Any]) -> None:
+        try:
+            comm.send(message)
+        except Exception:  # a closed comm, a kernel shutting down: that front end is gone
+            self._drop(comm)
+
+    def _ensure_watcher(self) -> None:
+        if self._watcher is None or not self._watcher.is_alive():
+            self._watcher = threading.Thread(target=self._watch, name="air_magic-lab", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """While a launch runs: push its changes of state (starting -> running -> stopping)."""
+        try:
+            while True:
+                self._wake.wait(_WATCH)
+                self._wake.clear()
+                with self._lock:
+                    if not self.running:
+                        self._watcher = None
+                        return
+                if self.comms:
+                    self.push()
+        finally:
+            release_iopub(self.shell)  # this thread's iopub socket, now that it ends
+
+    # -- comms ---------------------------------------------------------------------------------
+
+    def adopt(self, comm: Any) -> None:
+        """A comm to a front end: its messages handled, the list sent on it."""
+        messages_where_sent(comm)
+        comm.on_msg(lambda msg: self._on_msg(comm, msg))
+        comm.on_close(lambda msg: self._drop(comm))
+        with self._lock:
+            self.comms.append(comm)
+
+    def _drop(self, comm: Any) -> None:
+        with self._lock:
+            if comm in self.comms:
+                self.comms.remove(comm)
+
+    def _on_msg(self, comm: Any, msg: dict[str, Any]) -> None:
+        data = msg.get("content", {}).get("data", {}) or {}
+        kind = data.get("type")
+        request = data.get("request")
+        try:
+            if kind == "list":
+                self._send(comm, self.message())
+                return
+            if kind == "stop":
+                reply = self.stop(str(data.get("launch")))
+            elif kind == "log":
+                reply = self.log(str(data.get("launch")), int(data.get("rank", 0)), int(data.get("bytes", _LOG_BYTES)))
+            else:
+                reply = {"ok": False, "error": f"unknown request {kind!r}"}
+        except Exception as exc:  # an answer, never a traceback in the kernel's log
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        self._send(comm, {"type": "reply", "request": request, **reply})
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def stop(self, launch_id: str) -> dict[str, Any]:
+        with self._lock:
+            entry = self.running.get(launch_id)
+        if entry is None:
+            return {"ok": False, "error": f"launch {launch_id} is not running"}
+        stopped = entry[0].cancel()
+        self._wake.set()
+        return {"ok": stopped, "launch": launch_id} if stopped else {"ok": False, "error": "it had ended"}
+
+    def log(self, launch_id: str, rank: int, limit: int) -> dict[str, Any]:
+        with self._lock:
+            entry = self.running.get(launch_id)
+            paths = list(entry[0].log_paths) if entry else self.log_paths.get(launch_id)
+        if paths is None:
+            return {"ok": False, "error": f"no launch {launch_id} in this kernel's list"}
+        if not 0 <= rank < len(paths):
+            return {"ok": False, "error": f"launch {launch_id} has no rank {rank}"}
+        path = paths[rank]
+        limit = max(1024, min(limit, 1024 * 1024))
+        try:
+            with open(path, "rb") as fh:
+                size = fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, size - limit))
+                raw = fh.read()
+        except FileNotFoundError:
+            return {"ok": False, "error": f"the log of rank {rank} is gone ({path})"}
+        text = raw.decode("utf-8", "replace")
+        if size > limit:  # from the first whole line
+            text = text.partition("\n")[2]
+        return {"ok": True, "launch": launch_id, "rank": rank, "path": path, "text": text, "size": size}
+
+
+_channel: LabChannel | None = None
+_channel_lock = threading.Lock()
+
+
+def channel() -> LabChannel:
+    """The kernel's channel (one per kernel)."""
+    global _channel
+    with _channel_lock:
+        if _channel is None:
+            _channel = LabChannel()
+        return _channel
+
+
+def _kernel(shell: Any) -> Any:
+    return getattr(shell, "kernel", None) if shell is not None else None
+
+
+def connect(shell: Any) -> bool:
+    """Register the comm target and open the channel to the front ends (once per kernel);
+    False where the shell is not a kernel's (terminal IPython, plain Python)."""
+    if _kernel(shell) is None:
+        return False
+    lab = channel()
+    with lab._lock:
+        if lab.shell is not None:
+            return True
+        lab.shell = shell
+    import comm
+
+    comm.get_comm_manager().register_target(TARGET, lambda c, msg: _opened(lab, c))
+    try:
+        opened = comm.create_comm(target_name=TARGET, data=lab.message())
+    except Exception:  # no front end to talk to now; one may open its own comm later
+        return True
+    lab.adopt(opened)
+    return True
+
+
+def _opened(lab: LabChannel, opened: Any) -> None:
+    lab.adopt(opened)
+    lab._send(opened, lab.message())
+
+
+def _cell() -> dict[str, Any]:
+    """The notebook cell that runs now: its id (JupyterLab sends it with each execute
+    request) and its execution count."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    kernel = _kernel(shell)
+    # The In[N] of the running cell, as %%distributed names it ("Cell In[N]"): IPython has
+    # counted the cell already, and execution_count is the next one's number.
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    count = max(numbers.values()) if numbers else getattr(shell, "execution_count", None)
+    found: dict[str, Any] = {"execution_count": count}
+    try:
+        parent = kernel.get_parent("shell") if kernel is not None else {}
+        cell_id = (parent.get("metadata") or {}).get("cellId")
+        if cell_id:
+            found["id"] = str(cell_id)
+    except Exception:  # an older kernel: the count alone
+        pass
+    return found
+
+
+class _LabObserver:
+    """A launch's start and end, told to the channel."""
+
+    timing_name = "lab"
+
+    def __init__(self, lab: LabChannel) -> None:
+        self.lab = lab
+
+    def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
+        self.lab.started(launch, _cell())
+
+    def after_end(self, launch: "Launch") -> None:
+        self.lab.ended_launch(launch)
+
+
+def lab_observer(launch: "Launch") -> _LabObserver | None:
+    """The launcher's factory: the launch is listed where a kernel can have the extension."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if not connect(shell):
+        return None
+    return _LabObserver(channel())

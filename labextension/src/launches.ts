@@ -1,0 +1,241 @@
+/**
+ * The sidebar of the current notebook's launches, and the status bar item.
+ *
+ *   KernelChannel.changed --> LaunchesPanel.render(): one item per launch (label, ranks and
+ *   their states, state, elapsed, outcome, MLflow run), with Stop, a button per rank's log
+ *   and "cell" (jump to the cell that started it)
+ *   a one-second clock only while a launch runs (the elapsed times; the kernel is not asked)
+ */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { NotebookPanel } from '@jupyterlab/notebook';
+import { Widget } from '@lumino/widgets';
+
+import { ILaunch, isRunning, KernelChannel } from './channel';
+import { el, formatElapsed, STATUS_ICON } from './dom';
+
+/** Where the sidebar finds the current notebook and its channel. */
+export interface ICurrent {
+  panel: NotebookPanel | null;
+  channel: KernelChannel | null;
+}
+
+export class LaunchesPanel extends Widget {
+  constructor(private _current: () => ICurrent) {
+    super();
+    this.id = 'air-magic-launches';
+    this.addClass('air-magic-Launches');
+    this.title.caption = 'air_magic launches';
+    this.render();
+  }
+
+  /** Follow another channel (the current notebook changed) or redraw this one. */
+  follow(channel: KernelChannel | null): void {
+    if (channel !== this._channel) {
+      this._channel?.changed.disconnect(this.render, this);
+      this._channel = channel;
+      channel?.changed.connect(this.render, this);
+    }
+    this.render();
+  }
+
+  render(): void {
+    const { panel, channel } = this._current();
+    const node = this.node;
+    node.textContent = '';
+    node.appendChild(el('h3', { class: 'air-magic-Launches-title' }, 'air_magic launches'));
+    if (!panel) {
+      node.appendChild(el('p', { class: 'air-magic-muted' }, 'Open a notebook to see its launches.'));
+      this._clock(false);
+      return;
+    }
+    node.appendChild(el('div', { class: 'air-magic-muted' }, panel.context.localPath));
+    if (!channel || !channel.connected) {
+      node.appendChild(
+        el(
+          'p',
+          { class: 'air-magic-muted', 'data-air-magic-empty': 'no-kernel' },
+          'air_magic is not loaded in this kernel: run %load_ext air_magic.'
+        )
+      );
+      this._clock(false);
+      return;
+    }
+    const launches = channel.launches;
+    if (!launches.length) {
+      node.appendChild(
+        el('p', { class: 'air-magic-muted', 'data-air-magic-empty': 'none' }, 'No launch yet in this kernel.')
+      );
+    }
+    const list = el('ul', { class: 'air-magic-Launches-list' });
+    for (const launch of launches) {
+      list.appendChild(this._item(launch, channel, panel));
+    }
+    node.appendChild(list);
+    this._clock(launches.some(isRunning));
+  }
+
+  private _item(launch: ILaunch, channel: KernelChannel, panel: NotebookPanel): HTMLElement {
+    const running = isRunning(launch);
+    const elapsed = running ? Date.now() / 1000 + channel.skew - launch.started_at : launch.elapsed;
+    const item = el('li', {
+      class: 'air-magic-Launch',
+      'data-air-magic-item': launch.id,
+      'data-status': launch.status
+    });
+    const head = el('div', { class: 'air-magic-Launch-head' });
+    head.appendChild(
+      el('span', { class: `air-magic-status air-magic-status-${launch.status.replace(' ', '-')}` },
+        `${STATUS_ICON[launch.status] ?? '●'} ${launch.status}`)
+    );
+    head.appendChild(el('b', { class: 'air-magic-Launch-label' }, launch.label));
+    head.appendChild(el('span', { class: 'air-magic-elapsed', 'data-started': String(launch.started_at) },
+      formatElapsed(elapsed)));
+    item.appendChild(head);
+    const ranks = el('div', { class: 'air-magic-Launch-ranks' }, `${launch.where}: `);
+    for (const rank of launch.ranks) {
+      const button = el(
+        'button',
+        {
+          class: 'air-magic-rank',
+          'data-rank': String(rank.rank),
+          'data-state': rank.state,
+          title: `rank ${rank.rank} (${rank.state}${rank.pid ? `, pid ${rank.pid}` : ''}): open its log`
+        },
+        `r${rank.rank} ${rank.state}`
+      );
+      button.onclick = () => void this._showLog(channel, launch, rank.rank);
+      ranks.appendChild(button);
+    }
+    item.appendChild(ranks);
+    if (launch.outcome) {
+      item.appendChild(el('div', { class: 'air-magic-outcome' }, launch.outcome));
+    }
+    if (launch.run) {
+      const run = el('div', { class: 'air-magic-run' }, 'MLflow run ');
+      const name = launch.run.name || launch.run.id.slice(0, 12);
+      if (/^https?:\/\//.test(launch.run.url)) {
+        run.appendChild(el('a', { href: launch.run.url, target: '_blank', rel: 'noopener' }, name));
+      } else {
+        run.appendChild(el('span', { title: launch.run.id }, name));
+      }
+      item.appendChild(run);
+    }
+    const actions = el('div', { class: 'air-magic-Launch-actions' });
+    if (running) {
+      const stop = el('button', { class: 'jp-mod-styled jp-mod-warn air-magic-stop' }, 'Stop');
+      stop.title = launch.blocking ? 'Stop this launch (its cell is running)' : 'Stop this background launch';
+      stop.onclick = async () => {
+        stop.setAttribute('disabled', '');
+        stop.textContent = 'Stopping…';
+        const reply = await channel.stop(launch);
+        if (!reply.ok) {
+          stop.textContent = 'Stop';
+          stop.removeAttribute('disabled');
+          void showDialog({ title: 'Stop', body: reply.error ?? 'it could not be stopped', buttons: [Dialog.okButton()] });
+        }
+      };
+      actions.appendChild(stop);
+    }
+    const cell = el('button', { class: 'jp-mod-styled air-magic-cell' }, 'Go to cell');
+    cell.title = launch.cell.execution_count ? `the cell In [${launch.cell.execution_count}]` : 'the cell that started it';
+    cell.onclick = () => goToCell(panel, launch);
+    actions.appendChild(cell);
+    item.appendChild(actions);
+    return item;
+  }
+
+  private async _showLog(channel: KernelChannel, launch: ILaunch, rank: number): Promise<void> {
+    const reply = await channel.log(launch, rank);
+    const body = new Widget();
+    body.addClass('air-magic-LogDialog');
+    if (reply.ok) {
+      body.node.appendChild(el('div', { class: 'air-magic-muted' }, String(reply.path ?? '')));
+      const pre = el('pre', { class: 'air-magic-log', 'data-air-magic-log': String(rank) }, String(reply.text ?? ''));
+      body.node.appendChild(pre);
+      requestAnimationFrame(() => (pre.scrollTop = pre.scrollHeight));
+    } else {
+      body.node.appendChild(el('p', {}, reply.error ?? 'no log'));
+    }
+    await showDialog({ title: `${launch.label}: rank ${rank} log`, body, buttons: [Dialog.okButton({ label: 'Close' })] });
+  }
+
+  private _clock(on: boolean): void {
+    if (on && this._timer === null) {
+      this._timer = window.setInterval(() => this._tick(), 1000);
+    } else if (!on && this._timer !== null) {
+      window.clearInterval(this._timer);
+      this._timer = null;
+    }
+  }
+
+  private _tick(): void {
+    const skew = this._channel?.skew ?? 0;
+    this.node.querySelectorAll('[data-air-magic-item][data-status] .air-magic-elapsed').forEach(node => {
+      const item = node.closest('[data-status]') as HTMLElement;
+      if (item && !['finished', 'failed', 'timed out', 'cancelled'].includes(item.dataset.status ?? '')) {
+        const started = Number((node as HTMLElement).dataset.started);
+        node.textContent = formatElapsed(Date.now() / 1000 + skew - started);
+      }
+    });
+  }
+
+  dispose(): void {
+    this._clock(false);
+    super.dispose();
+  }
+
+  private _channel: KernelChannel | null = null;
+  private _timer: number | null = null;
+}
+
+/** Select and show the cell that started a launch (by its id, else its execution count). */
+export function goToCell(panel: NotebookPanel, launch: ILaunch): boolean {
+  const notebook = panel.content;
+  const cells = notebook.widgets;
+  let index = launch.cell.id ? cells.findIndex(c => c.model.id === launch.cell.id) : -1;
+  if (index < 0 && launch.cell.execution_count) {
+    index = cells.findIndex(c => (c.model as any).executionCount === launch.cell.execution_count);
+  }
+  if (index < 0) {
+    return false;
+  }
+  notebook.activeCellIndex = index;
+  notebook.deselectAll();
+  void notebook.scrollToItem(index, 'center');
+  return true;
+}
+
+/** The status bar item: "air_magic: 1 running" (a click shows the sidebar). */
+export class LaunchesStatus extends Widget {
+  constructor(onClick: () => void) {
+    super();
+    this.addClass('air-magic-Status');
+    this.node.title = 'air_magic launches of this notebook\'s kernel';
+    this.node.onclick = onClick;
+  }
+
+  follow(channel: KernelChannel | null): void {
+    if (channel !== this._channel) {
+      this._channel?.changed.disconnect(this.render, this);
+      this._channel = channel;
+      channel?.changed.connect(this.render, this);
+    }
+    this.render();
+  }
+
+  render(): void {
+    const channel = this._channel;
+    if (!channel || !channel.connected) {
+      this.node.textContent = '';
+      this.node.dataset.running = '';
+      return;
+    }
+    const running = channel.launches.filter(isRunning).length;
+    this.node.dataset.running = String(running);
+    this.node.textContent = running
+      ? `air_magic: ${running} running`
+      : `air_magic: ${channel.launches.length ? channel.launches[0].status : 'idle'}`;
+  }
+
+  private _channel: KernelChannel | null = null;
+}

@@ -1,0 +1,142 @@
+/**
+ * "Migrate from serverless_gpu": `air-magic lint --fix` on the open notebook.
+ *
+ *   the notebook model's cells (code: its source, others: null)
+ *     --POST <base>/air-magic/migrate--> the server extension (air_magic/lint/server.py:
+ *        the same fixer as `air-magic lint --fix`, no kernel needed)
+ *     <-- fixed sources, a diff per changed cell, the findings left with their hints
+ *   a dialog shows them; Apply writes the changed cells' sources into the model (one
+ *   change per cell, each undoable in its cell); outputs and metadata are not touched
+ */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { NotebookPanel } from '@jupyterlab/notebook';
+import { ServerConnection } from '@jupyterlab/services';
+import { Widget } from '@lumino/widgets';
+
+import { el } from './dom';
+
+export interface IMigration {
+  sources: (string | null)[];
+  changes: { cell: number; index: number; diff: string }[];
+  fixed: number;
+  found: number;
+  remaining: { cell: number | null; index: number | null; code: string; message: string; hint: string; text: string }[];
+  summary: string;
+}
+
+export function cellSources(panel: NotebookPanel): (string | null)[] {
+  const cells = panel.content.model?.cells;
+  const out: (string | null)[] = [];
+  if (!cells) {
+    return out;
+  }
+  for (let i = 0; i < cells.length; i++) {
+    const cell = cells.get(i);
+    out.push(cell.type === 'code' ? cell.sharedModel.getSource() : null);
+  }
+  return out;
+}
+
+export async function requestMigration(panel: NotebookPanel, sources: (string | null)[]): Promise<IMigration> {
+  const settings = ServerConnection.makeSettings();
+  const url = settings.baseUrl.replace(/\/?$/, '/') + 'air-magic/migrate';
+  const reply = await ServerConnection.makeRequest(
+    url,
+    { method: 'POST', body: JSON.stringify({ sources, path: panel.context.localPath }) },
+    settings
+  );
+  const body = await reply.json().catch(() => ({}));
+  if (!reply.ok) {
+    throw new Error(body.message || `the server answered ${reply.status} ${reply.statusText}`);
+  }
+  return body as IMigration;
+}
+
+/** Write the fixed sources into the model; false when the notebook changed meanwhile. */
+export function applyMigration(panel: NotebookPanel, before: (string | null)[], migration: IMigration): boolean {
+  const model = panel.content.model;
+  if (!model) {
+    return false;
+  }
+  const now = cellSources(panel);
+  if (now.length !== before.length || now.some((s, i) => s !== before[i])) {
+    return false;
+  }
+  for (const change of migration.changes) {
+    const source = migration.sources[change.index];
+    if (source !== null && source !== undefined) {
+      model.cells.get(change.index).sharedModel.setSource(source);
+    }
+  }
+  return true;
+}
+
+function body(migration: IMigration): Widget {
+  const widget = new Widget();
+  widget.addClass('air-magic-Migration');
+  const node = widget.node;
+  const n = migration.changes.length;
+  node.appendChild(
+    el('p', { 'data-air-magic-migration': 'summary' },
+      n ? `${migration.fixed} fix${migration.fixed === 1 ? '' : 'es'} in ${n} cell${n === 1 ? '' : 's'}.`
+        : 'Nothing to fix automatically.')
+  );
+  for (const change of migration.changes) {
+    node.appendChild(el('h4', {}, `cell ${change.cell}`));
+    const pre = el('pre', { class: 'air-magic-diff', 'data-air-magic-diff': String(change.index) });
+    for (const line of change.diff.split('\n').slice(2)) {
+      const kind = line.startsWith('+') ? 'add' : line.startsWith('-') ? 'del' : line.startsWith('@@') ? 'hunk' : 'same';
+      pre.appendChild(el('span', { class: `air-magic-diff-${kind}` }, line + '\n'));
+    }
+    node.appendChild(pre);
+  }
+  if (migration.remaining.length) {
+    node.appendChild(el('h4', {}, 'Left to fix by hand'));
+    const list = el('ul', { 'data-air-magic-migration': 'remaining' });
+    for (const finding of migration.remaining) {
+      const where = finding.cell !== null ? `cell ${finding.cell}: ` : '';
+      const li = el('li', {}, `${where}${finding.code} ${finding.message}`);
+      if (finding.hint) {
+        li.appendChild(el('div', { class: 'air-magic-muted' }, `→ ${finding.hint}`));
+      }
+      list.appendChild(li);
+    }
+    node.appendChild(list);
+    if (migration.summary) {
+      node.appendChild(el('p', { class: 'air-magic-muted' }, migration.summary));
+    }
+  }
+  return widget;
+}
+
+/** The command: fix, show, apply on "Apply". */
+export async function migrate(panel: NotebookPanel): Promise<IMigration | null> {
+  await panel.context.ready;
+  const before = cellSources(panel);
+  let migration: IMigration;
+  try {
+    migration = await requestMigration(panel, before);
+  } catch (error) {
+    await showDialog({
+      title: 'Migrate from serverless_gpu',
+      body: `The migration failed: ${(error as Error).message}`,
+      buttons: [Dialog.okButton()]
+    });
+    return null;
+  }
+  const buttons = migration.changes.length
+    ? [Dialog.cancelButton(), Dialog.okButton({ label: 'Apply' })]
+    : [Dialog.okButton({ label: 'Close' })];
+  const result = await showDialog({ title: 'Migrate from serverless_gpu', body: body(migration), buttons });
+  if (!migration.changes.length || !result.button.accept) {
+    return migration;
+  }
+  if (!applyMigration(panel, before, migration)) {
+    await showDialog({
+      title: 'Migrate from serverless_gpu',
+      body: 'The notebook changed while the fixes were shown: nothing was applied. Run the command again.',
+      buttons: [Dialog.okButton()]
+    });
+  }
+  return migration;
+}

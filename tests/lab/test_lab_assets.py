@@ -1,0 +1,70 @@
+"""The lab extension as installed: prebuilt assets that match their sources, the hooks Jupyter
+reads, and the migration the command applies (the same as ``air-magic lint --fix``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+
+import air_magic
+from air_magic.lint.migrate import migrate_cells
+from air_magic.lint.notebook import fix_notebook_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = ROOT / "labextension"
+BUILT = ROOT / "air_magic" / "labextension"
+SEEDS = ROOT / "tests" / "lint" / "fixtures" / "seeds" / "seeds.ipynb"
+
+
+def _sources_hash() -> tuple[str, list[str]]:
+    """As ``labextension/stamp.mjs`` computes it at each build."""
+    files = ["package.json", "tsconfig.json"]
+    for folder in ("src", "style"):
+        files += [p.relative_to(SOURCES).as_posix() for p in (SOURCES / folder).rglob("*") if p.is_file()]
+    files.sort()
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(name.encode() + b"\0")
+        digest.update((SOURCES / name).read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest(), files
+
+
+def test_the_committed_assets_are_built_from_the_current_sources() -> None:
+    recorded = json.loads((BUILT / "build-sources.json").read_text())
+    digest, files = _sources_hash()
+    assert recorded["files"] == files, "labextension/ has other files than at the last build: run `npm run build` there"
+    assert recorded["sha256"] == digest, "labextension/ changed since its assets were built: run `npm run build` there"
+
+
+def test_the_built_extension_is_complete_and_found_by_jupyter() -> None:
+    built = json.loads((BUILT / "package.json").read_text())
+    source = json.loads((SOURCES / "package.json").read_text())
+    assert built["name"] == source["name"] == "air-magic-labextension"
+    load = built["jupyterlab"]["_build"]["load"]
+    assert (BUILT / load).is_file(), load
+    assert built["jupyterlab"]["_build"]["mimeExtension"] and built["jupyterlab"]["_build"]["extension"]
+    assert air_magic._jupyter_labextension_paths() == [{"src": "labextension", "dest": "air-magic-labextension"}]
+    assert air_magic._jupyter_server_extension_points() == [{"module": "air_magic.lint.server"}]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for path in ("share/jupyter/labextensions/air-magic-labextension", "etc/jupyter/jupyter_server_config.d"):
+        assert f'"{path}' in pyproject, path
+
+
+def test_the_migration_gives_what_lint_fix_writes(tmp_path: Path) -> None:
+    notebook = nbformat.read(SEEDS, as_version=4)
+    sources = [c.source if c.cell_type == "code" else None for c in notebook.cells]
+    migrated = migrate_cells(sources, path="seeds.ipynb")
+    copy = tmp_path / "seeds.ipynb"
+    shutil.copy(SEEDS, copy)
+    fix_notebook_file(copy)
+    fixed = nbformat.read(copy, as_version=4)
+    assert migrated["sources"] == [c.source if c.cell_type == "code" else None for c in fixed.cells]
+    assert migrated["fixed"] == 17 and [c["cell"] for c in migrated["changes"]]
+    assert all(c["diff"].startswith("--- seeds.ipynb:cell ") for c in migrated["changes"])
+    assert [(f["code"], bool(f["hint"])) for f in migrated["remaining"]] == [("AM001", True)]
+    assert migrated["summary"] == "1 finding left to fix by hand."
