@@ -258,6 +258,12 @@ def _import_ray() -> Any:
                 "pip install 'air_magic[ray]' (in a notebook: %pip install 'air_magic[ray]')."
             ) from None
         raise RayNotInstalledError(f"Ray is installed but cannot be imported: {exc}") from exc
+    if not hasattr(ray, "init"):  # a folder named ray on sys.path, and no Ray
+        where = ", ".join(getattr(ray, "__path__", None) or [str(getattr(ray, "__file__", "?"))])
+        raise RayNotInstalledError(
+            f"ray_init() needs Ray, and `import ray` finds {where}, which is not Ray: "
+            "pip install 'air_magic[ray]' (in a notebook: %pip install 'air_magic[ray]')."
+        )
     return ray
 
 

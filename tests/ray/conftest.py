@@ -115,6 +115,12 @@ def require_ray() -> None:
         pytest.skip(message)
 
 
+@pytest.fixture(autouse=True)
+def _ray_installed() -> None:
+    """Every test here needs Ray (``tests/`` on ``sys.path`` makes this folder a ``ray`` of its own otherwise)."""
+    require_ray()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[RayCluster]:
     """A head node (resource ``head_node``) and a worker node (``worker_node``), one CPU each,

@@ -53,6 +53,27 @@ def test_ray_not_installed_is_one_line_that_says_how_to_install_it() -> None:
     assert issubclass(RayNotInstalledError, (ImportError, RayClusterError))
 
 
+def test_a_folder_named_ray_is_not_taken_for_ray() -> None:
+    done = run(
+        """
+        import sys, types
+        folder = types.ModuleType("ray")
+        folder.__path__ = ["/home/me/notebooks/ray"]  # what `import ray` gives for a folder without Ray installed
+        sys.modules["ray"] = folder
+        import air_magic
+        try:
+            air_magic.ray_init("127.0.0.1:6379")
+        except air_magic.RayNotInstalledError as exc:
+            print(exc)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "ray_init() needs Ray, and `import ray` finds /home/me/notebooks/ray, which is not Ray: "
+        "pip install 'air_magic[ray]' (in a notebook: %pip install 'air_magic[ray]')."
+    )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
