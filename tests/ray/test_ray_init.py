@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -306,7 +308,10 @@ def test_without_an_address_a_head_starts_here_and_shuts_down_cleanly(tmp_path: 
     print("AGAIN", air_magic.ray_init() is ctx)
     ray.shutdown()
     """
-    env = clean_env(HOME=str(home), SPT_NOENV="1", **{NODE_MARK: mark})
+    # Ray's temp folder of its own (Ray's default, /tmp/ray, is every Ray user's of the machine);
+    # short, as Ray's unix sockets live under it
+    ray_tmp = tempfile.mkdtemp(prefix="amray-")
+    env = clean_env(HOME=str(home), SPT_NOENV="1", RAY_TMPDIR=ray_tmp, **{NODE_MARK: mark})
     try:
         done = run_python(code, env)
         if done.returncode != 0 and "timed out during startup" in done.stderr:
@@ -334,6 +339,7 @@ def test_without_an_address_a_head_starts_here_and_shuts_down_cleanly(tmp_path: 
         assert marked_processes(NODE_MARK, mark) == []
     finally:
         kill_marked(NODE_MARK, mark)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_without_an_address_and_gpus_asked_for_nothing_starts(no_ray_address: None) -> None:
