@@ -9,7 +9,6 @@ they are used.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -27,9 +26,12 @@ from .errors import (
     LaunchTimeoutError,
     RankCrashedError,
     RankFailedError,
+    RayClusterError,
+    RayNotInstalledError,
     ResultError,
     TooManyCPURanksError,
 )
+from .ray_cluster import ray_init
 
 if TYPE_CHECKING:
     from .launcher import Launch
@@ -56,6 +58,8 @@ __all__ = [
     "LaunchCancelledError",
     "ResultError",
     "TooManyCPURanksError",
+    "RayClusterError",
+    "RayNotInstalledError",
     "CPUOversubscriptionWarning",
 ]
 
@@ -67,15 +71,6 @@ def __getattr__(name: str) -> Any:
 
         return Launch
     raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
-
-
-def ray_init(address: str | None = None, **kwargs: Any) -> Any:
-    """Start or join a Ray cluster (``address`` or ``RAY_ADDRESS``); returns Ray's context."""
-    try:
-        import ray  # type: ignore[import-not-found]
-    except ImportError:
-        raise ImportError("Ray is not installed: pip install 'ray[default]' to use ray_init().") from None
-    return ray.init(address=address or os.environ.get("RAY_ADDRESS"), **kwargs)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -29,6 +29,8 @@ __all__ = [
     "LaunchTimeoutError",
     "LaunchCancelledError",
     "ResultError",
+    "RayClusterError",
+    "RayNotInstalledError",
     "RankTraceback",
 ]
 
@@ -48,7 +50,8 @@ class ConfigurationError(AirMagicError, ValueError):
 
 
 class AcceleratorMismatchError(ConfigurationError):
-    """What was asked for does not match the hardware this kernel runs on (checked at launch)."""
+    """What was asked for does not match the hardware this kernel runs on (checked at launch),
+    or the accelerators of the Ray cluster ``ray_init(min_gpus=...)`` joined."""
 
 
 class TooManyCPURanksError(ConfigurationError):
@@ -132,6 +135,15 @@ class LaunchCancelledError(LaunchError):
 
 class ResultError(LaunchError):
     """A rank finished but its return value could not be sent back to the kernel."""
+
+
+class RayClusterError(AirMagicError):
+    """``ray_init()`` could not start or join a Ray cluster: the address does not answer,
+    Ray's versions differ, or this kernel is already connected to another cluster."""
+
+
+class RayNotInstalledError(RayClusterError, ImportError):
+    """``ray_init()`` was called where Ray is not installed (``pip install 'air_magic[ray]'``)."""
 
 
 class RankTraceback(Exception):

@@ -14,9 +14,10 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "${AIR_MAGIC_TORCH:-torch==2.13.0}"
   fi
 fi
-# The test extra brings DeepSpeed and transformers (every notebook runs in the suite).
-# DeepSpeed installs as pure Python with DS_BUILD_OPS=0 (its ops are built when first used),
-# and nothing may replace the torch installed above: it is pinned for this step.
+# The test extra brings DeepSpeed and transformers (every notebook runs in the suite) and Ray
+# (ray_init() and the Ray tests). DeepSpeed installs as pure Python with DS_BUILD_OPS=0 (its ops
+# are built when first used), and nothing may replace the torch installed above: it is pinned
+# for this step.
 export DS_BUILD_OPS="${DS_BUILD_OPS:-0}"
 pin="$(mktemp)"
 python -W ignore -c "import torch; print('torch==' + torch.__version__)" > "$pin"
