@@ -56,7 +56,7 @@ from ._protocol import (
 )
 from ._spool import SPOOL_DIR_ENV, artifact_dir, read_run
 from .accelerators import Hardware
-from .errors import ConfigurationError, LaunchError
+from .errors import LaunchError
 from .settings import settings
 
 #: Escalation after a stop request, by reason, as for local ranks: (delay in seconds, signal).
@@ -409,17 +409,13 @@ class _RayLaunch:
 
 
 def connect() -> Any:
-    """The ``ray`` module, connected: to the cluster ``ray_init()`` joined, else to
-    ``RAY_ADDRESS``, else to a new local cluster of this machine."""
-    try:
-        import ray
-    except ImportError:
-        raise ConfigurationError(
-            "backend='ray' needs Ray, which is not installed: pip install 'air_magic[ray]' "
-            "(in the environment this kernel runs in)."
-        ) from None
+    """The ``ray`` module, connected: to the cluster ``ray_init()`` joined, else as
+    ``ray_init()`` with no address joins one (``RAY_ADDRESS``, else a new one here)."""
+    from .ray_cluster import _import_ray, ray_init
+
+    ray = _import_ray()  # RayNotInstalledError says how to install it
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
+        ray_init()
     return ray
 
 

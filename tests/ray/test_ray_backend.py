@@ -1,0 +1,224 @@
+"""``backend="ray"`` from a real kernel on a 2-node cluster (a head and a worker node, one
+CPU each, on 127.0.0.1): one rank per node with gloo across them, the environment contract,
+values in rank order, a rank's own exception, MLflow points from both nodes, the panel's
+rows naming the nodes, interrupt, cancel, timeout, a node that dies and a kernel that is
+killed — each leaving no agent and no rank behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import psutil
+import pytest
+from harness import user_lines, wait_until
+from ray_support import Node, RayCluster
+
+pytestmark = [pytest.mark.kernel, pytest.mark.process]
+
+# In a namespace whose only interface is lo, the host name resolves to no address of it:
+# gloo is told where to listen (on a real cluster it finds the node's own address).
+GLOO = {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def ray_processes() -> list[psutil.Process]:
+    """The agents (Ray actors of class RankAgent) and ranks of Ray launches still alive."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        text = " ".join(proc.info["cmdline"] or [])
+        if "RankAgent" in text or "air_magic._ray_rank" in text:
+            found.append(proc)
+    return found
+
+
+def assert_nothing_left(timeout: float = 15.0) -> None:
+    if not wait_until(lambda: not ray_processes(), timeout, interval=0.2):
+        left = [" ".join(p.cmdline())[:120] for p in ray_processes()]
+        pytest.fail(f"left running {timeout} s after the launch ended: {left}")
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_kernel: Any) -> Any:
+    ray_kernel.ok("%env GLOO_SOCKET_IFNAME=lo")
+    result = ray_kernel.ok("import air_magic\nair_magic.ray_init()", timeout=120)
+    assert "2 nodes" in result.stdout
+    return ray_kernel
+
+
+PLACED = """\
+%%distributed -n 2 --backend ray
+import os, socket
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print("placed", os.environ["RANK"], "on node", os.environ["NODE_RANK"], flush=True)
+dist.destroy_process_group()
+{key: os.environ[key] for key in ("RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+ "GROUP_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")} | {"sum": t.item(), "argv": list(__import__("sys").argv)}
+"""
+
+
+def test_one_rank_per_node_with_torchruns_variables_and_values_in_rank_order(kernel: Any, ray_cluster: RayCluster) -> None:
+    result = kernel.ok(PLACED, timeout=180)
+    values = kernel.value("_")
+    assert [v["RANK"] for v in values] == ["0", "1"]
+    assert sorted(v["NODE_RANK"] for v in values) == ["0", "1"]  # one rank on each node
+    assert values[0]["NODE_RANK"] == "0"  # rank 0's node is node 0
+    for v in values:
+        assert v["WORLD_SIZE"] == "2" and v["LOCAL_RANK"] == "0" and v["LOCAL_WORLD_SIZE"] == "1"
+        assert v["GROUP_WORLD_SIZE"] == "2" and v["MASTER_ADDR"] == "127.0.0.1"
+        assert v["sum"] == 3.0  # gloo across the two nodes
+    assert values[0]["TORCHELASTIC_RUN_ID"] == values[1]["TORCHELASTIC_RUN_ID"]
+    assert values[0]["argv"] == values[1]["argv"]  # as a local rank's: the cell's name
+    text = result.stdout + result.stderr
+    # The text panel names the node of each rank.
+    assert "rank 0 on node 0 (127.0.0.1): finished" in text
+    assert "rank 1 on node 1 (127.0.0.1): finished" in text
+    assert "placed 0 on node 0" in text  # rank 0's output reaches the cell
+    assert_nothing_left()
+
+
+def test_a_failing_rank_raises_its_own_exception_and_stops_the_other(kernel: Any) -> None:
+    code = """\
+from air_magic import distributed
+
+@distributed(num_accelerators=2, backend="ray")
+def fails():
+    import os, time
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one cannot go on")
+    time.sleep(120)  # stopped by the other's failure
+
+fails.distributed()
+"""
+    began = time.monotonic()
+    result = kernel.run(code, timeout=180)
+    took = time.monotonic() - began
+    assert result.error is not None and result.error["ename"] == "ValueError"
+    text = result.error_text
+    assert "rank one cannot go on" in text and "rank 1" in text
+    assert 'raise ValueError("rank one cannot go on")' in text  # the user's own line
+    assert took < 60  # rank 0 did not sleep its 120 s
+    assert_nothing_left()
+
+
+def test_every_mlflow_point_of_both_nodes_is_stored(kernel: Any) -> None:
+    code = """\
+from air_magic import distributed
+import mlflow
+
+@distributed(num_accelerators=2, backend="ray", tracking=True, experiment="ray-tests")
+def logs():
+    import os, mlflow
+    rank = int(os.environ["RANK"])
+    for step in range(20):
+        mlflow.log_metric("loss", 1.0 / (step + 1) + rank, step=step)
+    return rank
+
+handle = logs.submit()
+values = handle.result()
+client = mlflow.MlflowClient()
+run = client.get_run(handle.run_id)
+(values, run.info.status, len(client.get_metric_history(handle.run_id, "loss")),
+ len(client.get_metric_history(handle.run_id, "rank1/loss")),
+ sorted({m.value for m in client.get_metric_history(handle.run_id, "rank1/loss")})[0])
+"""
+    kernel.ok(code, timeout=240)
+    values, status, rank0_points, rank1_points, rank1_lowest = kernel.value("_")
+    assert values == [0, 1] and status == "FINISHED"
+    assert (rank0_points, rank1_points) == (20, 20)
+    assert rank1_lowest == pytest.approx(1.05)  # rank 1's own points, kept apart
+    assert_nothing_left()
+
+
+def test_cancel_stops_every_rank_and_leaves_no_actor(kernel: Any) -> None:
+    kernel.ok(
+        """\
+from air_magic import distributed
+
+@distributed(num_accelerators=2, backend="ray")
+def sleeps():
+    import time
+    print("sleeping", flush=True)
+    time.sleep(300)
+
+sleeping = sleeps.submit()
+""",
+        timeout=60,
+    )
+    assert wait_until(lambda: kernel.value("sleeping.status") == "running", 90, interval=0.5)
+    assert wait_until(lambda: len([p for p in ray_processes() if "_ray_rank" in " ".join(p.cmdline())]) == 2, 60)
+    time.sleep(2)  # the ranks are in the user's code
+    began = time.monotonic()
+    kernel.ok("sleeping.cancel()")
+    kernel.ok("err = sleeping.exception(timeout=30)")
+    assert time.monotonic() - began < 15
+    assert kernel.value("type(err).__name__") == "LaunchCancelledError"
+    assert kernel.value("[r.state for r in sleeping.ranks]") == ["stopped", "stopped"]
+    assert_nothing_left()
+
+
+def test_an_interrupt_stops_the_ranks_with_one_line(kernel: Any) -> None:
+    msg_id = kernel.execute(
+        "%%distributed -n 2 --backend ray\nimport time\nprint('ticking', flush=True)\ntime.sleep(300)\n"
+    )
+    assert wait_until(lambda: len([p for p in ray_processes() if "_ray_rank" in " ".join(p.cmdline())]) == 2, 90)
+    time.sleep(3)
+    began = time.monotonic()
+    kernel.km.interrupt_kernel()
+    result = kernel.collect(msg_id, timeout=60)
+    assert time.monotonic() - began < 20
+    assert result.error is not None and result.error["ename"] == "KeyboardInterrupt"
+    lines = [line for line in user_lines(result.error_text) if line.strip()]
+    assert lines[-1].startswith("KeyboardInterrupt: Cell In[") and "you interrupted it after" in lines[-1]
+    assert "its 2 ranks were stopped" in lines[-1]
+    assert "Traceback" not in result.error_text
+    assert_nothing_left()
+
+
+def test_a_timeout_stops_every_rank(kernel: Any) -> None:
+    result = kernel.run("%%distributed -n 2 --backend ray --timeout 8\nimport time\ntime.sleep(300)\n", timeout=120)
+    assert result.error is not None and result.error["ename"] == "LaunchTimeoutError"
+    assert "ran past its timeout of 8 s; all 2 ranks were stopped" in result.error_text
+    assert_nothing_left()
+
+
+def test_a_node_that_dies_fails_the_launch_naming_it_and_stops_the_rest(
+    kernel: Any, ray_cluster: RayCluster, spare_worker: Node
+) -> None:
+    # Three ranks on three one-CPU nodes: one of them on the spare node, which dies.
+    kernel.ok(
+        """\
+from air_magic import distributed
+
+@distributed(num_accelerators=3, backend="ray")
+def long():
+    import time
+    time.sleep(300)
+
+doomed = long.submit()
+""",
+        timeout=60,
+    )
+    assert wait_until(lambda: len([p for p in ray_processes() if "_ray_rank" in " ".join(p.cmdline())]) == 3, 120)
+    time.sleep(2)
+    ray_cluster.kill_worker(spare_worker, wait=False)
+    kernel.ok("err = doomed.exception(timeout=60)", timeout=90)
+    text = kernel.value("str(err)")
+    assert text.startswith("could not run long: the Ray node 127.0.0.1 (node id ")
+    assert f"(node id {spare_worker.node_id[:12]}) went away while rank " in text
+    assert "the other ranks of 3 were stopped" in text
+    assert_nothing_left()
+
+
+def test_a_killed_kernel_takes_its_ranks_along(kernel_factory: Any, ray_cluster: RayCluster) -> None:
+    doomed = kernel_factory(extra_env={**ray_cluster.env, **GLOO})
+    doomed.ok("import air_magic\nair_magic.ray_init()", timeout=120)
+    doomed.execute("%%distributed -n 2 --backend ray\nimport time\ntime.sleep(300)\n")
+    assert wait_until(lambda: len([p for p in ray_processes() if "_ray_rank" in " ".join(p.cmdline())]) == 2, 120)
+    os.kill(doomed.km.provisioner.process.pid, signal.SIGKILL)
+    doomed.forget()
+    assert_nothing_left(timeout=20)
