@@ -172,7 +172,7 @@ class _RayLaunch:
         self.nodes: list[dict[str, Any]] = []
         self.group: Any = None
         self.running: set[int] = set()
-        self.lost: dict[int, str] = {}  # rank -> the address of the node that died under it
+        self.lost: list[int] = []  # ranks whose node died under them
         self.stopping: str | None = None
         self._steps: list[tuple[float, int]] = []  # (when, signal) still to send
         self._lock = threading.Lock()
@@ -311,18 +311,18 @@ class _RayLaunch:
 
     def _rank_lost(self, rank: int) -> None:
         self.running.discard(rank)
-        self.lost[rank] = self.nodes[rank]["address"] if rank < len(self.nodes) else "?"
+        self.lost.append(rank)
         self.backend.emit(Exited(self.id, rank, -9, time.monotonic()))
         if self.stopping is None:
             self.stop("failure")
 
     def _lost_text(self) -> str:
         by_node: dict[str, list[int]] = {}
-        for rank, address in sorted(self.lost.items()):
-            by_node.setdefault(address, []).append(rank)
+        for rank in sorted(self.lost):
+            by_node.setdefault(self.nodes[rank]["node_id"], []).append(rank)
         parts = []
-        for address, ranks in by_node.items():
-            node_id = next((n["node_id"] for n in self.nodes if n["address"] == address), "")
+        for node_id, ranks in by_node.items():
+            address = self.nodes[ranks[0]]["address"]
             which = ", ".join(map(str, ranks))
             parts.append(
                 f"the Ray node {address} (node id {node_id[:12]}) went away while rank{'s' * (len(ranks) != 1)} "

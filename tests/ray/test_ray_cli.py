@@ -29,7 +29,8 @@ def run(tmp_path: Path, cluster: RayCluster, *args: str) -> subprocess.Completed
     env["AIR_MAGIC_LOG_DIR"] = str(tmp_path / "logs")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_CHECKOUT, env.get("PYTHONPATH")]))
     address = env.pop("RAY_ADDRESS")
-    command = [sys.executable, "-m", "air_magic.cli", "run", *args, "--backend", "ray", "--address", address]
+    target, options = args[0], list(args[1:])
+    command = [sys.executable, "-m", "air_magic.cli", "run", target, "--backend", "ray", "--address", address, *options]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
