@@ -148,12 +148,11 @@ class Launcher:
         called = time.monotonic()
         if spec.backend == "local":
             placement = spec.resolve(detect_hardware())
-            helper: Backend = self._ensure_helper()
-        else:
-            helper = self.backend_for(spec.backend)
-            placement = spec.resolve(helper.hardware())
         cwd = _request.working_directory()
-        self._ensure_session_folders()
+        self._ensure_session_folders()  # before a new helper, which logs into the session folder
+        helper: Backend = self._ensure_helper() if spec.backend == "local" else self.backend_for(spec.backend)
+        if spec.backend != "local":
+            placement = spec.resolve(helper.hardware())
         launch = Launch(self, spec, placement, payload)
         launch.timings["call"] = called
         launch.helper = helper  # before the observers: the panel says what the launch waits for

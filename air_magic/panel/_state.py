@@ -89,7 +89,7 @@ class LaunchState:
         if self.tracking and sum(m.refresh() for m in self.metrics):  # every reader, no short cut
             self.chart_version += 1
         # Ranks on other machines (a Ray launch) cannot be sampled from here.
-        if not final and tick % _USAGE_EVERY == 1 and self.launch.local_processes:
+        if not final and tick % _USAGE_EVERY == 1 and getattr(self.launch, "local_processes", True):
             try:
                 self.usage.sample(self.launch.ranks)
             except Exception:  # usage numbers are a bonus: logs and metrics refresh all the same
