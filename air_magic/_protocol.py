@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, ClassVar, NamedTuple, Union
 
 # -- shared constants ------------------------------------------------------------------------------
@@ -245,8 +245,13 @@ _BY_KIND: dict[str, Callable[..., Any]] = {
 
 
 def encode(message: Message) -> tuple[Any, ...]:
-    """``Exited("L", 1, 3, 5.0)`` -> ``("exit", "L", 1, 3, 5.0)``: what the connection carries."""
-    return (message.KIND, *(getattr(message, f.name) for f in fields(message)))
+    """``Exited("L", 1, 3, 5.0)`` -> ``("exit", "L", 1, 3, 5.0)``: what the connection carries.
+    Trailing fields left at their default are not sent (a field added later, such as
+    ``Started.nodes``, leaves the tuples of the messages that do not use it as they were)."""
+    values = [(getattr(message, f.name), f.default) for f in fields(message)]
+    while values and values[-1][1] is not MISSING and values[-1][0] == values[-1][1]:
+        values.pop()
+    return (message.KIND, *(value for value, _ in values))
 
 
 def decode(wire: tuple[Any, ...]) -> Message:
