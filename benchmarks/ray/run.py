@@ -1,7 +1,7 @@
 """Ray backend benchmark: air_magic on a Ray cluster vs. air_magic's local backend vs. Ray
 Train's ``TorchTrainer``, on the same work, on a 2-node cluster simulated on this machine.
 
-    python benchmarks/ray/run.py            # 12 to 15 minutes on 2 cores
+    python benchmarks/ray/run.py            # 10 to 15 minutes on 2 cores
     python benchmarks/ray/run.py --quick    # fewer repetitions and steps, about 7 minutes
 
 Like the test suite, it runs inside a loopback-only network namespace (``unshare -n`` as
