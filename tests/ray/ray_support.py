@@ -36,7 +36,6 @@ from typing import Any
 
 import psutil
 import pytest
-from harness import describe  # one line per process: pid, parent, command
 
 #: This folder; the test that re-runs the others in a namespace of their own.
 HERE = Path(__file__).resolve().parent
@@ -179,6 +178,16 @@ def kill_marked(name: str, value: str, timeout: float = 15.0) -> list[psutil.Pro
             return [p for p in marked_processes(name, value)]
         if alive:
             time.sleep(0.1)
+
+
+def describe(procs: list[psutil.Process]) -> str:
+    rows = []
+    for proc in procs:
+        try:
+            rows.append(f"pid {proc.pid} ppid {proc.ppid()} {proc.name()}: {' '.join(proc.cmdline())[:160]}")
+        except psutil.Error:
+            rows.append(f"pid {proc.pid} (gone)")
+    return "\n".join(rows)
 
 
 def free_port() -> int:
