@@ -35,6 +35,16 @@ from typing import Any, Callable, ClassVar, NamedTuple, Union
 #: (``faulthandler``; a real-time signal no library is known to use).
 STACK_SIGNAL = signal.SIGRTMAX - 3
 
+#: How a backend stops a launch's ranks, by the stop's reason: (delay in seconds, signal).
+STOP_ESCALATION: dict[str, list[tuple[float, signal.Signals]]] = {
+    # A user's interrupt first reaches Python code as KeyboardInterrupt (finally blocks run).
+    "cancel": [(0.0, signal.SIGINT), (1.0, signal.SIGTERM), (3.0, signal.SIGKILL)],
+    # The other ranks are most likely blocked inside a collective: terminate them.
+    "failure": [(0.0, signal.SIGTERM), (2.0, signal.SIGKILL)],
+    "timeout": [(0.0, signal.SIGTERM), (2.0, signal.SIGKILL)],
+    "kill": [(0.0, signal.SIGKILL)],
+}
+
 #: Name the cell's last expression is stored under in the rank's namespace.
 RESULT_NAME = "__air_magic_result__"
 #: Line written to a rank's log before the traceback of its failure: the cell shows

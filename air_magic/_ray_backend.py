@@ -31,6 +31,7 @@ each rank dies with its agent.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -39,6 +40,7 @@ from typing import Any, Callable
 
 from . import _ray_agent
 from ._protocol import (
+    STOP_ESCALATION,
     Done,
     Exited,
     LaunchRequest,
@@ -59,13 +61,6 @@ from .accelerators import Hardware
 from .errors import LaunchError
 from .settings import settings
 
-#: Escalation after a stop request, by reason, as for local ranks: (delay in seconds, signal).
-_ESCALATION: dict[str, list[tuple[float, int]]] = {
-    "cancel": [(0.0, 2), (1.0, 15), (3.0, 9)],  # SIGINT, SIGTERM, SIGKILL
-    "failure": [(0.0, 15), (2.0, 9)],
-    "timeout": [(0.0, 15), (2.0, 9)],
-    "kill": [(0.0, 9)],
-}
 #: How often the agents are asked for new output and exits.
 _POLL = 0.1
 #: How long the ranks get to write their stacks before a timeout stops them.
@@ -237,7 +232,7 @@ class _RayLaunch:
         self.nodes = ray.get([a.node.remote() for a in self.agents])
         port = ray.get(self.agents[0].free_port.remote())
         rank_env = placement_environment(self.nodes, port)
-        request = _with_rank_env(self.request, rank_env)
+        request = dataclasses.replace(self.request, rank_env=rank_env)
         with open(self.request.payload_path, "rb") as handle:
             payload = ray.put(handle.read())
         pids = ray.get([a.start.remote(request, payload, rank, port) for rank, a in enumerate(self.agents)])
@@ -363,7 +358,7 @@ class _RayLaunch:
 
     def _schedule(self, reason: str) -> None:
         now = time.monotonic()
-        self._steps = sorted(self._steps + [(now + delay, signum) for delay, signum in _ESCALATION[reason]])
+        self._steps = sorted(self._steps + [(now + delay, signum) for delay, signum in STOP_ESCALATION[reason]])
 
     def _send_due_signals(self) -> None:
         with self._lock:
@@ -450,12 +445,6 @@ def placement_environment(nodes: list[dict[str, Any]], port: int) -> dict[int, d
             values["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         env[rank] = values
     return env
-
-
-def _with_rank_env(request: LaunchRequest, rank_env: dict[int, dict[str, str]]) -> LaunchRequest:
-    import dataclasses
-
-    return dataclasses.replace(request, rank_env=rank_env, private_rendezvous=False)
 
 
 def _bundle(bundle: dict[str, float]) -> str:

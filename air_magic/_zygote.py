@@ -50,6 +50,7 @@ from typing import Callable
 
 from ._protocol import (
     STACK_SIGNAL,
+    STOP_ESCALATION,
     Done,
     Exited,
     LaunchRequest,
@@ -72,15 +73,6 @@ _MAX_WAIT = 3600.0
 _PR_SET_CHILD_SUBREAPER = 36
 #: How long ranks get to write their stacks before a timeout stops them.
 _STACK_GRACE = 0.5
-
-#: Escalation after a stop request, by reason: (delay in seconds, signal).
-_ESCALATION: dict[str, list[tuple[float, signal.Signals]]] = {
-    # A user's interrupt first reaches Python code as KeyboardInterrupt (finally blocks run).
-    "cancel": [(0.0, signal.SIGINT), (1.0, signal.SIGTERM), (3.0, signal.SIGKILL)],
-    # The other ranks are most likely blocked inside a collective: terminate them.
-    "failure": [(0.0, signal.SIGTERM), (2.0, signal.SIGKILL)],
-    "timeout": [(0.0, signal.SIGTERM), (2.0, signal.SIGKILL)],
-}
 
 
 @dataclass
@@ -273,7 +265,7 @@ class Zygote:
             return
         launch.stopping = reason
         self._send(Stopping(launch.launch_id, reason, time.monotonic()))
-        for delay, signum in _ESCALATION.get(reason, _ESCALATION["failure"]):
+        for delay, signum in STOP_ESCALATION.get(reason, STOP_ESCALATION["failure"]):
             self._after(delay, launch.launch_id, functools.partial(self._signal, launch, signum))
 
     def _signal(self, launch: _Launch, signum: int) -> None:

@@ -53,7 +53,6 @@ from ._protocol import (
     ToKernel,
     payload_path,
 )
-from .accelerators import detect_hardware
 from .capture import Payload
 from .errors import LaunchError
 from .settings import settings
@@ -146,13 +145,10 @@ class Launcher:
     def start(self, spec: LaunchSpec, payload: Payload) -> Launch:
         """Start ``payload`` on the ranks ``spec`` asks for; returns at once."""
         called = time.monotonic()
-        if spec.backend == "local":
-            placement = spec.resolve(detect_hardware())
         cwd = _request.working_directory()
         self._ensure_session_folders()  # before a new helper, which logs into the session folder
-        helper: Backend = self._ensure_helper() if spec.backend == "local" else self.backend_for(spec.backend)
-        if spec.backend != "local":
-            placement = spec.resolve(helper.hardware())
+        helper = self.backend_for(spec.backend)
+        placement = spec.resolve(helper.hardware())  # this machine's, or the cluster's
         launch = Launch(self, spec, placement, payload)
         launch.timings["call"] = called
         launch.helper = helper  # before the observers: the panel says what the launch waits for
