@@ -467,7 +467,7 @@ class Launch:
             cancel_requested=self._cancel_requested,
             failures=tuple(self._failures),
         )
-        records = read_records(self.work_dir, ending) if _outcome.needs_records(ending) else {}
+        records = read_records(self.work_dir, ending, self.shm_dir) if _outcome.needs_records(ending) else {}
         where = ""
         if ending.error_text is None and ending.stop_reason == "timeout":
             where = self.where(read_stacks(self.work_dir, range(self.world_size), self.sources))

@@ -445,11 +445,12 @@ def _run(request: LaunchRequest, rank: int) -> int:
         sys.stderr.write((STOP_MARK if stopped else TRACEBACK_MARK) + record.traceback)
         sys.stderr.flush()
     try:
-        _results.write_record(path, record, shm_dir if code == 0 else None, f"r{rank}", fallback_dir=request.work_dir)
+        prefix = _results.rank_prefix(rank)
+        _results.write_record(path, record, shm_dir if code == 0 else None, prefix, fallback_dir=request.work_dir)
     except BaseException as exc:  # the return value cannot be pickled (any error a __reduce__ raises)
         reason = f"{type(exc).__name__}: {exc}"
         value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
-        _results.write_record(path, UnpicklableRecord(value_type, reason), None, f"r{rank}")
+        _results.write_record(path, UnpicklableRecord(value_type, reason), None, _results.rank_prefix(rank))
         code = 0
     return code
 

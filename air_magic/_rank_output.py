@@ -424,16 +424,18 @@ _STOP_MARK = STOP_MARK.encode()
 # -- the ranks' result records ----------------------------------------------------------------
 
 
-def read_records(work_dir: str, ending: _outcome.Ending) -> dict[int, Any]:
+def read_records(work_dir: str, ending: _outcome.Ending, shm_dir: str | None = None) -> dict[int, Any]:
     """The ranks' records as :func:`_outcome.decide` needs them: after a failure those of
     the ranks that did not finish; else every rank's, in order, up to the first that
-    holds no value (what a value that cannot be loaded raised stands for it)."""
+    holds no value (what a value that cannot be loaded raised stands for it).  Their large
+    tensors' files are in the launch's ``shm_dir``, or in ``work_dir`` where it had no room."""
+    folders = (shm_dir, work_dir)
     records: dict[int, Any] = {}
     for state in ending.ranks:
         if ending.failures and state.returncode == 0 and not state.left:
             continue  # finished: its value is not read
         try:
-            records[state.rank] = _results.read_record(_results.result_path(work_dir, state.rank))
+            records[state.rank] = _results.read_record(_results.result_path(work_dir, state.rank), folders)
         except FileNotFoundError:
             records[state.rank] = _outcome.MISSING
         except Exception as exc:  # cut short by a kill, or unloadable here (any unpickling error)

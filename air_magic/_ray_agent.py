@@ -5,24 +5,40 @@ rank in a placement group; each agent, on the node Ray chose::
 
     node()        where it runs: node id, address, pid, the GPUs Ray gave it
     free_port()   a free port on its node (rank 0's: MASTER_PORT)
-    start(...)    a private folder, the payload, the request with this node's paths; the rank
-                  as a fresh ``python -m air_magic._ray_rank`` (what torchrun starts)
+    start(...)    a private folder (and one in the node's ``/dev/shm``), the payload, the
+                  request with this node's paths; the rank as a fresh
+                  ``python -m air_magic._ray_rank`` (what torchrun starts)
     poll(run)     new bytes of the rank's log and of its MLflow spool file, and its exit code
                   once it has ended (the kernel copies them into its own files: the kernel
                   stays the only MLflow writer, the panel reads them as for local ranks)
-    finish()      the result record and the rank's MLflow artifacts; the folder is removed
+    finish()      the result record, its large tensors' bytes and the rank's MLflow
+                  artifacts; the folders are removed
     signal(sig)   to the rank's process group (stop: SIGINT, SIGTERM, SIGKILL)
     stacks()      the rank's Python stacks (faulthandler, as for local ranks)
 
+A rank writes the large tensors of its return value as a local rank does
+(:mod:`air_magic._results`): each to a file of its own, in the agent's folder in the node's
+``/dev/shm`` (in its private folder where that has no room), the record holding their names.
+``finish()`` returns each file as a NumPy array of bytes mapped from it (the file is
+unlinked at once), so Ray stores it as a raw buffer beside the small record (pickle
+protocol 5, out of band) instead of inside a pickle, and the kernel's ``ray.get`` maps it
+from its own node's object store without a copy; the kernel writes it once, under its name,
+into the launch's folders, where the record finds it.
+
 The rank holds the read end of a pipe whose only write end is in the agent: when Ray kills
 the agent (its owner, the kernel's driver, is gone; ``ray.kill``), the rank's process group
-gets SIGIO and ends.  This module imports nothing of the kernel side; it imports ``ray``
-only inside the methods, which run in Ray's worker processes.
+gets SIGIO and ends.  An agent killed so cannot remove its folders: each agent holds a lock
+on its own (``flock``, released by the kernel of the node when the process dies, however it
+dies), and the next agent that starts on the node removes those whose lock is free.  This
+module imports nothing of the kernel side; it imports ``ray`` and NumPy only inside the
+methods, which run in Ray's worker processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import mmap
 import os
 import pickle
 import shutil
@@ -34,11 +50,19 @@ import tempfile
 import time
 from typing import Any
 
+from . import _results
 from ._protocol import STACK_SIGNAL, LaunchRequest, log_path, payload_path, result_path, spool_file, stack_path
 from ._spool import SPOOL_DIR_ENV, artifact_dir, publish_run
+from .settings import settings
 
 #: The most bytes of a log one poll returns (the rest comes with the next).
 CHUNK = 1 << 20
+
+#: How an agent's folders are named (in the node's temp folder and in its ``/dev/shm``).
+FOLDER_PREFIX = "air_magic-ray-"
+#: A folder younger than this is never removed as a dead agent's (its agent may not hold
+#: its lock yet).
+_SWEEP_AGE = 60.0
 
 #: Variables that describe the machine a process runs on, not the user's launch: a rank on
 #: another node keeps its node's values (or has none) instead of the kernel's.
@@ -85,6 +109,8 @@ class RankAgent:
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
         self.folder: str | None = None
+        self.shm_folder: str | None = None  # where the rank's large result tensors go
+        self._locks: list[int] = []  # one descriptor a folder, holding its lock
         self.alive_w: int | None = None
         self.log_path = ""
         self.spool_path: str | None = None
@@ -120,7 +146,18 @@ class RankAgent:
     def start(self, request: LaunchRequest, payload: bytes, rank: int, port: int) -> int:
         """Start ``rank`` of ``request`` on this node; its pid."""
         self.rank = rank
-        self.folder = folder = tempfile.mkdtemp(prefix=f"air_magic-{request.launch_id}-r{rank}-")
+        prefix = f"{FOLDER_PREFIX}{request.launch_id}-r{rank}-"
+        shm: str | None = settings.shm_dir
+        if not (shm and os.path.isdir(shm) and os.access(shm, os.W_OK)):
+            shm = None
+        for parent in (tempfile.gettempdir(), shm):
+            if parent is not None:
+                sweep(parent)
+        self.folder = folder = tempfile.mkdtemp(prefix=prefix)
+        self._locks.append(claim(folder))
+        if shm is not None:
+            self.shm_folder = tempfile.mkdtemp(prefix=prefix, dir=shm)
+            self._locks.append(claim(self.shm_folder))
         os.mkdir(os.path.join(folder, "logs"), mode=0o700)
         with open(os.open(payload_path(folder), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
             handle.write(payload)
@@ -142,7 +179,8 @@ class RankAgent:
             sys_path=sys_path,
             payload_path=payload_path(folder),
             work_dir=folder,
-            shm_dir=None,  # the result travels back through Ray, pickled whole
+            # Large tensors: a file each, in shared memory if it has room, else in the folder.
+            shm_dir=self.shm_folder or folder,
             log_paths=[self.log_path if r == rank else os.devnull for r in range(request.world_size)],
             private_rendezvous=False,
         )
@@ -203,10 +241,12 @@ class RankAgent:
         self.offsets[which] += len(data)
         return data
 
-    def finish(self) -> tuple[bytes | None, dict[str, bytes]]:
-        """The rank's result record (None if it wrote none) and its MLflow artifacts
-        (``{relative path: bytes}``); the rank's folder is removed."""
+    def finish(self) -> tuple[bytes | None, dict[str, Any], dict[str, bytes]]:
+        """The rank's result record (None if it wrote none), the files of its large tensors
+        (``{name: NumPy array of their bytes}``: raw buffers for Ray) and its MLflow artifacts
+        (``{relative path: bytes}``); the rank's folders are removed."""
         result = None
+        tensors: dict[str, Any] = {}
         artifacts: dict[str, bytes] = {}
         if self.folder is not None:
             try:
@@ -214,6 +254,8 @@ class RankAgent:
                     result = handle.read()
             except FileNotFoundError:
                 pass
+            if result is not None:
+                tensors = take_tensor_files((self.shm_folder, self.folder), _results.rank_prefix(self.rank))
             if self.spool_folder:
                 root = artifact_dir(self.spool_folder, self.rank)
                 for dirpath, _, files in os.walk(root):
@@ -222,7 +264,7 @@ class RankAgent:
                         with open(path, "rb") as handle:
                             artifacts[os.path.relpath(path, root)] = handle.read()
         self.close()
-        return result, artifacts
+        return result, tensors, artifacts
 
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.returncode is None:
@@ -253,9 +295,69 @@ class RankAgent:
         if self.alive_w is not None:
             os.close(self.alive_w)
             self.alive_w = None
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
+        for folder in (self.folder, self.shm_folder):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        self.folder = self.shm_folder = None
+        for fd in self._locks:
+            os.close(fd)
+        self._locks = []
+
+
+def take_tensor_files(folders: tuple[str | None, ...], prefix: str) -> dict[str, Any]:
+    """The tensor files a rank wrote (:func:`air_magic._results.tensor_files`), each as a
+    read-only NumPy array of bytes mapped from it; the files are unlinked (the mappings
+    stay valid until the arrays are gone).  Pickled with protocol 5, such an array is a
+    buffer of its own, out of the pickle's bytes: what Ray keeps as a raw buffer."""
+    import numpy
+
+    taken: dict[str, Any] = {}
+    for name, path in _results.tensor_files(folders, prefix).items():
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else b""
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        taken[name] = numpy.frombuffer(mapped, dtype=numpy.uint8)
+    return taken
+
+
+def claim(folder: str) -> int:
+    """Lock ``folder`` for as long as this process lives (the descriptor that holds the lock)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def sweep(parent: str, min_age: float = _SWEEP_AGE) -> list[str]:
+    """Remove the folders in ``parent`` of agents that died without removing them (killed
+    with their driver, or their node restarted): an agent's folder whose lock is free and
+    that is older than ``min_age`` seconds.  The paths removed."""
+    removed: list[str] = []
+    try:
+        names = [name for name in os.listdir(parent) if name.startswith(FOLDER_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # not a folder, gone, or another user's
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < min_age or os.fstat(fd).st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # its agent is alive
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _killpg(pid: int, signum: int) -> None:

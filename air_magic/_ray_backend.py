@@ -19,8 +19,11 @@ For each launch, a thread of this module:
 3. starts the ranks (each a fresh Python process on its node, meeting in torch's TCP store);
 4. polls the agents: their ranks' log and MLflow spool bytes are appended to the kernel's own
    files (the cell's output, the panel and the MLflow writer read them as for local ranks),
-   an exit code becomes ``Exited`` once the rank's result record is in the launch's folder;
-   the first failure stops the others (fail fast), as do a timeout and a ``Stop``;
+   an exit code becomes ``Exited`` once the rank's result record is in the launch's folder
+   (its large tensors come as raw buffers beside it, mapped from this node's object store,
+   and are written once into the launch's shared-memory folder, where the record finds
+   them as a local rank's); the first failure stops the others (fail fast), as do a
+   timeout and a ``Stop``;
 5. removes the actors and the placement group, then says ``Done``.
 
 A node that dies takes its agents along: their ranks are reported lost (``StartFailed``
@@ -33,12 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import threading
 import time
 import traceback
 from typing import Any, Callable
 
-from . import _ray_agent
+from . import _ray_agent, _results
 from ._protocol import (
     STOP_ESCALATION,
     Done,
@@ -52,6 +56,7 @@ from ._protocol import (
     Stopping,
     ToHelper,
     ToKernel,
+    UnpicklableRecord,
     result_path,
     spool_file,
     stack_path,
@@ -283,11 +288,16 @@ class _RayLaunch:
 
     def _rank_ended(self, rank: int, code: int) -> None:
         try:
-            result, artifacts = self.ray.get(self.agents[rank].finish.remote())
+            result, tensors, artifacts = self.ray.get(self.agents[rank].finish.remote())
         except (self.ray.exceptions.RayActorError, self.ray.exceptions.ObjectLostError):
             self._rank_lost(rank)
             return
         if result is not None:
+            try:
+                self._place_tensors(tensors)
+            except OSError as exc:  # no room on this machine, in shared memory or on disk
+                result = pickle.dumps(UnpicklableRecord("value with large tensors", str(exc)))
+            del tensors  # this node's object store lets go of them
             path = result_path(self.request.work_dir, rank)
             with open(os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
                 handle.write(result)
@@ -303,6 +313,20 @@ class _RayLaunch:
         self.backend.emit(Exited(self.id, rank, code, time.monotonic()))
         if code != 0 and self.stopping is None:
             self.stop("failure")
+
+    def _place_tensors(self, tensors: dict[str, Any]) -> None:
+        """Write each tensor file of a rank's record (bytes mapped from the object store) once,
+        under its name, into the launch's shared-memory folder, or into its folder where
+        that has no room: where the record's reader looks for a local rank's."""
+        folders = (self.request.shm_dir, self.request.work_dir)
+        placed: list[str] = []
+        try:
+            for name in list(tensors):
+                placed.append(_results.place_tensor_file(name, tensors.pop(name), folders))
+        except BaseException:  # none of them is left behind; re-raised
+            for path in placed:
+                os.unlink(path)
+            raise
 
     def _rank_lost(self, rank: int) -> None:
         self.running.discard(rank)

@@ -11,32 +11,106 @@ half-written file):
 * :class:`~air_magic._protocol.UnpicklableRecord`: a value that cannot travel.
 
 Large CPU tensors in a return value do not travel inside the pickle: their bytes
-are copied once into a file under ``/dev/shm`` and the pickle holds its name.  The
-kernel maps that file (``torch.from_file(shared=True)``) and unlinks it at once, so
-the tensor arrives without a second copy and nothing stays behind in ``/dev/shm``.
-The file's space is reserved first (``posix_fallocate``): where ``/dev/shm`` is too
-small (Docker's 64 MB), the tensor goes to a file in the launch's private folder
-instead, rather than the rank dying of SIGBUS while it writes.
+are copied once into a file of their own (named ``r<rank>-<n>``) under ``/dev/shm``,
+and the pickle holds that name only.  The kernel finds the file among the launch's
+folders (:func:`read_record`), maps it (``torch.from_file(shared=True)``) and unlinks
+it at once, so the tensor arrives without a second copy and nothing stays behind in
+``/dev/shm``.  The file's space is reserved first (``posix_fallocate``): where
+``/dev/shm`` is too small (Docker's 64 MB), the tensor goes to a file in the launch's
+private folder instead, rather than the rank dying of SIGBUS while it writes.
 CUDA tensors arrive as CPU tensors: the kernel never touches CUDA.
+
+A rank on another machine (the Ray backend) writes its files the same way into folders
+of its node; its agent hands each file's bytes to Ray as a raw buffer, next to the small
+record, and the kernel writes them under the same names into the launch's own folders
+(:func:`place_tensor_file`), where :func:`read_record` finds them as it finds a local
+rank's::
+
+    rank:   write_record --> result-<r>.pkl (names) + r<r>-0, r<r>-1 ... (bytes)
+    kernel: read_record(folders) --> each name's file mapped, then unlinked
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import os
 import pickle
+import re
 import sys
-from typing import Any
+from typing import IO, Any, Iterable
 
 import cloudpickle
 
 from ._protocol import Record, result_path
 
 __all__ = ["SHM_THRESHOLD", "result_path", "write_record", "read_record", "rebuild_shared_tensor"]
+__all__ += ["rank_prefix", "tensor_files", "place_tensor_file"]
 
 #: Tensors at least this large (bytes) go through shared memory.
 SHM_THRESHOLD = 1 << 20
+
+
+def rank_prefix(rank: int) -> str:
+    """How the names of ``rank``'s tensor files begin."""
+    return f"r{rank}"
+
+
+def _tensor_name(prefix: str, count: int) -> str:
+    return f"{prefix}-{count}"
+
+
+def tensor_files(folders: Iterable[str | None], prefix: str) -> dict[str, str]:
+    """``{name: path}`` of the tensor files a rank whose ``prefix`` is ``prefix`` (``r<rank>``)
+    wrote into ``folders``."""
+    pattern = re.compile(re.escape(prefix) + r"-\d+")
+    found: dict[str, str] = {}
+    for folder in folders:
+        if folder is None:
+            continue
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            if pattern.fullmatch(name):
+                found.setdefault(name, os.path.join(folder, name))
+    return found
+
+
+def _reserve(name: str, size: int, folders: Iterable[str | None]) -> str:
+    """A new file ``name`` of ``size`` bytes whose space is really there: in the first of
+    ``folders`` that has room (an error in the last one, a full disk, is raised as such)."""
+    candidates = [folder for folder in folders if folder is not None]
+    for index, folder in enumerate(candidates):
+        path = os.path.join(folder, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            if size:
+                os.posix_fallocate(fd, 0, size)
+            return path
+        except OSError as exc:
+            os.unlink(path)
+            if exc.errno != errno.ENOSPC or index == len(candidates) - 1:
+                raise
+        finally:
+            os.close(fd)
+    raise OSError(errno.ENOSPC, f"no room for a {size}-byte result tensor")
+
+
+def place_tensor_file(name: str, data: Any, folders: Iterable[str | None]) -> str:
+    """Write ``data`` (a buffer: a rank's tensor file as it came from another machine) to a
+    new file ``name`` in the first of ``folders`` with room; its path."""
+    view = memoryview(data).cast("B")
+    path = _reserve(name, view.nbytes, folders)
+    try:
+        with open(path, "r+b") as handle:
+            handle.write(view)
+    except BaseException:  # a half-written tensor file is not left behind; re-raised
+        os.unlink(path)
+        raise
+    return path
 
 
 class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -62,56 +136,63 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
             return self._to_shared_memory(torch, obj)
         return super().reducer_override(obj)
 
-    def _reserve(self, name: str, size: int) -> str:
-        """A file of ``size`` bytes whose space is really there: in shared memory if it has
-        room, else in the private folder (an error there is a full disk, said as such)."""
-        for directory in (self._shm_dir, self._fallback_dir):
-            if directory is None:
-                continue
-            path = os.path.join(directory, name)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            self.shm_paths.append(path)
-            try:
-                os.posix_fallocate(fd, 0, size)
-                return path
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC or directory == self._fallback_dir:
-                    raise
-                os.unlink(path)
-                self.shm_paths.remove(path)
-            finally:
-                os.close(fd)
-        raise OSError(errno.ENOSPC, f"no room for a {size}-byte result tensor")
-
     def _to_shared_memory(self, torch: Any, tensor: Any) -> Any:
         source = tensor.detach()
         if source.device.type != "cpu":
             source = source.cpu()
-        name = f"{self._prefix}-{self._count}"
+        name = _tensor_name(self._prefix, self._count)
         self._count += 1
-        path = self._reserve(name, source.numel() * source.element_size())
+        # In shared memory if it has room, else in the private folder.
+        path = _reserve(name, source.numel() * source.element_size(), (self._shm_dir, self._fallback_dir))
+        self.shm_paths.append(path)
         target = torch.from_file(path, shared=True, size=source.numel(), dtype=source.dtype)
         target.copy_(source.reshape(-1))
-        return rebuild_shared_tensor, (path, source.dtype, tuple(source.shape), tensor.requires_grad)
+        # The name only: the kernel finds the file among its launch's folders.
+        return rebuild_shared_tensor, (name, source.dtype, tuple(source.shape), tensor.requires_grad)
 
 
-def rebuild_shared_tensor(path: str, dtype: Any, shape: tuple[int, ...], requires_grad: bool) -> Any:
-    """Map a tensor written by a rank and unlink its file (the mapping stays valid)."""
+def rebuild_shared_tensor(
+    name: str, dtype: Any, shape: tuple[int, ...], requires_grad: bool, folders: tuple[str | None, ...] = ()
+) -> Any:
+    """Map the tensor file ``name`` a rank wrote (the first of ``folders`` that has it) and
+    unlink it (the mapping stays valid)."""
     import torch
 
+    found = next((path for path in _candidates(name, folders) if os.path.exists(path)), None)
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, f"the file of a result tensor is missing ({name})")
     numel = 1
     for dim in shape:
         numel *= dim
     try:
-        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+        tensor = torch.from_file(found, shared=True, size=numel, dtype=dtype).view(shape)
     finally:
         try:
-            os.unlink(path)
+            os.unlink(found)
         except FileNotFoundError:
             pass
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
+
+
+def _candidates(name: str, folders: tuple[str | None, ...]) -> list[str]:
+    if os.path.basename(name) != name:  # a file name, never a path
+        return []
+    return [os.path.join(folder, name) for folder in folders if folder is not None]
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Loads a record, its tensors' files found in ``folders``."""
+
+    def __init__(self, file: IO[bytes], folders: tuple[str | None, ...]) -> None:
+        super().__init__(file)
+        self._folders = folders
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == rebuild_shared_tensor.__name__:
+            return functools.partial(rebuild_shared_tensor, folders=self._folders)
+        return super().find_class(module, name)
 
 
 def write_record(path: str, record: Record, shm_dir: str | None, prefix: str, fallback_dir: str | None = None) -> None:
@@ -134,6 +215,8 @@ def write_record(path: str, record: Record, shm_dir: str | None, prefix: str, fa
         raise
 
 
-def read_record(path: str) -> Record:
+def read_record(path: str, folders: tuple[str | None, ...] = ()) -> Record:
+    """The record at ``path``; its large tensors' files are looked for in ``folders``."""
     with open(path, "rb") as handle:
-        return pickle.load(handle)  # type: ignore[no-any-return]  # written by our own rank, in our own private folder
+        # written by our own rank, in our own private folder
+        return _RecordUnpickler(handle, folders).load()  # type: ignore[no-any-return]

@@ -23,7 +23,8 @@ Environment variable           Setting (default)
                                stacks are looked at (300; 0: never)
 ``AIR_MAGIC_LOG_LIMIT``        ``log_limit``: bytes of each rank's log kept after a launch
                                (16 MiB)
-``AIR_MAGIC_SHM_DIR``          ``shm_dir``: where large result tensors travel (``/dev/shm``)
+``AIR_MAGIC_SHM_DIR``          ``shm_dir``: where large result tensors travel (``/dev/shm``;
+                               on a Ray node, as the node's environment sets it)
 ``AIR_MAGIC_MAX_CPU_RANKS``    ``max_cpu_ranks(cores)``: the most CPU ranks a launch may
                                start (4 per usable core)
 ``AIR_MAGIC_PRELOAD``          ``preload``: modules the helper imports at start, comma

@@ -1,13 +1,15 @@
 """``backend="ray"`` from a real kernel on a 2-node cluster (a head and a worker node, one
 CPU each, on 127.0.0.1): one rank per node with gloo across them, the environment contract,
-values in rank order, a rank's own exception, MLflow points from both nodes, the panel's
-rows naming the nodes, interrupt, cancel, timeout, a node that dies and a kernel that is
-killed — each leaving no agent and no rank behind."""
+values in rank order, large tensors back as raw buffers, a rank's own exception, MLflow
+points from both nodes, the panel's rows naming the nodes, interrupt, cancel, timeout, a
+node that dies and a kernel that is killed — each leaving no agent and no rank behind."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import tempfile
 import time
 from typing import Any
 
@@ -83,6 +85,52 @@ def test_one_rank_per_node_with_torchruns_variables_and_values_in_rank_order(
     assert values[0]["TORCHELASTIC_RUN_ID"] == values[1]["TORCHELASTIC_RUN_ID"]
     assert values[0]["argv"] == values[1]["argv"]  # as a local rank's: the cell's name
     assert "placed 0 on node 0" in result.stdout  # rank 0's output reaches the cell
+    assert_nothing_left()
+
+
+TENSORS = """\
+from air_magic import distributed
+
+@distributed(num_accelerators=2, backend="ray")
+def tensors():
+    import os, torch
+    rank = int(os.environ["RANK"])
+    big = torch.full((16 << 20,), float(rank + 1))  # 64 MiB of float32
+    halves = torch.arange(1 << 20, dtype=torch.float32).to(torch.bfloat16) * (rank + 1)  # 2 MiB of bfloat16
+    return big, halves.requires_grad_()
+
+import os, torch
+from air_magic.launcher import get_launcher
+
+values = tensors.distributed()
+launch = tensors.last_launch
+checks = []
+for rank, (big, halves) in enumerate(values):
+    expected = torch.arange(1 << 20, dtype=torch.float32).to(torch.bfloat16) * (rank + 1)
+    big[0] = -1.0  # writable, as a tensor made here
+    halves.data[0] = -1.0
+    checks.append((
+        str(big.dtype), tuple(big.shape), bool((big[1:] == rank + 1).all()), float(big[0]),
+        str(halves.dtype), tuple(halves.shape), bool(torch.equal(halves.detach()[1:], expected[1:])),
+        float(halves[0]), halves.requires_grad,
+    ))
+left_here = [name for _, _, names in os.walk(get_launcher().shm_root) for name in names]
+(checks, left_here, launch.id)
+"""
+
+
+def test_large_tensors_come_back_as_raw_buffers_writable_and_leave_nothing_in_shared_memory(kernel: Any) -> None:
+    kernel.ok(TENSORS, timeout=240)
+    checks, left_here, launch_id = kernel.value("_")
+    floats = ("torch.float32", (16 << 20,), True, -1.0)  # dtype, shape, values, written
+    halves = ("torch.bfloat16", (1 << 20,), True, -1.0, True)  # ... and requires_grad
+    assert checks == [floats + halves, floats + halves]
+    assert left_here == []  # the kernel's shared-memory folder: every file mapped and unlinked
+    # The nodes' folders (in their /dev/shm and temp folder) went with their agents.
+    nodes = glob.glob(f"/dev/shm/air_magic-ray-{launch_id}-*") + glob.glob(
+        os.path.join(tempfile.gettempdir(), f"air_magic-ray-{launch_id}-*")
+    )
+    assert nodes == []
     assert_nothing_left()
 
 
