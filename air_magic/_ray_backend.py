@@ -29,11 +29,17 @@ For each launch, a thread of this module:
 A node that dies takes its agents along: their ranks are reported lost (``StartFailed``
 with the node's address and ranks) and the others are stopped.  The actors belong to the
 kernel's Ray driver (never detached): a kernel that exits or dies takes them with it, and
-each rank dies with its agent.
+each rank dies with its agent.  A kernel that exits (a restart, a shutdown) first kills its
+ranks and removes its actors itself, while it is still connected: the backend's exit hook
+runs before Ray's own (``ray.shutdown``).  Once this process has left Ray (Ray's exit hook,
+the user's ``ray.shutdown()``), a launch makes no more Ray calls: ``ray.get`` and
+``ray.kill`` would connect it again (Ray's automatic ``ray.init()``), or start a new local
+cluster, from a process on its way out.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import pickle
@@ -70,6 +76,8 @@ from .settings import settings
 _POLL = 0.1
 #: How long the ranks get to write their stacks before a timeout stops them.
 _STACK_GRACE = 0.5
+#: Why a launch ended when this process left Ray under it.
+_LEFT = "this process left the Ray cluster (ray.shutdown())"
 
 
 class RayBackend:
@@ -89,6 +97,8 @@ class RayBackend:
         self._lock = threading.Lock()
         self._launches: dict[str, _RayLaunch] = {}
         self._agent_class: Any = None
+        # Registered after `import ray` registered ray.shutdown: at exit, this runs first.
+        atexit.register(self.close)
 
     # -- what the launcher uses ------------------------------------------------------------
 
@@ -139,6 +149,7 @@ class RayBackend:
         for launch in launches:
             launch.finished.wait(max(0.0, deadline - time.monotonic()))
         self.alive = False
+        atexit.unregister(self.close)
 
     # -- for the launches ----------------------------------------------------------------------
 
@@ -197,8 +208,9 @@ class _RayLaunch:
             try:
                 self._watch()
             except Exception as exc:  # the cluster went away under the launch (Ray shut down)
+                why = str(exc) if self.ray.is_initialized() else _LEFT
                 self._remove()
-                self.backend.emit(StartFailed(self.id, f"the connection to the Ray cluster was lost: {exc}"))
+                self.backend.emit(StartFailed(self.id, f"the connection to the Ray cluster was lost: {why}"))
                 return
             self._remove()
             if self.lost:
@@ -265,6 +277,8 @@ class _RayLaunch:
         ray = self.ray
         timeout_at = None if self.request.timeout is None else time.monotonic() + self.request.timeout
         while self.running:
+            if not ray.is_initialized():
+                raise ConnectionError(_LEFT)
             if timeout_at is not None and time.monotonic() >= timeout_at and self.stopping is None:
                 self._timeout()
             self._send_due_signals()
@@ -390,6 +404,8 @@ class _RayLaunch:
             due = [signum for at, signum in self._steps if at <= now]
             self._steps = [step for step in self._steps if step[0] > now]
             ranks = sorted(self.running)
+        if due and not self.ray.is_initialized():
+            return  # this process left the cluster: its actors and ranks went with it
         for signum in due:
             for rank in ranks:
                 self.agents[rank].signal.remote(signum)
@@ -397,7 +413,7 @@ class _RayLaunch:
     def stacks(self, timeout: float) -> dict[int, str]:
         """The running ranks' stacks, by rank, also written where a local rank writes its own
         (the launch's folder), for :func:`air_magic._rank_output.read_stacks`."""
-        ranks = sorted(self.running)
+        ranks = sorted(self.running) if self.ray.is_initialized() else []
         refs = {rank: self.agents[rank].stacks.remote(min(timeout, _STACK_GRACE)) for rank in ranks}
         found = {}
         for rank, ref in refs.items():
@@ -413,6 +429,8 @@ class _RayLaunch:
         return found
 
     def _remove(self) -> None:
+        if not self.ray.is_initialized():
+            return  # this process left the cluster: its actors and placement group went with it
         for agent in self.agents:
             try:
                 self.ray.kill(agent, no_restart=True)

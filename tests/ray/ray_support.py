@@ -220,8 +220,8 @@ class RayCluster:
 
     ``address`` (GCS), ``dashboard_url``, ``head``, ``workers``, ``env`` (what a client
     process needs to join: ``RAY_ADDRESS``, ``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN_PATH``,
-    ``HOME``); ``start_worker()``, ``kill_worker()``, ``nodes()`` (the GCS's view, from the
-    dashboard's state API), ``processes()``, ``stop()``.
+    ``HOME``); ``start_worker()``, ``kill_worker()``, ``nodes()`` and ``actors()`` (the GCS's
+    view, from the dashboard's state API), ``processes()``, ``stop()``.
     """
 
     def __init__(self, *, cpus_per_node: int = 1, log_monitor: bool = False) -> None:
@@ -380,13 +380,20 @@ class RayCluster:
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node the GCS knows (alive and dead), from the dashboard's state API."""
+        return self._state("nodes")
+
+    def _state(self, what: str) -> list[dict[str, Any]]:
         request = urllib.request.Request(
-            f"{self.dashboard_url}/api/v0/nodes?detail=1&limit=1000",
+            f"{self.dashboard_url}/api/v0/{what}?detail=1&limit=1000",
             headers={"Authorization": f"Bearer {self.token}"},
         )
         with self._opener.open(request, timeout=10) as reply:
             body = json.load(reply)
         return list(body["data"]["result"]["result"])
+
+    def actors(self) -> list[dict[str, Any]]:
+        """Every actor the GCS knows (alive and dead), from the dashboard's state API."""
+        return self._state("actors")
 
     def state_of(self, node: Node) -> str:
         for entry in self.nodes():

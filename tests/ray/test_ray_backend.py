@@ -2,7 +2,8 @@
 CPU each, on 127.0.0.1): one rank per node with gloo across them, the environment contract,
 values in rank order, large tensors back as raw buffers, a rank's own exception, MLflow
 points from both nodes, the panel's rows naming the nodes, interrupt, cancel, timeout, a
-node that dies and a kernel that is killed — each leaving no agent and no rank behind."""
+node that dies, a kernel that is killed and one that is restarted — each leaving no agent
+and no rank behind."""
 
 from __future__ import annotations
 
@@ -40,6 +41,21 @@ def ray_processes(ranks_only: bool = False) -> list[str]:
 
 def running_ranks() -> int:
     return len(ray_processes(ranks_only=True))
+
+
+def live_agents(cluster: RayCluster) -> list[str]:
+    """The RankAgent actors the GCS does not list as dead (its state API)."""
+    return [
+        f"{actor['actor_id'][:12]} {actor['state']}"
+        for actor in cluster.actors()
+        if actor.get("class_name") == "RankAgent" and actor.get("state") != "DEAD"
+    ]
+
+
+def session_paths(kernel_pid: int) -> list[str]:
+    """A kernel's air_magic folders (session folder, shared-memory folder)."""
+    pattern = f"air_magic-{kernel_pid}-*"
+    return glob.glob(os.path.join(tempfile.gettempdir(), pattern)) + glob.glob(os.path.join("/dev/shm", pattern))
 
 
 def assert_nothing_left(timeout: float = 15.0) -> None:
@@ -288,3 +304,63 @@ def test_a_killed_kernel_takes_its_ranks_along(kernel_factory: Any, ray_cluster:
     os.kill(doomed.km.provisioner.process.pid, signal.SIGKILL)
     doomed.forget()
     assert_nothing_left(timeout=20)
+
+
+def test_a_restarted_kernel_takes_its_ranks_along_and_launches_again(
+    kernel_factory: Any, ray_cluster: RayCluster
+) -> None:
+    restarted = kernel_factory(extra_env={**ray_cluster.env, **GLOO})
+    restarted.ok("import air_magic\nair_magic.ray_init()", timeout=120)
+    restarted.execute("%%distributed -n 2 --backend ray\nimport time\ntime.sleep(300)\n")
+    assert wait_until(lambda: running_ranks() == 2, 120)
+    assert len(live_agents(ray_cluster)) == 2
+    old_pid = restarted.pid
+    requested = time.monotonic()
+    # The front end's "Restart kernel": a shutdown_request with restart=True while the cell
+    # runs, the process ended if it is still there after shutdown_wait_time, a new kernel.
+    restarted.km.restart_kernel(now=False)
+    restarted.refresh_pid()
+    assert restarted.pid != old_pid
+    gone = wait_until(lambda: not ray_processes() and not live_agents(ray_cluster), 20, interval=0.2)
+    took = time.monotonic() - requested
+    assert gone, f"left {took:.1f} s after the restart: {ray_processes()} {live_agents(ray_cluster)}"
+    assert took < 12, took
+    # The old kernel's own folders (its session folder, its shared-memory folder) went too.
+    assert wait_until(lambda: not session_paths(old_pid), 5), session_paths(old_pid)
+    restarted.kc.wait_for_ready(timeout=60)
+    restarted.ok("%load_ext air_magic")
+    restarted.ok("%config DistributedMagics.tracking = False")
+    result = restarted.ok("import air_magic\nair_magic.ray_init()", timeout=120)
+    assert "2 nodes" in result.stdout  # the same cluster
+    restarted.ok("%%distributed -n 2 --backend ray\nimport os\nint(os.environ['RANK'])\n", timeout=180)
+    assert restarted.value("_") == [0, 1]
+    assert_nothing_left()
+
+
+def test_a_launch_whose_kernel_leaves_ray_ends_without_connecting_it_again(
+    kernel_factory: Any, ray_cluster: RayCluster
+) -> None:
+    leaving = kernel_factory(extra_env={**ray_cluster.env, **GLOO})
+    leaving.ok("import air_magic, ray\nair_magic.ray_init()", timeout=120)
+    leaving.ok(
+        """\
+from air_magic import distributed
+
+@distributed(num_accelerators=2, backend="ray")
+def sleeps():
+    import time
+    time.sleep(300)
+
+sleeping = sleeps.submit()
+""",
+        timeout=60,
+    )
+    assert wait_until(lambda: running_ranks() == 2, 120)
+    leaving.ok("ray.shutdown()", timeout=60)
+    leaving.ok("err = sleeping.exception(timeout=30)", timeout=60)
+    # The launch's thread made no Ray call after that (ray.get, ray.kill would have joined again).
+    assert leaving.value("ray.is_initialized()") is False
+    assert leaving.value("str(err)").endswith(
+        "the connection to the Ray cluster was lost: this process left the Ray cluster (ray.shutdown())"
+    )
+    assert_nothing_left()
