@@ -91,12 +91,14 @@ def in_loopback_namespace() -> bool:
     return os.environ.get(MARK) == "1" and [name for _, name in socket.if_nameindex()] == ["lo"]
 
 
-def reexec_in_namespace(argv: list[str]) -> int:
+def reexec_in_namespace(argv: list[str], script: str = __file__) -> int:
+    """Run ``python script argv...`` again inside a new loopback-only network namespace (and
+    PID namespace); its exit code."""
     unshare = shutil.which("unshare")
     if unshare is None:
         sys.exit("unshare (util-linux) is needed: the benchmark runs in a loopback-only network namespace")
     flags = ["-n"] if os.geteuid() == 0 else ["-rn"]
-    inner = "ip link set lo up && exec " + shlex.join([sys.executable, os.path.abspath(__file__), *argv])
+    inner = "ip link set lo up && exec " + shlex.join([sys.executable, os.path.abspath(script), *argv])
     if os.environ.get(MARK) == "1":
         sys.exit("could not make a loopback-only network namespace (this is one already, with other interfaces)")
     env = {**os.environ, MARK: "1"}
@@ -205,8 +207,9 @@ def trainer_training(config: dict) -> None:
 # -- the cluster -------------------------------------------------------------------------------
 
 
-def start_cluster(folder: str) -> dict[str, str]:
-    """A head and one more node, 1 CPU each; the environment of every Ray process and driver."""
+def start_cluster(folder: str, root: str = ROOT) -> dict[str, str]:
+    """A head and one more node, 1 CPU each; the environment of every Ray process and driver
+    (``root``, the air_magic checkout they import, first on ``PYTHONPATH``)."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     home = os.path.join(folder, "home")
     os.makedirs(home)
@@ -217,7 +220,7 @@ def start_cluster(folder: str) -> dict[str, str]:
         "RAY_ADDRESS": ADDRESS,
         "RAY_USAGE_STATS_ENABLED": "0",
         "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     }
     subprocess.run([ray_bin, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     temp = os.path.join(folder, "ray")
