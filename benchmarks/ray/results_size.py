@@ -116,9 +116,7 @@ def measure_tree(tree: str, mib: int, reps: int) -> dict[str, Any]:
         for args in (["--abbrev-ref"], ["--short"])
     )
     return {
-        "tree": tree,
-        "commit": f"{branch} {commit}".strip(),
-        "air_magic": air_magic.__file__,
+        "commit": f"{branch} {commit}".strip(),  # (no path of this machine in the results)
         "driver_node": driver_node,
         "ray_version": ray.__version__,
         "torch_version": torch.__version__,
@@ -140,22 +138,23 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         f"Machine: {m['cores']} cores ({m.get('cpu', '?')}), {m.get('memory_gib', '?')} GiB, Linux {m['kernel']}, "
         f"Python {m['python']}; a 2-node Ray cluster on it (1 CPU each, loopback only). Run of {results['date']}: "
-        f"a {results['mib']} MiB float32 tensor from rank 1 of 2, {results['reps']} timed calls after one untimed.",
+        f"a {results['mib']} MiB float32 tensor from one of 2 ranks (one per node), {2 * results['reps']} timed calls "
+        "after one untimed, counted by where the tensor came from.",
         "",
-        "| checkout | tensor from | result time (median, min–max) | call time | driver's peak RSS above its "
-        "start | RSS after |",
-        "|---|---|---:|---:|---:|---:|",
+        "| checkout | tensor from | calls | result time (median, min–max) | call time | driver's peak RSS above "
+        "its start | RSS after |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for tree in results["trees"]:
-        name = tree["commit"] or tree["tree"]
+        name = tree["commit"]
         if not tree["runs"]:
-            lines.append(f"| {name} | failed | | | | |")
+            lines.append(f"| {name} | failed | | | | | |")
             continue
         for where in sorted({run["from"] for run in tree["runs"]}):
             runs = [run for run in tree["runs"] if run["from"] == where]
 
             cells = [_cell([run[key] for run in runs], unit, digits) for key, unit, digits in _COLUMNS]
-            lines.append(f"| {name} | {where} | " + " | ".join(cells) + " |")
+            lines.append(f"| {name} | {where} | {len(runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -181,7 +180,7 @@ def main() -> int:
         "reps": args.reps,
         "trees": [],
     }
-    for tree in [os.path.abspath(t) for t in args.tree or [ROOT]]:
+    for index, tree in enumerate(os.path.abspath(t) for t in args.tree or [ROOT]):
         # Each checkout in a namespace of its own: its cluster ends with it.
         with tempfile.NamedTemporaryFile(suffix=".json") as answer:
             code = reexec_in_namespace(
@@ -191,7 +190,7 @@ def main() -> int:
                 with open(answer.name) as handle:
                     results["trees"].append(json.load(handle))
             except (OSError, ValueError):
-                results["trees"].append({"tree": tree, "commit": "", "runs": [], "exit": code})
+                results["trees"].append({"commit": f"checkout {index + 1}", "runs": [], "exit": code})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results_size.json"), "w") as handle:
         json.dump(results, handle, indent=1)
