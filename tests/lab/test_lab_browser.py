@@ -14,7 +14,9 @@ from this checkout's committed assets, so the test runs what ``pip install .`` s
 * the notebook saved with its summary, reopened on a fresh server (no kernel that ran it;
   the new kernel never loads air_magic), shows the summary drawn by the extension's
   renderer from the saved output (per-rank outcome);
-* Notebook 7: the extension loads, its sidebar lists a launch, Stop stops it.
+* Notebook 7: the extension loads, its sidebar lists a launch, Stop stops it;
+* JupyterLab with the extension disabled runs ``%load_ext air_magic`` and a launch without
+  a console error (the kernel opens no comm that such a page would have no target for).
 
 Screenshots (timestamps masked) go to ``AIR_MAGIC_UI_ARTIFACTS`` when set, else into the
 test's temp folder.  Skipped without Chromium or JupyterLab unless ``AIR_MAGIC_UI_REQUIRED=1``.
@@ -82,6 +84,13 @@ SAVE = (
     " await w.context.save(); return true; })()"
 )
 
+# The notebook's kernel connection's air_magic comms (a private map of JupyterLab's, read by the test only).
+COMMS = (
+    "(() => { const w = [...window.jupyterapp.shell.widgets('main')].find(w => w.sessionContext);"
+    " const comms = [...w.sessionContext.session.kernel._comms.values()].filter(c => c.targetName === 'air_magic');"
+    " return JSON.stringify(comms.map(c => ({target: c.targetName, subshell: !!c.subshellId}))); })()"
+)
+
 MASK_CLOCKS = (
     "(() => { document.querySelectorAll('.air-magic-elapsed').forEach(n => n.style.visibility = 'hidden');"
     " return true; })()"
@@ -131,13 +140,15 @@ def _errors(tools: DevTools) -> list[str]:
     return found
 
 
-def _open(tools: DevTools, url: str) -> None:
+def _open(tools: DevTools, url: str, extension: bool = True) -> None:
     tools.call("Page.navigate", url="about:blank")
     tools.events.clear()  # what the page before said is not this page's
     tools.call("Page.navigate", url=url)
     time.sleep(0.5)
     seen: list[dict[str, Any]] = []
     _poll(tools, seen, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
+    if not extension:
+        return
     deadline = time.monotonic() + 30
     while not tools.evaluate("!!(window.jupyterapp && window.jupyterapp.commands.hasCommand('air-magic:migrate'))"):
         assert time.monotonic() < deadline, "the extension did not load"
@@ -191,6 +202,8 @@ def _stop_from_the_sidebar(tools: DevTools, shots: Path, name: str) -> None:
     state = _sidebar(tools, running, 90, "the launch and its two ranks running in the sidebar")
     item = state["items"][0]
     assert item["stop"] and "2 CPU ranks" in item["text"] and len(rank_processes()) == 2
+    # The page's comm (it opened it) is on a kernel subshell: Stop is a message, not an interrupt.
+    assert json.loads(tools.evaluate(COMMS)) == [{"target": "air_magic", "subshell": True}]
     tools.evaluate(MASK_CLOCKS)
     _shot(tools, "#air-magic-launches", shots / f"{name}-sidebar-running.png")
     tools.evaluate(
@@ -210,6 +223,10 @@ def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], pa
     tools = page
     shots = _artifacts(lab["tmp"])
     _open(tools, f"{lab['base']}/lab/tree/launch.ipynb?reset&token={lab['token']}")
+    # The JupyterLab that serves (AIR_MAGIC_UI_SERVER_PYTHON's, when set).  (Which versions of
+    # the shared packages the extension asks for, test_lab_assets checks: a console warning
+    # "Unsatisfied version" does not say which extension it is about.)
+    assert tools.evaluate("window.jupyterapp.version") == lab["version"]
     assert tools.evaluate(OPEN_SIDEBAR)
     _sidebar(tools, lambda s: "air_magic is not loaded" in s["text"], 10, "the sidebar before %load_ext")
     _stop_from_the_sidebar(tools, shots, "lab")
@@ -342,3 +359,40 @@ def test_notebook_7_lists_a_launch_and_stops_it(notebook7: dict[str, Any], page:
     # extension's own errors count here.
     ours = [e for e in _errors(tools) if "air-magic" in e or "air_magic" in e or "schema" not in e]
     assert not ours, ours
+
+
+SHORT_CELLS = [SETUP, "%%distributed -n 2\nimport os\nint(os.environ['RANK'])"]
+
+
+def test_a_lab_without_the_extension_runs_air_magic_without_console_errors(
+    page: DevTools, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Installed but disabled (as `jupyter labextension disable` does): the page knows no
+    # "air_magic" comm target, so a kernel that opened a comm to it would make JupyterLab
+    # log "Exception opening new comm".
+    tmp = tmp_path_factory.mktemp("disabled")
+    _install_extension(tmp)
+    labconfig = tmp / "config" / "labconfig"
+    labconfig.mkdir(parents=True)
+    (labconfig / "page_config.json").write_text(json.dumps({"disabledExtensions": {"air-magic-labextension": True}}))
+    tools = page
+    with serve_jupyter(tmp, {"short.ipynb": SHORT_CELLS}) as server:
+        try:
+            _open(tools, f"{server['base']}/lab/tree/short.ipynb?reset&token={server['token']}", extension=False)
+            assert not tools.evaluate("window.jupyterapp.commands.hasCommand('air-magic:migrate')")
+            assert not tools.evaluate("!!document.getElementById('air-magic-launches')")
+            tools.evaluate(RUN_ALL)
+            seen: list[dict[str, Any]] = []
+            _poll(
+                tools,
+                seen,
+                lambda s: "[0, 1]" in s["cells"][1]["text"] and s.get("kernel") == "idle",
+                90,
+                "the launch's result",
+            )
+            time.sleep(1)
+            errors = _errors(tools)
+            tools.call("Page.navigate", url="about:blank")  # before its server goes
+        finally:
+            _shut_kernels_down(server)
+    assert not errors, errors
