@@ -11,9 +11,9 @@ from this checkout's committed assets, so the test runs what ``pip install .`` s
 * "Migrate from serverless_gpu" on the documentation's notebook (``seeds.ipynb``) shows
   its diffs, Apply rewrites the open model (undoable), and the saved file's cells equal
   ``air-magic lint --fix`` on the same file, outputs and metadata untouched;
-* the notebook saved with its summary, reopened on a fresh server (no kernel that ran it;
-  the new kernel never loads air_magic), shows the summary drawn by the extension's
-  renderer from the saved output (per-rank outcome);
+* the notebook saved with its summary, reopened on a fresh server that lacks its kernel
+  ("No Kernel" chosen in JupyterLab's dialog; the server runs no kernel), shows the summary
+  drawn by the extension's renderer from the saved output (per-rank outcome);
 * Notebook 7: the extension loads, its sidebar lists a launch, Stop stops it;
 * JupyterLab with the extension disabled runs ``%load_ext air_magic`` and a launch without
   a console error (the kernel opens no comm that such a page would have no target for).
@@ -244,7 +244,17 @@ def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], pa
     assert not _errors(tools), _errors(tools)
 
 
-def test_a_saved_summary_reopened_elsewhere_is_drawn_by_the_extension(
+# Where the saved notebook is reopened: a server that has no kernel of that name nor language.
+ELSEWHERE = {"name": "air-magic-elsewhere", "display_name": "Python (elsewhere)", "language": "elsewhere"}
+
+DIALOG = (
+    "(() => { const d = document.querySelector('.jp-Dialog');"
+    " return d ? JSON.stringify({title: (d.querySelector('.jp-Dialog-header') || {}).innerText || '',"
+    " buttons: [...d.querySelectorAll('.jp-Dialog-footer button')].map(b => b.innerText)}) : 'null'; })()"
+)
+
+
+def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(
     lab: dict[str, Any], page: DevTools, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     saved = lab["tmp"] / "saved.ipynb"
@@ -252,18 +262,41 @@ def test_a_saved_summary_reopened_elsewhere_is_drawn_by_the_extension(
         pytest.skip("the launch test did not save its notebook")
     tmp = tmp_path_factory.mktemp("nokernel")
     _install_extension(tmp)
-    # A fresh server: no kernel that ran the launch, and the notebook's new kernel never loads
-    # air_magic; what shows is drawn from the saved output by the extension's renderer.
+    # A fresh server that lacks the notebook's kernel: JupyterLab asks which to start, and
+    # "No Kernel" is chosen; what shows is drawn from the saved output by the renderer.
+    notebook = nbformat.read(saved, as_version=4)
+    notebook.metadata["kernelspec"] = ELSEWHERE
+    notebook.metadata["language_info"] = {"name": ELSEWHERE["language"]}
     tools = page
     tools.events.clear()
     with serve_jupyter(tmp, {}) as server:
-        shutil.copy(saved, server["root"] / "saved.ipynb")
+        nbformat.write(notebook, server["root"] / "saved.ipynb")
         tools.call("Page.navigate", url=f"{server['base']}/lab/tree/saved.ipynb?reset&token={server['token']}")
+        deadline = time.monotonic() + 60
+        while True:
+            dialog = json.loads(tools.evaluate(DIALOG))
+            if dialog and dialog["title"] == "Select Kernel":
+                break
+            assert time.monotonic() < deadline, f"JupyterLab did not ask for a kernel: {dialog}"
+            time.sleep(0.25)
+        assert dialog["buttons"][0] == "No Kernel", dialog
+        tools.evaluate("(() => { document.querySelector('.jp-Dialog .jp-mod-reject').click(); return true; })()")
         deadline = time.monotonic() + 60
         while not tools.evaluate("!!document.querySelector('.air-magic-Summary [data-air-magic-status]')"):
             assert time.monotonic() < deadline, "the summary was not drawn by the extension"
             time.sleep(0.25)
-        time.sleep(1)
+        time.sleep(2)  # a kernel started by mistake would be there by now
+        assert json.loads(tools.evaluate(DIALOG)) is None
+        assert _api(server, "/api/kernels") == []
+        assert [s["kernel"] for s in _api(server, "/api/sessions")] in ([], [None]), _api(server, "/api/sessions")
+        state = json.loads(
+            tools.evaluate(
+                "(() => { const w = [...window.jupyterapp.shell.widgets('main')].find(w => w.sessionContext);"
+                " const c = w.sessionContext; return JSON.stringify({kernel: c.session ? !!c.session.kernel : false,"
+                " name: c.kernelDisplayName}); })()"
+            )
+        )
+        assert state == {"kernel": False, "name": "No Kernel"}, state
         drawn = json.loads(
             tools.evaluate(
                 "(() => { const s = document.querySelector('.air-magic-Summary [data-air-magic-status]');"
@@ -274,10 +307,6 @@ def test_a_saved_summary_reopened_elsewhere_is_drawn_by_the_extension(
         assert drawn["status"] == "cancelled" and drawn["rows"] == ["stopped", "stopped"], drawn
         assert "cancelled" in drawn["text"] and "2 CPU ranks" in drawn["text"]
         assert not tools.evaluate("!!document.querySelector('#air-magic-launches [data-air-magic-item]')")
-        tools.evaluate(
-            "(() => { document.querySelectorAll('.jp-Dialog button').forEach(b => b.click()); return true; })()"
-        )
-        time.sleep(0.5)
         tools.evaluate(MASK_CLOCKS)
         _shot(tools, ".air-magic-Summary", _artifacts(lab["tmp"]) / "lab-summary-reopened.png")
         tools.call("Page.navigate", url="about:blank")  # before its server goes
