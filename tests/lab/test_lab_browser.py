@@ -18,6 +18,9 @@ from this checkout's committed assets, so the test runs what ``pip install .`` s
 * JupyterLab with the extension disabled runs ``%load_ext air_magic`` and a launch without
   a console error (the kernel opens no comm that such a page would have no target for).
 
+``AIR_MAGIC_UI_SERVER_PYTHON`` runs them against another environment's JupyterLab and
+Notebook (``scripts/check_lab_versions.sh``: the oldest JupyterLab supported).
+
 Screenshots (timestamps masked) go to ``AIR_MAGIC_UI_ARTIFACTS`` when set, else into the
 test's temp folder.  Skipped without Chromium or JupyterLab unless ``AIR_MAGIC_UI_REQUIRED=1``.
 """
