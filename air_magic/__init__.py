@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import _plugins
 from ._version import __version__
 from .accelerators import AcceleratorType, GPUType
 from .decorator import DistributedFunction, distributed
@@ -79,11 +80,11 @@ def load_ipython_extension(ipython: Any) -> None:
     from .magics import DistributedMagics
 
     ipython.register_magics(DistributedMagics, LintMagics)
-    from ._plugins import connect_lab, get_launcher
+    from ._plugins import get_launcher, lab_target
 
     launcher = get_launcher()
     launcher.warm()
-    connect_lab(ipython)  # the JupyterLab extension's list of launches, Stop and logs
+    lab_target(ipython)  # the JupyterLab extension's comm target (import air_magic registered it too)
     from .tracking import recover_in_background, warm_in_background
 
     recover_in_background()  # what launches of a kernel that died left unsent (in the background)
@@ -107,3 +108,9 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
     """The Jupyter server extension: the lab extension's migration command (``air_magic.lint.server``)."""
     return [{"module": "air_magic.lint.server"}]
+
+
+# In a kernel: the comm target the JupyterLab extension opens its comm to (the list of
+# launches, Stop, logs), there as soon as anything imports air_magic.  Cheap: nothing is
+# imported for it (``_plugins.lab_target``).
+_plugins.lab_target()

@@ -7,18 +7,24 @@ first call registers the plug-ins' factories with ``Launcher.add_observer``::
     front --get_launcher()--> register (once): tracking, panel, "tracking is off" line,
                               the lab extension's list (observer factories), the panel as
                               a launch's notebook view --> launcher.get_launcher()
-    %load_ext --connect_lab(shell)--> the lab extension's comm (panel._lab)
+    import air_magic (in a kernel) --lab_target()--> the comm target "air_magic" registered;
+                              a front end's comm_open --lab_opened--> panel._lab.opened
 
-Nothing heavy is imported here: each factory imports its module at a launch's start.
+Nothing heavy is imported here: each factory imports its module at a launch's start, and
+the lab extension's module when a front end opens its comm.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .launcher import Launch, Launcher, LaunchObserver
+
+#: The comm target the JupyterLab extension (labextension/src/channel.ts) opens its comm to.
+LAB_TARGET = "air_magic"
 
 _registered = False
 _lock = threading.Lock()
@@ -58,17 +64,44 @@ def tracking_off(launch: "Launch") -> None:
 
 def lab(launch: "Launch") -> "LaunchObserver | None":
     """The JupyterLab extension's list of launches (only in a kernel: panel._lab)."""
+    if not lab_target():
+        return None
     from .panel._lab import lab_observer
 
     return lab_observer(launch)
 
 
-def connect_lab(shell: Any) -> None:
-    """``%load_ext``: the comm the JupyterLab extension talks to, opened now (a first
-    launch would open it too)."""
-    from .panel._lab import connect
+def lab_target(shell: Any = None) -> bool:
+    """Register the comm target the JupyterLab extension opens its comm to, in a kernel
+    only; False elsewhere (terminal IPython, plain Python, a rank process).
 
-    connect(shell)
+    The kernel never opens a comm itself: a front end without the extension would have no
+    target for it (JupyterLab logs "Exception opening new comm").  The extension opens its
+    own once it sees air_magic in the kernel, and finds this target whatever imported
+    air_magic (a cell, ``%load_ext``, a library): ``import air_magic`` calls this, as do
+    ``%load_ext`` and each launch (registering again is harmless).  Cheap: IPython is
+    looked up only if something imported it already, and ``air_magic.panel`` is imported
+    when a front end opens its comm.
+    """
+    if shell is None:
+        get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+        shell = get_ipython() if get_ipython is not None else None
+    if getattr(shell, "kernel", None) is None:
+        return False
+    try:
+        import comm
+
+        comm.get_comm_manager().register_target(LAB_TARGET, lab_opened)
+    except Exception:  # a kernel without comms: the extension just finds nothing there
+        return False
+    return True
+
+
+def lab_opened(comm: Any, msg: dict[str, Any]) -> None:
+    """A front end opened its comm to the target: the lab extension's channel adopts it."""
+    from .panel._lab import opened
+
+    opened(comm, msg)
 
 
 def register() -> None:

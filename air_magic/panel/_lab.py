@@ -1,19 +1,25 @@
 """The JupyterLab extension's kernel side: the comm target ``air_magic`` and what it says.
 
 The extension (``labextension/``) lists this kernel's launches with Stop, a rank's log
-and the cell that started each one.  Everything goes over one Jupyter comm, and the
-kernel speaks only when something changed: no front end polls it::
+and the cell that started each one.  Everything goes over Jupyter comms that the front end
+opens (the kernel only registers the target: a front end without the extension would have
+nothing to receive a comm the kernel opened), and the kernel speaks only when something
+changed: no front end polls it::
 
-    front end (labextension/src/channel.ts)          kernel (this module)
-    ---------------------------------------          --------------------
-                                  <--- comm_open    at %load_ext (or a first launch): the
-                                                     channel, opened by the kernel, and the
-                                                     comm target registered for front ends
-                                                     that open their own (or reconnect)
-    comm_open "air_magic" / {"type": "list"} --->   {"type": "launches", ...}
+    front end (labextension/src/channel.ts)          kernel (air_magic._plugins, this module)
+    ---------------------------------------          ----------------------------------------
+                                                     import air_magic: target "air_magic"
+                                                     registered (nothing sent)
+    a cell whose code names air_magic ended:
+    comm_open "air_magic" / {"type": "list"} --->   opened(): {"type": "launches", ...}
+                                 <--- comm_close    no target (air_magic not imported): the
+                                                     page waits for the next such cell
+    a page loaded on a kernel that has one:
+    comm_info_request "air_magic"           --->    the open comms; the page adopts one and
+    {"type": "list"}                        --->    gets the list on it
                                   <--- "launches"   at a launch's start, each change of its
                                                      state (a watcher thread, only while a
-                                                     launch runs) and its end
+                                                     launch runs) and its end, on every comm
     {"type": "stop", "launch", "request"}   --->    Launch.cancel(); reply {"ok": ...}
     {"type": "log", "launch", "rank", ...}  --->    the end of that rank's log; reply {"text"}
 
@@ -48,9 +54,8 @@ from ._state import outcome_text, rank_state
 if TYPE_CHECKING:
     from ..launcher import Launch
 
-__all__ = ["TARGET", "LabChannel", "channel", "connect", "lab_observer", "describe"]
+__all__ = ["LabChannel", "channel", "opened", "lab_observer", "describe"]
 
-TARGET = "air_magic"
 _RECENT = 10  # ended launches listed
 _WATCH = 0.5  # seconds between looks at running launches
 _LOG_BYTES = 64 * 1024  # of a rank's log, sent at most
@@ -250,30 +255,12 @@ def _kernel(shell: Any) -> Any:
     return getattr(shell, "kernel", None) if shell is not None else None
 
 
-def connect(shell: Any) -> bool:
-    """Register the comm target and open the channel to the front ends (once per kernel);
-    False where the shell is not a kernel's (terminal IPython, plain Python)."""
-    if _kernel(shell) is None:
-        return False
+def opened(comm: Any, msg: dict[str, Any] | None = None) -> None:
+    """A front end opened its comm (target ``air_magic``, registered by
+    :func:`air_magic._plugins.lab_target`): adopted, and the list sent on it."""
     lab = channel()
-    with lab._lock:
-        if lab.shell is not None:
-            return True
-        lab.shell = shell
-    import comm
-
-    comm.get_comm_manager().register_target(TARGET, lambda c, msg: _opened(lab, c))
-    try:
-        opened = comm.create_comm(target_name=TARGET, data=lab.message())
-    except Exception:  # no front end to talk to now; one may open its own comm later
-        return True
-    lab.adopt(opened)
-    return True
-
-
-def _opened(lab: LabChannel, opened: Any) -> None:
-    lab.adopt(opened)
-    lab._send(opened, lab.message())
+    lab.adopt(comm)
+    lab._send(comm, lab.message())
 
 
 def _cell() -> dict[str, Any]:
@@ -318,6 +305,9 @@ def lab_observer(launch: "Launch") -> _LabObserver | None:
     from IPython import get_ipython
 
     shell = get_ipython()
-    if not connect(shell):
+    if _kernel(shell) is None:
         return None
-    return _LabObserver(channel())
+    lab = channel()
+    with lab._lock:
+        lab.shell = shell  # the watcher releases its iopub socket through it
+    return _LabObserver(lab)

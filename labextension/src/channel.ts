@@ -1,20 +1,33 @@
 /**
  * The comm to a kernel's air_magic (kernel side: air_magic/panel/_lab.py).
  *
- *   kernel --comm_open "air_magic" (at %load_ext)--> adopt it
- *   page reload, kernel already has it --requestCommInfo--> adopt the open comm by its id
+ * The kernel only registers the comm target "air_magic" (as air_magic is imported): the
+ * page opens the comm, once it has reason to think air_magic is in the kernel, so a
+ * kernel never opens a comm that a front end without this extension would not know.
+ *
+ *   a cell whose code names air_magic (iopub execute_input) has ended (its status idle),
+ *   and no comm yet --comm_open {"type": "list"}--> {"type": "launches"}: connected
+ *        <--comm_close-- no target (air_magic not imported): wait for the next such cell
+ *   the kernel connected (a page loaded on a kernel that has air_magic)
+ *        --comm_info_request--> an open comm of the target: adopted, {"type": "list"}
  *   kernel --{"type": "launches"}--> launches, changed signal (the sidebar, the status bar)
  *   Stop --{"type": "stop"}--> (on a kernel subshell: handled while a cell blocks the kernel;
  *        without subshells a blocking launch is stopped by interrupting the kernel)
  *   rank log --{"type": "log"}--> {"type": "reply", "text"}
  *
- * Nothing is sent to a kernel that has not spoken first: no polling.
+ * No timers, no polling: the kernel is asked once when it connects, and after a cell that
+ * names air_magic until a comm is open.  The comm's messages go on its kernel subshell
+ * (JupyterLab >= 4.4 starts one per comm target where the kernel has them), the open
+ * included: the list arrives while a cell started after the import still runs.
  */
 import { ISessionContext } from '@jupyterlab/apputils';
 import { Kernel, KernelMessage } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 
 export const TARGET = 'air_magic';
+
+/** The code of a cell after which air_magic may be in the kernel. */
+const NAMES_AIR_MAGIC = /air_magic|^\s*%%distributed\b/m;
 
 export interface IRank {
   rank: number;
@@ -61,9 +74,9 @@ export class KernelChannel {
     this._follow(sessionContext.session?.kernel ?? null);
   }
 
-  /** Whether the kernel has air_magic loaded (a comm is open). */
+  /** Whether the kernel has air_magic (a comm is open and the kernel sent its list). */
   get connected(): boolean {
-    return this._comm !== null;
+    return this._comm !== null && this._listed;
   }
 
   get launches(): ILaunch[] {
@@ -136,6 +149,7 @@ export class KernelChannel {
     if (this._kernel) {
       this._kernel.statusChanged.disconnect(this._onStatus, this);
       this._kernel.connectionStatusChanged.disconnect(this._onConnection, this);
+      this._kernel.iopubMessage.disconnect(this._onIOPub, this);
     }
     this._reset();
     this._kernel = kernel;
@@ -144,27 +158,15 @@ export class KernelChannel {
     }
     kernel.statusChanged.connect(this._onStatus, this);
     kernel.connectionStatusChanged.connect(this._onConnection, this);
-    this._register();
+    kernel.iopubMessage.connect(this._onIOPub, this);
     if (kernel.connectionStatus === 'connected') {
       void this._findOpen();
     }
   }
 
-  private _register(): void {
-    const kernel = this._kernel;
-    if (!kernel || kernel.isDisposed) {
-      return;
-    }
-    kernel.registerCommTarget(TARGET, (comm: Kernel.IComm, msg: KernelMessage.ICommOpenMsg) => {
-      this._adopt(comm);
-      this._onData(msg.content.data as any);
-    });
-  }
-
   private _onStatus(kernel: Kernel.IKernelConnection): void {
     if (kernel.status === 'restarting' || kernel.status === 'autorestarting' || kernel.status === 'dead') {
       this._reset();
-      this._register();
     }
   }
 
@@ -174,10 +176,60 @@ export class KernelChannel {
     }
   }
 
-  /** A kernel that loaded air_magic before this page opened has its comm open: adopt it. */
+  /** A cell that names air_magic, then its end: the moment to open the comm. */
+  private _onIOPub(kernel: Kernel.IKernelConnection, msg: KernelMessage.IIOPubMessage): void {
+    if (kernel !== this._kernel || this.connected) {
+      return;
+    }
+    const cell = (msg.parent_header as Partial<KernelMessage.IHeader>).msg_id;
+    if (!cell) {
+      return;
+    }
+    if (KernelMessage.isExecuteInputMsg(msg)) {
+      if (NAMES_AIR_MAGIC.test(msg.content.code)) {
+        this._cells.add(cell);
+      }
+    } else if (
+      KernelMessage.isStatusMsg(msg) &&
+      msg.content.execution_state === 'idle' &&
+      this._cells.delete(cell)
+    ) {
+      void this._open();
+    }
+  }
+
+  /** Open a comm to the kernel's target; a kernel without air_magic answers with a close. */
+  private async _open(): Promise<void> {
+    const kernel = this._kernel;
+    if (!kernel || this.connected) {
+      return;
+    }
+    if (this._opening || this._looking || this._comm) {
+      this._again = true; // tried again if the comm on its way is refused
+      return;
+    }
+    this._opening = true;
+    this._again = false;
+    try {
+      const comm = kernel.createComm(TARGET);
+      await onItsSubshell(kernel, comm);
+      if (kernel !== this._kernel || this._comm) {
+        comm.dispose();
+        return;
+      }
+      this._adopt(comm);
+      comm.open({ type: 'list' });
+    } catch {
+      // a kernel that went away meanwhile: its next start says so
+    } finally {
+      this._opening = false;
+    }
+  }
+
+  /** A kernel that has air_magic's comm open already (this page was reloaded): adopt it. */
   private async _findOpen(): Promise<void> {
     const kernel = this._kernel;
-    if (!kernel || this._comm || this._looking) {
+    if (!kernel || this._comm || this._looking || this._opening) {
       return;
     }
     this._looking = true;
@@ -187,11 +239,16 @@ export class KernelChannel {
       if (content.status !== 'ok' || this._comm || kernel !== this._kernel) {
         return;
       }
-      const ids = Object.keys(content.comms ?? {}).filter(
-        id => content.comms[id].target_name === TARGET
+      const id = Object.keys(content.comms ?? {}).find(
+        id => content.comms[id].target_name === TARGET && !kernel.hasComm(id)
       );
-      if (ids.length && !kernel.hasComm(ids[0])) {
-        const comm = kernel.createComm(TARGET, ids[0]);
+      if (id) {
+        const comm = kernel.createComm(TARGET, id);
+        await onItsSubshell(kernel, comm);
+        if (kernel !== this._kernel || this._comm) {
+          comm.dispose();
+          return;
+        }
         this._adopt(comm);
         comm.send({ type: 'list' });
       }
@@ -199,21 +256,26 @@ export class KernelChannel {
       // a kernel that went away meanwhile: its next start says so
     } finally {
       this._looking = false;
+      if (this._again && !this._comm) {
+        void this._open();
+      }
     }
   }
 
   private _adopt(comm: Kernel.IComm): void {
-    if (this._comm && this._comm !== comm) {
-      this._comm.dispose();
-    }
     this._comm = comm;
     comm.onMsg = (msg: KernelMessage.ICommMsgMsg) => this._onData(msg.content.data as any);
     comm.onClose = () => {
-      if (this._comm === comm) {
-        this._reset();
+      if (this._comm !== comm) {
+        return;
+      }
+      // Closed before the list came: the kernel has no such target (yet).
+      const retry = !this._listed && this._again;
+      this._reset();
+      if (retry) {
+        void this._open();
       }
     };
-    this._changed.emit();
   }
 
   private _onData(data: any): void {
@@ -221,6 +283,7 @@ export class KernelChannel {
       return;
     }
     if (data.type === 'launches') {
+      this._listed = true;
       this._launches = Array.isArray(data.launches) ? data.launches : [];
       if (typeof data.now === 'number') {
         this._skew = data.now - Date.now() / 1000;
@@ -236,8 +299,11 @@ export class KernelChannel {
   }
 
   private _reset(): void {
-    const had = this._comm !== null || this._launches.length > 0;
+    const had = this.connected || this._launches.length > 0;
     this._comm = null;
+    this._listed = false;
+    this._again = false;
+    this._cells.clear();
     this._launches = [];
     for (const resolve of this._pending.values()) {
       resolve({ ok: false, error: 'the kernel went away' });
@@ -252,10 +318,33 @@ export class KernelChannel {
   private _comm: Kernel.IComm | null = null;
   private _launches: ILaunch[] = [];
   private _skew = 0;
+  private _listed = false;
   private _looking = false;
+  private _opening = false;
+  private _again = false;
+  private _cells = new Set<string>(); // the running cells that name air_magic
   private _disposed = false;
   private _next = 0;
   private _prefix = Math.random().toString(36).slice(2, 10);
   private _pending = new Map<string, (reply: IReply) => void>();
   private _changed = new Signal<this, void>(this);
+}
+
+/**
+ * Wait until the comm has its kernel subshell, where it gets one (JupyterLab >= 4.4 starts
+ * it as the comm is created, and the kernel advertises subshells): what is sent on it is
+ * then handled while a cell keeps the main shell busy.
+ */
+async function onItsSubshell(kernel: Kernel.IKernelConnection, comm: Kernel.IComm): Promise<void> {
+  await kernel.info;
+  const started: Promise<void> | undefined = (comm as any).subshellStarted;
+  const k = kernel as any;
+  if (!started || !k.supportsSubshells || k.commsOverSubshells === 'disabled') {
+    return;
+  }
+  try {
+    await started;
+  } catch {
+    // no subshell after all: the main shell
+  }
 }

@@ -55,6 +55,20 @@ def test_the_built_extension_is_complete_and_found_by_jupyter() -> None:
         assert f'"{path}' in pyproject, path
 
 
+def test_the_built_extension_asks_the_oldest_supported_jupyterlab_for_its_shared_packages() -> None:
+    # The builder would require the versions of the JupyterLab it builds with (4.6 here);
+    # package.json's sharedPackages keep each to the range its dependencies declare, so a
+    # JupyterLab 4.4 page loads it without an "Unsatisfied version" warning.
+    source = json.loads((SOURCES / "package.json").read_text())
+    shared = source["jupyterlab"]["sharedPackages"]
+    assert {name: entry["requiredVersion"] for name, entry in shared.items()} == source["dependencies"]
+    assert all(entry["singleton"] and entry["bundled"] is False for entry in shared.values())
+    assert source["dependencies"]["@jupyterlab/application"] == "^4.4.0"
+    assert source["dependencies"]["@jupyterlab/services"] == "^7.4.0"  # JupyterLab 4.4's
+    remote = (BUILT / json.loads((BUILT / "package.json").read_text())["jupyterlab"]["_build"]["load"]).read_text()
+    assert '"@jupyterlab/services",!1,[1,7,4,0]' in remote and '"@jupyterlab/application",!1,[1,4,4,0]' in remote
+
+
 def test_the_migration_gives_what_lint_fix_writes(tmp_path: Path) -> None:
     notebook = nbformat.read(SEEDS, as_version=4)
     sources = [c.source if c.cell_type == "code" else None for c in notebook.cells]

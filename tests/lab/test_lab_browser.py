@@ -11,10 +11,15 @@ from this checkout's committed assets, so the test runs what ``pip install .`` s
 * "Migrate from serverless_gpu" on the documentation's notebook (``seeds.ipynb``) shows
   its diffs, Apply rewrites the open model (undoable), and the saved file's cells equal
   ``air-magic lint --fix`` on the same file, outputs and metadata untouched;
-* the notebook saved with its summary, reopened on a fresh server (no kernel that ran it;
-  the new kernel never loads air_magic), shows the summary drawn by the extension's
-  renderer from the saved output (per-rank outcome);
-* Notebook 7: the extension loads, its sidebar lists a launch, Stop stops it.
+* the notebook saved with its summary, reopened on a fresh server that lacks its kernel
+  ("No Kernel" chosen in JupyterLab's dialog; the server runs no kernel), shows the summary
+  drawn by the extension's renderer from the saved output (per-rank outcome);
+* Notebook 7: the extension loads, its sidebar lists a launch, Stop stops it;
+* JupyterLab with the extension disabled runs ``%load_ext air_magic`` and a launch without
+  a console error (the kernel opens no comm that such a page would have no target for).
+
+``AIR_MAGIC_UI_SERVER_PYTHON`` runs them against another environment's JupyterLab and
+Notebook (``scripts/check_lab_versions.sh``: the oldest JupyterLab supported).
 
 Screenshots (timestamps masked) go to ``AIR_MAGIC_UI_ARTIFACTS`` when set, else into the
 test's temp folder.  Skipped without Chromium or JupyterLab unless ``AIR_MAGIC_UI_REQUIRED=1``.
@@ -82,6 +87,13 @@ SAVE = (
     " await w.context.save(); return true; })()"
 )
 
+# The notebook's kernel connection's air_magic comms (a private map of JupyterLab's, read by the test only).
+COMMS = (
+    "(() => { const w = [...window.jupyterapp.shell.widgets('main')].find(w => w.sessionContext);"
+    " const comms = [...w.sessionContext.session.kernel._comms.values()].filter(c => c.targetName === 'air_magic');"
+    " return JSON.stringify(comms.map(c => ({target: c.targetName, subshell: !!c.subshellId}))); })()"
+)
+
 MASK_CLOCKS = (
     "(() => { document.querySelectorAll('.air-magic-elapsed').forEach(n => n.style.visibility = 'hidden');"
     " return true; })()"
@@ -131,13 +143,15 @@ def _errors(tools: DevTools) -> list[str]:
     return found
 
 
-def _open(tools: DevTools, url: str) -> None:
+def _open(tools: DevTools, url: str, extension: bool = True) -> None:
     tools.call("Page.navigate", url="about:blank")
     tools.events.clear()  # what the page before said is not this page's
     tools.call("Page.navigate", url=url)
     time.sleep(0.5)
     seen: list[dict[str, Any]] = []
     _poll(tools, seen, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
+    if not extension:
+        return
     deadline = time.monotonic() + 30
     while not tools.evaluate("!!(window.jupyterapp && window.jupyterapp.commands.hasCommand('air-magic:migrate'))"):
         assert time.monotonic() < deadline, "the extension did not load"
@@ -191,6 +205,8 @@ def _stop_from_the_sidebar(tools: DevTools, shots: Path, name: str) -> None:
     state = _sidebar(tools, running, 90, "the launch and its two ranks running in the sidebar")
     item = state["items"][0]
     assert item["stop"] and "2 CPU ranks" in item["text"] and len(rank_processes()) == 2
+    # The page's comm (it opened it) is on a kernel subshell: Stop is a message, not an interrupt.
+    assert json.loads(tools.evaluate(COMMS)) == [{"target": "air_magic", "subshell": True}]
     tools.evaluate(MASK_CLOCKS)
     _shot(tools, "#air-magic-launches", shots / f"{name}-sidebar-running.png")
     tools.evaluate(
@@ -210,6 +226,10 @@ def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], pa
     tools = page
     shots = _artifacts(lab["tmp"])
     _open(tools, f"{lab['base']}/lab/tree/launch.ipynb?reset&token={lab['token']}")
+    # The JupyterLab that serves (AIR_MAGIC_UI_SERVER_PYTHON's, when set).  (Which versions of
+    # the shared packages the extension asks for, test_lab_assets checks: a console warning
+    # "Unsatisfied version" does not say which extension it is about.)
+    assert tools.evaluate("window.jupyterapp.version") == lab["version"]
     assert tools.evaluate(OPEN_SIDEBAR)
     _sidebar(tools, lambda s: "air_magic is not loaded" in s["text"], 10, "the sidebar before %load_ext")
     _stop_from_the_sidebar(tools, shots, "lab")
@@ -227,7 +247,17 @@ def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], pa
     assert not _errors(tools), _errors(tools)
 
 
-def test_a_saved_summary_reopened_elsewhere_is_drawn_by_the_extension(
+# Where the saved notebook is reopened: a server that has no kernel of that name nor language.
+ELSEWHERE = {"name": "air-magic-elsewhere", "display_name": "Python (elsewhere)", "language": "elsewhere"}
+
+DIALOG = (
+    "(() => { const d = document.querySelector('.jp-Dialog');"
+    " return d ? JSON.stringify({title: (d.querySelector('.jp-Dialog-header') || {}).innerText || '',"
+    " buttons: [...d.querySelectorAll('.jp-Dialog-footer button')].map(b => b.innerText)}) : 'null'; })()"
+)
+
+
+def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(
     lab: dict[str, Any], page: DevTools, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     saved = lab["tmp"] / "saved.ipynb"
@@ -235,18 +265,41 @@ def test_a_saved_summary_reopened_elsewhere_is_drawn_by_the_extension(
         pytest.skip("the launch test did not save its notebook")
     tmp = tmp_path_factory.mktemp("nokernel")
     _install_extension(tmp)
-    # A fresh server: no kernel that ran the launch, and the notebook's new kernel never loads
-    # air_magic; what shows is drawn from the saved output by the extension's renderer.
+    # A fresh server that lacks the notebook's kernel: JupyterLab asks which to start, and
+    # "No Kernel" is chosen; what shows is drawn from the saved output by the renderer.
+    notebook = nbformat.read(saved, as_version=4)
+    notebook.metadata["kernelspec"] = ELSEWHERE
+    notebook.metadata["language_info"] = {"name": ELSEWHERE["language"]}
     tools = page
     tools.events.clear()
     with serve_jupyter(tmp, {}) as server:
-        shutil.copy(saved, server["root"] / "saved.ipynb")
+        nbformat.write(notebook, server["root"] / "saved.ipynb")
         tools.call("Page.navigate", url=f"{server['base']}/lab/tree/saved.ipynb?reset&token={server['token']}")
+        deadline = time.monotonic() + 60
+        while True:
+            dialog = json.loads(tools.evaluate(DIALOG))
+            if dialog and dialog["title"] == "Select Kernel":
+                break
+            assert time.monotonic() < deadline, f"JupyterLab did not ask for a kernel: {dialog}"
+            time.sleep(0.25)
+        assert dialog["buttons"][0] == "No Kernel", dialog
+        tools.evaluate("(() => { document.querySelector('.jp-Dialog .jp-mod-reject').click(); return true; })()")
         deadline = time.monotonic() + 60
         while not tools.evaluate("!!document.querySelector('.air-magic-Summary [data-air-magic-status]')"):
             assert time.monotonic() < deadline, "the summary was not drawn by the extension"
             time.sleep(0.25)
-        time.sleep(1)
+        time.sleep(2)  # a kernel started by mistake would be there by now
+        assert json.loads(tools.evaluate(DIALOG)) is None
+        assert _api(server, "/api/kernels") == []
+        assert [s["kernel"] for s in _api(server, "/api/sessions")] in ([], [None]), _api(server, "/api/sessions")
+        state = json.loads(
+            tools.evaluate(
+                "(() => { const w = [...window.jupyterapp.shell.widgets('main')].find(w => w.sessionContext);"
+                " const c = w.sessionContext; return JSON.stringify({kernel: c.session ? !!c.session.kernel : false,"
+                " name: c.kernelDisplayName}); })()"
+            )
+        )
+        assert state == {"kernel": False, "name": "No Kernel"}, state
         drawn = json.loads(
             tools.evaluate(
                 "(() => { const s = document.querySelector('.air-magic-Summary [data-air-magic-status]');"
@@ -257,10 +310,6 @@ def test_a_saved_summary_reopened_elsewhere_is_drawn_by_the_extension(
         assert drawn["status"] == "cancelled" and drawn["rows"] == ["stopped", "stopped"], drawn
         assert "cancelled" in drawn["text"] and "2 CPU ranks" in drawn["text"]
         assert not tools.evaluate("!!document.querySelector('#air-magic-launches [data-air-magic-item]')")
-        tools.evaluate(
-            "(() => { document.querySelectorAll('.jp-Dialog button').forEach(b => b.click()); return true; })()"
-        )
-        time.sleep(0.5)
         tools.evaluate(MASK_CLOCKS)
         _shot(tools, ".air-magic-Summary", _artifacts(lab["tmp"]) / "lab-summary-reopened.png")
         tools.call("Page.navigate", url="about:blank")  # before its server goes
@@ -342,3 +391,40 @@ def test_notebook_7_lists_a_launch_and_stops_it(notebook7: dict[str, Any], page:
     # extension's own errors count here.
     ours = [e for e in _errors(tools) if "air-magic" in e or "air_magic" in e or "schema" not in e]
     assert not ours, ours
+
+
+SHORT_CELLS = [SETUP, "%%distributed -n 2\nimport os\nint(os.environ['RANK'])"]
+
+
+def test_a_lab_without_the_extension_runs_air_magic_without_console_errors(
+    page: DevTools, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Installed but disabled (as `jupyter labextension disable` does): the page knows no
+    # "air_magic" comm target, so a kernel that opened a comm to it would make JupyterLab
+    # log "Exception opening new comm".
+    tmp = tmp_path_factory.mktemp("disabled")
+    _install_extension(tmp)
+    labconfig = tmp / "config" / "labconfig"
+    labconfig.mkdir(parents=True)
+    (labconfig / "page_config.json").write_text(json.dumps({"disabledExtensions": {"air-magic-labextension": True}}))
+    tools = page
+    with serve_jupyter(tmp, {"short.ipynb": SHORT_CELLS}) as server:
+        try:
+            _open(tools, f"{server['base']}/lab/tree/short.ipynb?reset&token={server['token']}", extension=False)
+            assert not tools.evaluate("window.jupyterapp.commands.hasCommand('air-magic:migrate')")
+            assert not tools.evaluate("!!document.getElementById('air-magic-launches')")
+            tools.evaluate(RUN_ALL)
+            seen: list[dict[str, Any]] = []
+            _poll(
+                tools,
+                seen,
+                lambda s: "[0, 1]" in s["cells"][1]["text"] and s.get("kernel") == "idle",
+                90,
+                "the launch's result",
+            )
+            time.sleep(1)
+            errors = _errors(tools)
+            tools.call("Page.navigate", url="about:blank")  # before its server goes
+        finally:
+            _shut_kernels_down(server)
+    assert not errors, errors

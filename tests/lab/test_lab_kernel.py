@@ -1,10 +1,12 @@
 """The lab extension's kernel side in a real kernel: the ``air_magic`` comm.
 
-A front end is played with jupyter_client: the comm the kernel opens at ``%load_ext``,
-one the front end opens itself (as a page reloaded on a running kernel does), the list
-of launches pushed at each change, Stop for a background launch and, sent on a kernel
-subshell, for a blocking one while its cell runs, a rank's log, and the summary's own
-MIME type in a saved output.
+A front end is played with jupyter_client, opening its comms as the extension does: the
+kernel opens none itself (neither ``import air_magic`` nor ``%load_ext``), refuses one
+before air_magic is imported (a ``comm_close``: no target), and answers one opened after
+a bare ``import air_magic`` with its list, without importing the panel before that.  Then
+the list of launches pushed at each change on every open comm, Stop for a background
+launch and, on a kernel subshell, a comm opened and a blocking launch stopped while its
+cell runs, a rank's log, and the summary's own MIME type in a saved output.
 """
 
 from __future__ import annotations
@@ -49,6 +51,30 @@ class Front:
                 raise AssertionError(f"timed out waiting for {what}; last messages: {kinds}")
             self.drain(0.1)
 
+    def ended(self, msg_id: str) -> bool:
+        """Has the kernel said "idle" for this request?"""
+        return any(
+            m["msg_type"] == "status"
+            and m["content"]["execution_state"] == "idle"
+            and m["parent_header"].get("msg_id") == msg_id
+            for m in self.messages
+        )
+
+    def run(self, code: str, timeout: float = 30.0) -> str:
+        """A cell, to its end (its iopub messages kept); returns its msg_id."""
+        msg_id = self.kernel.execute(code)
+        self.wait(f"the end of {code!r}", lambda: self.ended(msg_id), timeout)
+        return msg_id
+
+    def open(self, subshell: str | None = None) -> str:
+        """Open a comm to the target as the extension does; returns its id."""
+        comm_id = uuid.uuid4().hex
+        self.send("comm_open", {"comm_id": comm_id, "target_name": "air_magic", "data": {"type": "list"}}, subshell)
+        return comm_id
+
+    def opened_by_kernel(self) -> list[dict[str, Any]]:
+        return [m for m in self.messages if m["msg_type"] == "comm_open"]
+
     def comm_data(self, comm_id: str, kind: str) -> list[dict[str, Any]]:
         return [
             m["content"]["data"]
@@ -91,30 +117,55 @@ def front(kernel_factory: Any) -> Iterator[Front]:
     kernel.shutdown()
 
 
-def test_the_kernel_opens_the_channel_at_load_ext_and_lists_its_launches(front: Front) -> None:
-    kernel = front.kernel
-    msg_id = kernel.execute("%load_ext air_magic\n%config DistributedMagics.tracking = False")
-    front.wait(
-        "the cell's end",
-        lambda: any(
-            m["msg_type"] == "status"
-            and m["content"]["execution_state"] == "idle"
-            and m["parent_header"].get("msg_id") == msg_id
-            for m in front.messages
-        ),
-    )
-    opened = [m for m in front.messages if m["msg_type"] == "comm_open" and m["content"]["target_name"] == "air_magic"]
-    assert len(opened) == 1, opened
-    data = opened[0]["content"]["data"]
-    assert data["type"] == "launches" and data["launches"] == [] and data["now"] > 0
+def test_outside_a_kernel_no_target_is_registered() -> None:
+    from air_magic import _plugins
 
-    # A front end that opens its own comm (a page reloaded on this kernel) gets the list too.
-    comm_id = uuid.uuid4().hex
-    front.send("comm_open", {"comm_id": comm_id, "target_name": "air_magic", "data": {}})
+    assert _plugins.lab_target() is False  # this process: no kernel
+    assert _plugins.lab_target(object()) is False  # a shell without one (terminal IPython)
+
+
+def test_the_kernel_opens_no_comm_and_answers_one_opened_after_import_air_magic(front: Front) -> None:
+    # Before air_magic is imported the target is not there: the kernel closes the comm at once
+    # (the extension then waits for the next cell that names air_magic).
+    early = front.open()
+    closed = lambda: [  # noqa: E731
+        m for m in front.messages if m["msg_type"] == "comm_close" and m["content"]["comm_id"] == early
+    ]
+    front.wait("the kernel to close a comm to a target it does not have", closed)
+    assert not front.comm_data(early, "launches")
+
+    # A bare import registers the target, sends nothing, and imports no more than it did.
+    cell = front.run(
+        "import air_magic, sys\nprint(sorted(m for m in ('air_magic.panel', 'ipywidgets') if m in sys.modules))"
+    )
+    printed = [
+        m["content"]["text"]
+        for m in front.messages
+        if m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == cell
+    ]
+    assert printed == ["[]\n"], printed
+    assert front.opened_by_kernel() == []
+    comm_id = front.open()
+    listed = front.wait("the list on the comm", lambda: front.comm_data(comm_id, "launches"))
+    assert listed[0]["launches"] == [] and listed[0]["now"] > 0
+
+    # %load_ext opens nothing either.
+    front.run("%load_ext air_magic\n%config DistributedMagics.tracking = False")
+    front.drain(0.5)
+    assert front.opened_by_kernel() == []
+
+
+def test_every_open_comm_gets_the_list_of_launches_stop_and_logs(front: Front) -> None:
+    kernel = front.kernel
+    front.run("%load_ext air_magic\n%config DistributedMagics.tracking = False")  # (again: a no-op)
+    first = front.open()
+    assert front.wait("the list on the first comm", lambda: front.comm_data(first, "launches"))[0]["launches"] == []
+    # A second front end (another page on this kernel) opens its own and gets the list too.
+    comm_id = front.open()
     assert front.wait("the list on the new comm", lambda: front.comm_data(comm_id, "launches"))[0]["launches"] == []
 
     # A background launch: listed at its start, its ranks running, then Stop from the comm.
-    kernel.ok("%%distributed -n 2 --async\nimport time\ntime.sleep(60)")
+    started = kernel.ok("%%distributed -n 2 --async\nimport time\ntime.sleep(60)")
 
     def running() -> list[dict[str, Any]]:
         found = front.latest(comm_id)
@@ -123,7 +174,7 @@ def test_the_kernel_opens_the_channel_at_load_ext_and_lists_its_launches(front: 
     launch = front.wait("the launch's ranks running", running)[0]
     assert launch["status"] == "running" and launch["world_size"] == 2 and launch["blocking"] is False
     assert launch["where"] == "2 CPU ranks" and launch["label"].startswith("Cell In[")
-    assert launch["cell"]["execution_count"] == 2
+    assert launch["cell"]["execution_count"] == started.execution_count is not None
     assert [r["rank"] for r in launch["ranks"]] == [0, 1] and all(r["pid"] for r in launch["ranks"])
     assert len(rank_processes()) == 2
 
@@ -136,8 +187,9 @@ def test_the_kernel_opens_the_channel_at_load_ext_and_lists_its_launches(front: 
     assert ended[0]["id"] == launch["id"] and ended[0]["outcome"].startswith("cancelled after")
     assert [r["state"] for r in ended[0]["ranks"]] == ["stopped", "stopped"]
     assert wait_until(lambda: not rank_processes(), timeout=10)
-    # The kernel's own comm said the same.
-    assert front.latest(opened[0]["content"]["comm_id"])[0]["status"] == "cancelled"
+    # The other comm was told the same.
+    assert front.latest(first)[0]["status"] == "cancelled"
+    assert front.opened_by_kernel() == []
 
     # Asking about a launch that ended: an answer, not an error in the kernel.
     again = front.request(comm_id, {"type": "stop", "launch": launch["id"]})
@@ -147,13 +199,22 @@ def test_the_kernel_opens_the_channel_at_load_ext_and_lists_its_launches(front: 
     )
 
 
-def test_stop_sent_on_a_subshell_stops_a_blocking_launch_while_its_cell_runs(front: Front) -> None:
+def test_a_comm_opened_on_a_subshell_lists_a_blocking_launch_and_stops_it_while_its_cell_runs(
+    front: Front,
+) -> None:
     kernel = front.kernel
-    comm_id = uuid.uuid4().hex
-    front.send("comm_open", {"comm_id": comm_id, "target_name": "air_magic", "data": {}})
-    front.wait("the list", lambda: front.comm_data(comm_id, "launches"))
+    # As in JupyterLab's "run all": %load_ext and a blocking launch queued together; the page
+    # opens its comm when the first cell ends, on the comm's subshell, while the second runs.
     subshell = front.subshell()
     cell = kernel.execute("%%distributed -n 2\nimport time\ntime.sleep(60)")
+    front.wait(
+        "the blocking cell's start",
+        lambda: any(
+            m["msg_type"] == "execute_input" and m["parent_header"].get("msg_id") == cell for m in front.messages
+        ),
+    )
+    comm_id = front.open(subshell=subshell)
+    front.wait("the list", lambda: front.comm_data(comm_id, "launches"))
 
     def blocking() -> list[dict[str, Any]]:
         found = [d for d in front.latest(comm_id) if d["status"] == "running" and d["blocking"]]

@@ -224,11 +224,19 @@ def notebook_json(cells: list[str]) -> str:
 @contextlib.contextmanager
 def serve_jupyter(tmp_path: Path, notebooks: dict[str, list[str]], app: str = "jupyterlab") -> Iterator[dict[str, Any]]:
     """JupyterLab (``app="jupyterlab"``) or Notebook 7 (``app="notebook"``) on 127.0.0.1 with
-    a token; its root (holding ``notebooks``), config and state in ``tmp_path``."""
-    try:
-        importlib.import_module(app)
-    except ImportError:
-        _missing(f"{app} (pip install -e '.[test]')")
+    a token; its root (holding ``notebooks``), config and state in ``tmp_path``.
+
+    The server is this Python's, or that of ``AIR_MAGIC_UI_SERVER_PYTHON`` (another
+    environment's JupyterLab, e.g. an older one: ``scripts/check_lab_versions.sh``); its
+    notebooks' kernels are this Python's either way (``python3`` in its data folder)."""
+    python = os.environ.get("AIR_MAGIC_UI_SERVER_PYTHON") or sys.executable
+    if python == sys.executable:
+        try:
+            importlib.import_module(app)
+        except ImportError:
+            _missing(f"{app} (pip install -e '.[test]')")
+    elif subprocess.run([python, "-c", f"import {app}"], capture_output=True).returncode != 0:
+        pytest.fail(f"AIR_MAGIC_UI_SERVER_PYTHON={python} has no {app}")
     root = tmp_path / "root"
     root.mkdir()
     for name, cells in notebooks.items():
@@ -252,17 +260,30 @@ def serve_jupyter(tmp_path: Path, notebooks: dict[str, list[str]], app: str = "j
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    if python != sys.executable:
+        spec = tmp_path / "data" / "kernels" / "python3"
+        spec.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        kernel: dict[str, Any] = {"argv": argv, "display_name": "Python 3", "language": "python"}
+        if os.environ.get("PYTHONPATH"):  # the kernel's, not the server's
+            kernel["env"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
+        (spec / "kernel.json").write_text(json.dumps(kernel))
     env = dict(
         os.environ,
         JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
         JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
         JUPYTER_DATA_DIR=str(tmp_path / "data"),
+        # These folders before the environment's (in a virtual environment jupyter_core puts
+        # the environment's first): what a test puts there is what the server uses.
+        JUPYTER_PREFER_ENV_PATH="0",
     )
     env.pop("AIR_MAGIC_PANEL", None)  # the page is a widget front end: found by itself
+    if python != sys.executable:
+        env.pop("PYTHONPATH", None)  # the server runs its own environment's packages
     log_path = tmp_path / f"{app}.log"
     with open(log_path, "wb") as log:  # the server keeps its own descriptor
         server = subprocess.Popen(
-            [sys.executable, "-m", app, f"--config={config}"],
+            [python, "-m", app, f"--config={config}"],
             cwd=root,
             env=env,
             stdout=log,
@@ -282,7 +303,10 @@ def serve_jupyter(tmp_path: Path, notebooks: dict[str, list[str]], app: str = "j
             if server.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"{app} did not start:\n" + log_path.read_text()[-3000:])
             time.sleep(0.3)
-        yield {"base": base, "token": token, "log": log_path, "tmp": tmp_path, "root": root}
+        version = subprocess.run(
+            [python, "-c", f"import {app}; print({app}.__version__)"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        yield {"base": base, "token": token, "log": log_path, "tmp": tmp_path, "root": root, "version": version}
     finally:
         try:  # a clean stop shuts its kernels down (and their ranks with them)
             request = urllib.request.Request(f"{base}/api/shutdown?token={token}", method="POST")
