@@ -453,7 +453,25 @@ def connect() -> Any:
     ray = _import_ray()  # RayNotInstalledError says how to install it
     if not ray.is_initialized():
         ray_init()
-    return ray
+    return _WithoutReconnect(ray)
+
+
+class _WithoutReconnect:
+    """The ``ray`` module, but its calls that connect a process by themselves when it is
+    not connected (``ray.get``, ``ray.kill``, ... wrap ``auto_init_ray``) do not: once the
+    kernel left the cluster (``ray.shutdown()``, or its exit), a launch's thread must fail
+    rather than join the cluster again, or start a new one, however late its next call."""
+
+    _NO_AUTO_INIT = frozenset({"get", "kill", "wait", "put"})
+
+    def __init__(self, ray: Any) -> None:
+        self._ray = ray
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._ray, name)
+        if name in self._NO_AUTO_INIT:
+            return getattr(found, "__wrapped__", found)
+        return found
 
 
 def placement_environment(nodes: list[dict[str, Any]], port: int) -> dict[int, dict[str, str]]:
