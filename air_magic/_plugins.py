@@ -63,9 +63,8 @@ def tracking_off(launch: "Launch") -> None:
 
 
 def lab(launch: "Launch") -> "LaunchObserver | None":
-    """The JupyterLab extension's list of launches (only in a kernel: panel._lab)."""
-    if not lab_target():
-        return None
+    """The JupyterLab extension's list of launches (only in a kernel: panel._lab; the
+    comm target was registered when air_magic was imported)."""
     from .panel._lab import lab_observer
 
     return lab_observer(launch)
@@ -78,8 +77,8 @@ def lab_target(shell: Any = None) -> bool:
     The kernel never opens a comm itself: a front end without the extension would have no
     target for it (JupyterLab logs "Exception opening new comm").  The extension opens its
     own once it sees air_magic in the kernel, and finds this target whatever imported
-    air_magic (a cell, ``%load_ext``, a library): ``import air_magic`` calls this, as do
-    ``%load_ext`` and each launch (registering again is harmless).  Cheap: IPython is
+    air_magic (a cell, ``%load_ext``, a library): ``import air_magic`` calls this, as does
+    ``%load_ext`` (registering again is harmless).  Cheap: IPython is
     looked up only if something imported it already, and ``air_magic.panel`` is imported
     when a front end opens its comm.
     """
