@@ -117,7 +117,8 @@ class LabChannel:
     def started(self, launch: "Launch", cell: dict[str, Any]) -> None:
         with self._lock:
             self.running[launch.id] = (launch, cell)
-            self._ensure_watcher()
+            if self.comms:  # no front end listening: nothing to watch for
+                self._ensure_watcher()
         self.push()
 
     def ended_launch(self, launch: "Launch") -> None:
@@ -129,7 +130,15 @@ class LabChannel:
             known = {d["id"] for d in self.ended}
             for stale in [i for i in self.log_paths if i not in known]:
                 del self.log_paths[stale]
+            watcher = self._watcher if not self.running else None
         self.push()
+        if watcher is not None and watcher is not threading.current_thread():
+            # Nothing runs any more: the watcher ends now, not at its next look, and is
+            # gone when the launch's cell returns (no thread outlives the launches).
+            self._wake.set()
+            deadline = time.monotonic() + _WATCH * 4
+            while watcher.is_alive() and not self.running and time.monotonic() < deadline:
+                watcher.join(0.05)
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -180,6 +189,8 @@ class LabChannel:
         comm.on_close(lambda msg: self._drop(comm))
         with self._lock:
             self.comms.append(comm)
+            if self.running:
+                self._ensure_watcher()
 
     def _drop(self, comm: Any) -> None:
         with self._lock:
