@@ -1,7 +1,8 @@
 """The lab extension in a real JupyterLab and Notebook 7, in headless Chromium, offline.
 
-The helpers of ``tests/panel/test_panel_browser.py`` (a server on loopback with a token and
-temp folders, Debian's Chromium driven over the DevTools protocol).  The extension is
+A server on loopback with a token and temp folders (``tests/panel/test_panel_browser.py``'s
+``serve_jupyter``), Debian's headless Chromium driven with Playwright
+(``tests/playwright_page.py``; none of Playwright's own browsers).  The extension is
 put where those servers look first (their ``JUPYTER_DATA_DIR`` / ``JUPYTER_CONFIG_DIR``),
 from this checkout's committed assets, so the test runs what ``pip install .`` ships:
 
@@ -22,12 +23,12 @@ from this checkout's committed assets, so the test runs what ``pip install .`` s
 Notebook (``scripts/check_lab_versions.sh``: the oldest JupyterLab supported).
 
 Screenshots (timestamps masked) go to ``AIR_MAGIC_UI_ARTIFACTS`` when set, else into the
-test's temp folder.  Skipped without Chromium or JupyterLab unless ``AIR_MAGIC_UI_REQUIRED=1``.
+test's temp folder.  Skipped without Chromium, Playwright or JupyterLab unless
+``AIR_MAGIC_UI_REQUIRED=1``.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -42,7 +43,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "panel"))
 
 from harness import rank_processes, wait_until  # noqa: E402
-from test_panel_browser import DevTools, _poll, open_chromium, serve_jupyter  # noqa: E402
+from playwright_page import Page, chromium_page  # noqa: E402
+from test_panel_browser import PROBE, serve_jupyter  # noqa: E402
 from test_panel_browser_pages import _shut_kernels_down  # noqa: E402
 
 from air_magic.lint.notebook import fix_notebook_file  # noqa: E402
@@ -94,29 +96,28 @@ COMMS = (
     " return JSON.stringify(comms.map(c => ({target: c.targetName, subshell: !!c.subshellId}))); })()"
 )
 
-MASK_CLOCKS = (
-    "(() => { document.querySelectorAll('.air-magic-elapsed').forEach(n => n.style.visibility = 'hidden');"
-    " return true; })()"
-)
+# Screenshots stay the same from run to run: the sidebar's clocks hidden, the durations in the
+# summaries' text ("· 0:01 ·", "after 1.6 s") written as "#:##" and "# s".
+MASK_CLOCKS = r"""
+(() => {
+  document.querySelectorAll('.air-magic-elapsed').forEach(n => n.style.visibility = 'hidden');
+  for (const root of document.querySelectorAll('.air-magic-Summary, #air-magic-launches')) {
+    const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      node.textContent = node.textContent
+        .replace(/\b\d+(:\d\d){1,2}\b/g, '#:##')
+        .replace(/\b\d+(\.\d+)? s\b/g, '# s');
+    }
+  }
+  return true;
+})()
+"""
 
 
 def _artifacts(tmp: Path) -> Path:
     folder = Path(os.environ.get("AIR_MAGIC_UI_ARTIFACTS") or tmp / "artifacts")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-def _shot(tools: DevTools, selector: str, path: Path) -> None:
-    """A PNG of one element of the page."""
-    box = json.loads(
-        tools.evaluate(
-            f"(() => {{ const n = document.querySelector({json.dumps(selector)}); n.scrollIntoView({{block: 'nearest'}});"
-            " const r = n.getBoundingClientRect();"
-            " return JSON.stringify({x: r.left, y: r.top, width: r.width, height: r.height}); })()"
-        )
-    )
-    shot = tools.call("Page.captureScreenshot", format="png", clip={**box, "scale": 1}, captureBeyondViewport=True)
-    path.write_bytes(base64.b64decode(shot["data"]))
 
 
 def _install_extension(tmp: Path) -> None:
@@ -129,27 +130,22 @@ def _install_extension(tmp: Path) -> None:
     shutil.copy(ROOT / "jupyter-config" / "jupyter_server_config.d" / "air_magic.json", config / "air_magic.json")
 
 
-def _errors(tools: DevTools) -> list[str]:
-    """The page's console errors and uncaught exceptions so far."""
-    found = []
-    for event in tools.events:
-        method, params = event.get("method"), event.get("params", {})
-        if method == "Runtime.consoleAPICalled" and params.get("type") == "error":
-            found.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", [])))
-        elif method == "Runtime.exceptionThrown":
-            found.append(str(params.get("exceptionDetails", {}).get("exception", {}).get("description")))
-        elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
-            found.append(params["entry"].get("text", ""))
-    return found
+def _poll(page: Page, until: Any, timeout: float, what: str) -> dict[str, Any]:
+    """The notebook's cells and kernel as the page shows them, once ``until`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = json.loads(page.evaluate(PROBE))
+        if until(state):
+            return state  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            shown = "\n".join(json.dumps(cell)[:2000] for cell in state.get("cells", []))
+            raise AssertionError(f"timed out waiting for {what}; kernel {state.get('kernel')}, cells:\n{shown}")
+        time.sleep(0.25)
 
 
-def _open(tools: DevTools, url: str, extension: bool = True) -> None:
-    tools.call("Page.navigate", url="about:blank")
-    tools.events.clear()  # what the page before said is not this page's
-    tools.call("Page.navigate", url=url)
-    time.sleep(0.5)
-    seen: list[dict[str, Any]] = []
-    _poll(tools, seen, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
+def _open(tools: Page, url: str, extension: bool = True) -> None:
+    tools.goto(url)
+    _poll(tools, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
     if not extension:
         return
     deadline = time.monotonic() + 30
@@ -158,7 +154,7 @@ def _open(tools: DevTools, url: str, extension: bool = True) -> None:
         time.sleep(0.2)
 
 
-def _sidebar(tools: DevTools, until: Any, timeout: float, what: str) -> dict[str, Any]:
+def _sidebar(tools: Page, until: Any, timeout: float, what: str) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         state = json.loads(tools.evaluate(SIDEBAR))
@@ -186,15 +182,12 @@ def lab(lab_server: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def page(lab_server: dict[str, Any]) -> Iterator[DevTools]:
-    with open_chromium(lab_server["tmp"]) as tools:
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            tools.call(f"{domain}.enable")
-        tools.call("Emulation.setDeviceMetricsOverride", width=1280, height=1000, deviceScaleFactor=1, mobile=False)
+def page(lab_server: dict[str, Any]) -> Iterator[Page]:
+    with chromium_page(lab_server["tmp"]) as tools:
         yield tools
 
 
-def _stop_from_the_sidebar(tools: DevTools, shots: Path, name: str) -> None:
+def _stop_from_the_sidebar(tools: Page, shots: Path, name: str) -> None:
     tools.evaluate(RUN_ALL)
     assert tools.evaluate(OPEN_SIDEBAR)
 
@@ -208,21 +201,17 @@ def _stop_from_the_sidebar(tools: DevTools, shots: Path, name: str) -> None:
     # The page's comm (it opened it) is on a kernel subshell: Stop is a message, not an interrupt.
     assert json.loads(tools.evaluate(COMMS)) == [{"target": "air_magic", "subshell": True}]
     tools.evaluate(MASK_CLOCKS)
-    _shot(tools, "#air-magic-launches", shots / f"{name}-sidebar-running.png")
-    tools.evaluate(
-        f"(() => {{ document.querySelector('[data-air-magic-item=\"{item['id']}\"] .air-magic-stop').click();"
-        " return true; })()"
-    )
+    tools.shot("#air-magic-launches", shots / f"{name}-sidebar-running.png")
+    tools.page.locator(f'[data-air-magic-item="{item["id"]}"] .air-magic-stop').click()
     started = time.monotonic()
     state = _sidebar(tools, lambda s: s["items"][0]["status"] == "cancelled", 30, "Stop to cancel the launch")
     assert time.monotonic() - started < 20
     assert state["items"][0]["ranks"] == ["stopped", "stopped"] and "cancelled after" in state["items"][0]["text"]
     assert wait_until(lambda: not rank_processes(), timeout=10)
-    seen: list[dict[str, Any]] = []
-    _poll(tools, seen, lambda s: "LaunchCancelledError" in s["cells"][1]["text"], 30, "the cell's error")
+    _poll(tools, lambda s: "LaunchCancelledError" in s["cells"][1]["text"], 30, "the cell's error")
 
 
-def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], page: DevTools) -> None:
+def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], page: Page) -> None:
     tools = page
     shots = _artifacts(lab["tmp"])
     _open(tools, f"{lab['base']}/lab/tree/launch.ipynb?reset&token={lab['token']}")
@@ -244,7 +233,7 @@ def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], pa
     bundle = [o.data for o in saved.cells[1].outputs if o.output_type == "display_data" and SUMMARY_MIME in o.data][0]
     assert bundle[SUMMARY_MIME]["status"] == "cancelled" and "text/html" in bundle and "text/plain" in bundle
     shutil.copy(path, lab["tmp"] / "saved.ipynb")  # for the next test
-    assert not _errors(tools), _errors(tools)
+    assert not tools.errors, tools.errors
 
 
 # Where the saved notebook is reopened: a server that has no kernel of that name nor language.
@@ -258,7 +247,7 @@ DIALOG = (
 
 
 def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(
-    lab: dict[str, Any], page: DevTools, tmp_path_factory: pytest.TempPathFactory
+    lab: dict[str, Any], page: Page, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     saved = lab["tmp"] / "saved.ipynb"
     if not saved.exists():
@@ -271,10 +260,9 @@ def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(
     notebook.metadata["kernelspec"] = ELSEWHERE
     notebook.metadata["language_info"] = {"name": ELSEWHERE["language"]}
     tools = page
-    tools.events.clear()
     with serve_jupyter(tmp, {}) as server:
         nbformat.write(notebook, server["root"] / "saved.ipynb")
-        tools.call("Page.navigate", url=f"{server['base']}/lab/tree/saved.ipynb?reset&token={server['token']}")
+        tools.goto(f"{server['base']}/lab/tree/saved.ipynb?reset&token={server['token']}")
         deadline = time.monotonic() + 60
         while True:
             dialog = json.loads(tools.evaluate(DIALOG))
@@ -283,7 +271,7 @@ def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(
             assert time.monotonic() < deadline, f"JupyterLab did not ask for a kernel: {dialog}"
             time.sleep(0.25)
         assert dialog["buttons"][0] == "No Kernel", dialog
-        tools.evaluate("(() => { document.querySelector('.jp-Dialog .jp-mod-reject').click(); return true; })()")
+        tools.page.locator(".jp-Dialog .jp-mod-reject").click()
         deadline = time.monotonic() + 60
         while not tools.evaluate("!!document.querySelector('.air-magic-Summary [data-air-magic-status]')"):
             assert time.monotonic() < deadline, "the summary was not drawn by the extension"
@@ -311,9 +299,10 @@ def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(
         assert "cancelled" in drawn["text"] and "2 CPU ranks" in drawn["text"]
         assert not tools.evaluate("!!document.querySelector('#air-magic-launches [data-air-magic-item]')")
         tools.evaluate(MASK_CLOCKS)
-        _shot(tools, ".air-magic-Summary", _artifacts(lab["tmp"]) / "lab-summary-reopened.png")
-        tools.call("Page.navigate", url="about:blank")  # before its server goes
-    assert not _errors(tools), _errors(tools)
+        tools.shot(".air-magic-Summary", _artifacts(lab["tmp"]) / "lab-summary-reopened.png")
+        errors = list(tools.errors)
+        tools.blank()  # before its server goes
+    assert not errors, errors
 
 
 def _api(server: dict[str, Any], path: str, method: str = "GET") -> Any:
@@ -325,7 +314,7 @@ def _api(server: dict[str, Any], path: str, method: str = "GET") -> Any:
     return json.loads(body) if body else None
 
 
-def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], page: DevTools, tmp_path: Path) -> None:
+def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], page: Page, tmp_path: Path) -> None:
     tools = page
     shots = _artifacts(lab["tmp"])
     shutil.copy(SEEDS, lab["root"] / "seeds.ipynb")
@@ -337,8 +326,8 @@ def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], pag
         time.sleep(0.2)
     shown = tools.evaluate("document.querySelector('.air-magic-Migration').innerText")
     assert "17 fixes in" in shown and "Left to fix by hand" in shown and "AM001" in shown, shown
-    _shot(tools, ".jp-Dialog-content", shots / "lab-migrate-dialog.png")
-    tools.evaluate("(() => { document.querySelector('.jp-Dialog .jp-mod-accept').click(); return true; })()")
+    tools.shot(".jp-Dialog-content", shots / "lab-migrate-dialog.png")
+    tools.page.locator(".jp-Dialog .jp-mod-accept").click()
 
     # Undoable, cell by cell: the first changed cell's edit is undone and done again.
     undo = json.loads(
@@ -367,7 +356,7 @@ def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], pag
         assert lab_cell.get("outputs") == cell.get("outputs")
         # (JupyterLab writes "jupyter.outputs_hidden" beside "collapsed" in any notebook it saves)
         assert {k: v for k, v in lab_cell.metadata.items() if k not in ("execution", "jupyter")} == cell.metadata
-    assert not _errors(tools), _errors(tools)
+    assert not tools.errors, tools.errors
 
 
 @pytest.fixture
@@ -381,15 +370,14 @@ def notebook7(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
             _shut_kernels_down(server)
 
 
-def test_notebook_7_lists_a_launch_and_stops_it(notebook7: dict[str, Any], page: DevTools) -> None:
+def test_notebook_7_lists_a_launch_and_stops_it(notebook7: dict[str, Any], page: Page) -> None:
     tools = page
-    tools.events.clear()
     _open(tools, f"{notebook7['base']}/notebooks/launch.ipynb?token={notebook7['token']}")
     _stop_from_the_sidebar(tools, _artifacts(notebook7["tmp"]), "notebook7")
     # Notebook 7.6 itself throws "Cannot read properties of undefined (reading 'schema')" from
     # its settings registry while its page loads, with or without this extension: only the
     # extension's own errors count here.
-    ours = [e for e in _errors(tools) if "air-magic" in e or "air_magic" in e or "schema" not in e]
+    ours = [e for e in tools.errors if "air-magic" in e or "air_magic" in e or "schema" not in e]
     assert not ours, ours
 
 
@@ -397,7 +385,7 @@ SHORT_CELLS = [SETUP, "%%distributed -n 2\nimport os\nint(os.environ['RANK'])"]
 
 
 def test_a_lab_without_the_extension_runs_air_magic_without_console_errors(
-    page: DevTools, tmp_path_factory: pytest.TempPathFactory
+    page: Page, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     # Installed but disabled (as `jupyter labextension disable` does): the page knows no
     # "air_magic" comm target, so a kernel that opened a comm to it would make JupyterLab
@@ -414,17 +402,44 @@ def test_a_lab_without_the_extension_runs_air_magic_without_console_errors(
             assert not tools.evaluate("window.jupyterapp.commands.hasCommand('air-magic:migrate')")
             assert not tools.evaluate("!!document.getElementById('air-magic-launches')")
             tools.evaluate(RUN_ALL)
-            seen: list[dict[str, Any]] = []
             _poll(
                 tools,
-                seen,
                 lambda s: "[0, 1]" in s["cells"][1]["text"] and s.get("kernel") == "idle",
                 90,
                 "the launch's result",
             )
             time.sleep(1)
-            errors = _errors(tools)
-            tools.call("Page.navigate", url="about:blank")  # before its server goes
+            errors = list(tools.errors)
+            tools.blank()  # before its server goes
         finally:
             _shut_kernels_down(server)
     assert not errors, errors
+
+
+def test_the_page_reports_console_errors_uncaught_exceptions_and_failed_loads(tmp_path: Path) -> None:
+    """What "without console errors" above rests on: each kind of error is seen."""
+    import http.server
+    import threading
+
+    (tmp_path / "index.html").write_text(
+        "<html><body><img src='/missing.png'><script>"
+        "console.error('said with console.error');"
+        "setTimeout(() => { throw new Error('thrown and not caught'); }, 0);"
+        "</script></body></html>"
+    )
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.RequestHandlerClass.log_message = lambda *a: None  # type: ignore[method-assign]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with chromium_page(tmp_path) as page:
+            page.goto(f"http://127.0.0.1:{server.server_address[1]}/index.html")
+            assert wait_until(lambda: len(page.errors) >= 3, timeout=10), page.errors
+            errors = "\n".join(page.errors)
+            assert "said with console.error" in errors
+            assert "uncaught Error: thrown and not caught" in errors
+            assert "404" in errors  # the missing image
+            page.goto("about:blank")
+            assert page.errors == []
+    finally:
+        server.shutdown()
