@@ -31,21 +31,27 @@ with the node's address and ranks) and the others are stopped.  The actors belon
 kernel's Ray driver (never detached): a kernel that exits or dies takes them with it, and
 each rank dies with its agent.  A kernel that exits (a restart, a shutdown) first kills its
 ranks and removes its actors itself, while it is still connected: the backend's exit hook
-runs before Ray's own (``ray.shutdown``).  Once this process has left Ray (Ray's exit hook,
-the user's ``ray.shutdown()``), a launch makes no more Ray calls: ``ray.get`` and
-``ray.kill`` would connect it again (Ray's automatic ``ray.init()``), or start a new local
-cluster, from a process on its way out.
+runs before Ray's own (``ray.shutdown``).  The user's ``ray.shutdown()`` does the same
+first: the backend wraps ``ray.shutdown`` when it connects, so the kernel's Ray launches
+end (their ranks killed, actors and placement groups removed, each launch's error saying
+the kernel left the cluster) before Ray disconnects, and no launch thread is inside a Ray
+call while Ray tears its connection down.  Should the process leave Ray some other way,
+a launch makes no more Ray calls once ``ray.is_initialized()`` is false, and its calls
+never connect by themselves: ``ray.get`` and ``ray.kill`` would connect it again (Ray's
+automatic ``ray.init()``), or start a new local cluster, from a process on its way out.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import pickle
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable
 
 from . import _ray_agent, _results
@@ -91,7 +97,7 @@ class RayBackend:
         self.ray = connect()
         self.ready = threading.Event()
         self.ready.set()
-        self.alive = True
+        self._alive = True
         self._on_message = on_message
         self._on_gone = on_gone
         self._lock = threading.Lock()
@@ -99,6 +105,17 @@ class RayBackend:
         self._agent_class: Any = None
         # Registered after `import ray` registered ray.shutdown: at exit, this runs first.
         atexit.register(self.close)
+        _BACKENDS.add(self)
+
+    @property
+    def alive(self) -> bool:
+        """Usable for a new launch: not closed, and this process is still in the cluster
+        (after a ``ray.shutdown()`` the launcher connects a new backend)."""
+        return self._alive and bool(self.ray.is_initialized())
+
+    @alive.setter
+    def alive(self, value: bool) -> None:
+        self._alive = value
 
     # -- what the launcher uses ------------------------------------------------------------
 
@@ -141,15 +158,24 @@ class RayBackend:
 
     def close(self, wait: float = 5.0) -> None:
         """Kill every rank of every launch and remove their actors."""
+        self._end_launches(wait, leaving=False)
+        atexit.unregister(self.close)
+
+    def leave(self, wait: float = 5.0) -> None:
+        """Before ``ray.shutdown()``: end every launch (ranks killed, actors removed) while
+        still connected; each fails with "this process left the Ray cluster"."""
+        self._end_launches(wait, leaving=True)
+
+    def _end_launches(self, wait: float, leaving: bool) -> None:
         with self._lock:
             launches = list(self._launches.values())
         for launch in launches:
+            launch.leaving = launch.leaving or leaving
             launch.stop("kill")
         deadline = time.monotonic() + wait
         for launch in launches:
             launch.finished.wait(max(0.0, deadline - time.monotonic()))
         self.alive = False
-        atexit.unregister(self.close)
 
     # -- for the launches ----------------------------------------------------------------------
 
@@ -190,6 +216,7 @@ class _RayLaunch:
         self.finished = threading.Event()
         self.spool = request.env.get(SPOOL_DIR_ENV)
         self.run_id: str | None = None
+        self.leaving = False  # ended because this process leaves the cluster (ray.shutdown())
 
     # -- the thread ------------------------------------------------------------------------
 
@@ -213,7 +240,9 @@ class _RayLaunch:
                 self.backend.emit(StartFailed(self.id, f"the connection to the Ray cluster was lost: {why}"))
                 return
             self._remove()
-            if self.lost:
+            if self.leaving:
+                self.backend.emit(StartFailed(self.id, f"the connection to the Ray cluster was lost: {_LEFT}"))
+            elif self.lost:
                 self.backend.emit(StartFailed(self.id, self._lost_text()))
             else:
                 self.backend.emit(Done(self.id))
@@ -445,6 +474,26 @@ class _RayLaunch:
                 pass
 
 
+#: The backends of this process, ended by ``ray.shutdown()`` before Ray disconnects.
+_BACKENDS: "weakref.WeakSet[RayBackend]" = weakref.WeakSet()
+
+
+def _leave_first(ray: Any) -> None:
+    """Make ``ray.shutdown()`` end this process's Ray launches first (once per process)."""
+    shutdown = ray.shutdown
+    if getattr(shutdown, "_air_magic_leaves_first", False):
+        return
+
+    @functools.wraps(shutdown)
+    def leave_then_shutdown(*args: Any, **kwargs: Any) -> Any:
+        for backend in list(_BACKENDS):
+            backend.leave()
+        return shutdown(*args, **kwargs)
+
+    leave_then_shutdown._air_magic_leaves_first = True  # type: ignore[attr-defined]
+    ray.shutdown = leave_then_shutdown
+
+
 def connect() -> Any:
     """The ``ray`` module, connected: to the cluster ``ray_init()`` joined, else as
     ``ray_init()`` with no address joins one (``RAY_ADDRESS``, else a new one here)."""
@@ -453,6 +502,7 @@ def connect() -> Any:
     ray = _import_ray()  # RayNotInstalledError says how to install it
     if not ray.is_initialized():
         ray_init()
+    _leave_first(ray)
     return _WithoutReconnect(ray)
 
 

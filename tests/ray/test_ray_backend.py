@@ -356,11 +356,26 @@ sleeping = sleeps.submit()
         timeout=60,
     )
     assert wait_until(lambda: running_ranks() == 2, 120)
-    leaving.ok("ray.shutdown()", timeout=60)
-    leaving.ok("err = sleeping.exception(timeout=30)", timeout=60)
+    # ray.shutdown() ends the kernel's Ray launches before it disconnects: when it returns,
+    # the ranks and their agents are gone and the launch has failed saying why.
+    assert leaving.value("ray.shutdown()\nsleeping.done()", timeout=60) is True
+    # Each rank's end was seen (killed by its agent), not lost with the connection.
+    assert leaving.value("[s.returncode for s in sleeping.ranks]") == [-9, -9]
+    assert running_ranks() == 0
+    assert wait_until(lambda: live_agents(ray_cluster) == [], 10), live_agents(ray_cluster)
+    leaving.ok("err = sleeping.exception(timeout=1)", timeout=60)
     # The launch's thread made no Ray call after that (ray.get, ray.kill would have joined again).
     assert leaving.value("ray.is_initialized()") is False
     assert leaving.value("str(err)").endswith(
         "the connection to the Ray cluster was lost: this process left the Ray cluster (ray.shutdown())"
     )
+    assert_nothing_left()
+    # The kernel joins again and launches on the cluster as before.
+    leaving.ok("air_magic.ray_init()", timeout=120)
+    again = leaving.ok(
+        "@distributed(num_accelerators=2, backend='ray')\ndef ranks():\n    import os\n    return int(os.environ['RANK'])\n"
+        "ranks.distributed()",
+        timeout=180,
+    )
+    assert again.result == "[0, 1]", again.stdout
     assert_nothing_left()
