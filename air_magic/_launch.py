@@ -280,8 +280,13 @@ class Launch:
         self._pump = pump  # finish() has it read the rest before the logs are rewritten
         self._waiter = True
         sys.stdout.flush()  # what the observers printed at the start comes before the ranks' output
+        with _interrupt_flag() as interrupt:
+            return self._wait_streaming(pump, stall, interrupt)
+
+    def _wait_streaming(self, pump: OutputPump, stall: StallWatch, interrupt: "_InterruptFlag") -> list[Any]:
         try:
             while not self._done.wait(_POLL):
+                interrupt.raise_if_set()
                 self.print_notices(final=False)
                 pump.pump()
                 stall.check()
@@ -296,6 +301,7 @@ class Launch:
                 sys.stderr.flush()
             try:
                 while not self._done.wait(_POLL):
+                    interrupt.raise_if_set()
                     pump.pump()
                     self.print_notices(final=False)
             except KeyboardInterrupt:  # a second interrupt: no more grace
@@ -524,3 +530,51 @@ def _is_terminal(stream: Any) -> bool:
 
 def _shown_already() -> None:
     """What displaying a launch does where its panel is shown already: nothing."""
+
+
+class _InterruptFlag:
+    """Ctrl-C (SIGINT) while a launch is waited on, as a flag the wait loop reads.
+
+    Python's own handler raises KeyboardInterrupt wherever the main thread happens to be,
+    and an exception raised inside a finalizer (``__del__``, a weakref callback, a garbage
+    collection) is printed as "Exception ignored" and lost: the interrupt would never reach
+    the loop and the ranks would run on.  This handler only records the signal; the loop
+    raises KeyboardInterrupt at a point of its own, within ``_POLL`` seconds.
+    """
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self._set.set()
+
+    def raise_if_set(self) -> None:
+        if self._set.is_set():
+            self._set.clear()
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _interrupt_flag() -> Iterator[_InterruptFlag]:
+    """Catch SIGINT as a flag while the block runs, where Python's default handler is in
+    place (the main thread; a user's own handler, or an ignored SIGINT, is left as it is)."""
+    flag = _InterruptFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except ValueError:  # not the main interpreter
+        yield flag
+        return
+    if previous is not signal.default_int_handler:
+        yield flag
+        return
+    signal.signal(signal.SIGINT, flag.handle)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # One that came after the loop's last look is not lost (an error on its way out, the
+    # cancelled launch's included, already says what happened).
+    flag.raise_if_set()
