@@ -9,6 +9,9 @@ Playwright's own browsers are downloads; the tests use Debian's Chromium instead
         page.shot(".selector", path)        # a PNG of one element
         page.errors                         # console errors and uncaught exceptions
 
+Pages may be open at the same time (a module's page and a test's own): they share one
+Playwright driver, whose sync API cannot be started twice in one thread.
+
 Skipped without Chromium or Playwright unless ``AIR_MAGIC_UI_REQUIRED=1``.
 """
 
@@ -60,18 +63,28 @@ class Page:
 
     def __init__(self, page: Any) -> None:
         self.page = page
-        self.errors: list[str] = []
+        self._errors: list[str] = []
         page.on("console", self._console)
-        page.on("pageerror", lambda error: self.errors.append(f"uncaught {error.name}: {error.message}"))
+        page.on("pageerror", lambda error: self._errors.append(f"uncaught {error.name}: {error.message}"))
 
     def _console(self, message: Any) -> None:
         if message.type == "error":
-            self.errors.append(message.text)
+            self._errors.append(message.text)
+
+    @property
+    def errors(self) -> list[str]:
+        """The page's console errors and uncaught exceptions so far.
+
+        Playwright's sync API hands events over only while a call of it runs: one round
+        trip to its driver first, so that what the browser has reported is in the list."""
+        if not self.page.is_closed():
+            self.page.wait_for_timeout(0)
+        return self._errors
 
     def goto(self, url: str) -> None:
         """Open ``url`` (after about:blank, so the errors listed are this page's only)."""
         self.page.goto("about:blank")
-        self.errors.clear()
+        self._errors.clear()
         self.page.goto(url, wait_until="domcontentloaded", timeout=120_000)
 
     def blank(self) -> None:
@@ -87,17 +100,38 @@ class Page:
         self.page.locator(selector).first.screenshot(path=str(path), animations="disabled", timeout=30_000)
 
 
+# The Playwright driver of the pages open now, and how many they are.
+_driver: Any = None
+_users = 0
+
+
+@contextlib.contextmanager
+def _playwright() -> Iterator[Any]:
+    """The one Playwright driver, started with the first open page and stopped with the last."""
+    global _driver, _users
+    if _driver is None:
+        try:
+            from playwright.sync_api import sync_playwright
+        except ImportError:
+            missing("Playwright (pip install playwright)")
+        _driver = sync_playwright().start()
+    _users += 1
+    try:
+        yield _driver
+    finally:
+        _users -= 1
+        if _users == 0:
+            driver, _driver = _driver, None
+            driver.stop()
+
+
 @contextlib.contextmanager
 def chromium_page(tmp_path: Path, width: int = 1280, height: int = 1000) -> Iterator[Page]:
     """Debian's headless Chromium (its profile under ``tmp_path``), one page in it."""
     chromium = chromium_path()
     if chromium is None:
         missing("Chromium (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        missing("Playwright (pip install playwright)")
-    with sync_playwright() as playwright:
+    with _playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
             str(tmp_path / "chromium"),
             executable_path=chromium,

@@ -1,32 +1,31 @@
 """The panel in a real JupyterLab, in headless Chromium, offline.
 
-The test starts JupyterLab on 127.0.0.1 (a token, a temp folder as its root and config),
-starts Debian's Chromium headless with a DevTools port, and drives the page over the
-Chrome DevTools Protocol (``websockets``): it runs a notebook whose ``%%distributed -n 2``
-cell shows a tqdm bar, watches the panel update while the cell runs and end as a
-success, then clicks Stop on a blocking launch (JupyterLab sends the click on a kernel
-subshell, so it is handled while the cell runs). Every request the page makes must go
-to the local server: the panel needs no CDN.  The page is 1280 px wide: the panel, live
-and as a summary, must fit its output area (no horizontal overflow); a PNG of the live
-panel goes to ``AIR_MAGIC_UI_SCREENSHOT`` when set (else into the test's temp folder).
+The test starts JupyterLab on 127.0.0.1 (a token, a temp folder as its root and config)
+and Debian's headless Chromium driven with Playwright (``tests/playwright_page.py``; none
+of Playwright's own browsers): it runs a notebook whose ``%%distributed -n 2`` cell shows
+a tqdm bar, watches the panel update while the cell runs and end as a success, then
+clicks Stop on a blocking launch (JupyterLab sends the click on a kernel subshell, so it
+is handled while the cell runs). Every request the page makes must go to the local
+server: the panel needs no CDN.  The page is 1280 px wide: the panel, live and as a
+summary, must fit its output area (no horizontal overflow); a PNG of the live panel goes
+to ``AIR_MAGIC_UI_SCREENSHOT`` when set (else into the test's temp folder).
 
-``test_panel_browser_pages`` uses the same helpers (``serve_jupyter``, ``open_chromium``) for
-the kernel status during a blocking launch, a saved notebook reopened with a new kernel,
-and the panel in Notebook 7.
+``test_panel_browser_pages`` (and ``tests/lab/test_lab_browser.py``) use the same helpers
+(``serve_jupyter``, ``PROBE``, ``_poll``) for the kernel status during a blocking launch, a
+saved notebook reopened with a new kernel, and the panel in Notebook 7.
 
-Needs ``chromium`` (``apt-get install chromium``; ``scripts/setup_env.sh`` does it) and
-``jupyterlab``; skipped without them, unless ``AIR_MAGIC_UI_REQUIRED=1`` (CI) makes that a failure.
+Needs ``chromium`` (``apt-get install chromium``; ``scripts/setup_env.sh`` does it),
+Playwright and ``jupyterlab``; skipped without them, unless ``AIR_MAGIC_UI_REQUIRED=1``
+(CI) makes that a failure.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import importlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from playwright_page import Page, chromium_page, missing
 
 pytestmark = [pytest.mark.ui, pytest.mark.kernel]
 
@@ -51,25 +51,6 @@ NOTEBOOK_CELLS = [
     "    time.sleep(0.2)\n"
     "int(os.environ['RANK'])",
     "%%distributed -n 2\nimport time\ntime.sleep(120)",
-]
-
-CHROMIUM_FLAGS = [
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--no-default-browser-check",
-    "--disable-quic",
-    "--disable-extensions",
-    "--disable-default-apps",
-    "--mute-audio",
-    "--window-size=1280,1600",
-    "--remote-debugging-address=127.0.0.1",
-    "--remote-debugging-port=0",
 ]
 
 # Everything the page shows of the panels, once per poll.
@@ -120,7 +101,7 @@ WIDTHS = r"""
 """
 
 
-def _check_widths(tools: "DevTools", index: int) -> dict[str, Any]:
+def _check_widths(tools: Page, index: int) -> dict[str, Any]:
     """No horizontal overflow: neither the output area nor the panel (nor its table) is wider than its box."""
     found = json.loads(tools.evaluate(f"{WIDTHS}({index})"))
     assert found is not None, "no panel in the cell"
@@ -133,71 +114,16 @@ def _check_widths(tools: "DevTools", index: int) -> dict[str, Any]:
     return found
 
 
-def _screenshot(tools: "DevTools", index: int, path: Path) -> None:
+def _screenshot(tools: Page, index: int, path: Path) -> None:
     """A PNG of the cell's output (the panel), for a person to look at."""
-    box = json.loads(
-        tools.evaluate(
-            "(() => { const cell = document.querySelectorAll('.jp-Notebook .jp-CodeCell')[%d];"
-            " const out = cell.querySelector('.jp-OutputArea'); out.scrollIntoView({block: 'start'});"
-            " const r = out.getBoundingClientRect();"
-            " return JSON.stringify({x: r.left, y: r.top, width: r.width, height: r.height}); })()" % index
-        )
-    )
-    box["width"] = min(box["width"], 1280 - box["x"])
-    shot = tools.call("Page.captureScreenshot", format="png", clip={**box, "scale": 1}, captureBeyondViewport=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(base64.b64decode(shot["data"]))
+    tools.shot(f".jp-Notebook .jp-CodeCell >> nth={index} >> .jp-OutputArea", path)
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _chromium() -> str | None:
-    for candidate in (
-        os.environ.get("CHROMIUM_PATH"),
-        "/usr/bin/chromium",
-        shutil.which("chromium"),
-        shutil.which("chromium-browser"),
-    ):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    return None
-
-
-def _missing(what: str) -> None:
-    if os.environ.get("AIR_MAGIC_UI_REQUIRED") == "1":
-        pytest.fail(f"the UI test needs {what} (AIR_MAGIC_UI_REQUIRED=1)")
-    pytest.skip(f"the UI test needs {what}")
-
-
-class DevTools:
-    """A minimal Chrome DevTools Protocol client over one page's websocket."""
-
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-        self.next_id = 0
-        self.events: list[dict[str, Any]] = []
-
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        self.next_id += 1
-        ident = self.next_id
-        self.ws.send(json.dumps({"id": ident, "method": method, "params": params}))
-        while True:
-            message = json.loads(self.ws.recv(timeout=60))
-            if message.get("id") == ident:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                return message.get("result", {})
-            self.events.append(message)
-
-    def evaluate(self, expression: str) -> Any:
-        result = self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"page error: {result['exceptionDetails']}")
-        return result["result"].get("value")
 
 
 def notebook_json(cells: list[str]) -> str:
@@ -234,7 +160,7 @@ def serve_jupyter(tmp_path: Path, notebooks: dict[str, list[str]], app: str = "j
         try:
             importlib.import_module(app)
         except ImportError:
-            _missing(f"{app} (pip install -e '.[test]')")
+            missing(f"{app} (pip install -e '.[test]')")
     elif subprocess.run([python, "-c", f"import {app}"], capture_output=True).returncode != 0:
         pytest.fail(f"AIR_MAGIC_UI_SERVER_PYTHON={python} has no {app}")
     root = tmp_path / "root"
@@ -321,42 +247,6 @@ def serve_jupyter(tmp_path: Path, notebooks: dict[str, list[str]], app: str = "j
                 server.wait()
 
 
-@contextlib.contextmanager
-def open_chromium(tmp_path: Path) -> Iterator[DevTools]:
-    """Headless Chromium (its profile in ``tmp_path``) and a DevTools client on its page."""
-    chromium = _chromium()
-    if chromium is None:
-        _missing("Chromium (apt-get install chromium)")
-    profile = tmp_path / "chromium"
-    with open(tmp_path / "chromium.log", "wb") as log:
-        proc = subprocess.Popen(
-            [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,
-        )
-    try:
-        port_file = profile / "DevToolsActivePort"
-        deadline = time.monotonic() + 30
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("Chromium did not start: " + (tmp_path / "chromium.log").read_text()[-2000:])
-            time.sleep(0.1)
-        devtools_port = int(port_file.read_text().split()[0])
-        with urllib.request.urlopen(f"http://127.0.0.1:{devtools_port}/json/list", timeout=10) as reply:
-            pages = [t for t in json.load(reply) if t.get("type") == "page"]
-        from websockets.sync.client import connect
-
-        with connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=20) as ws:
-            yield DevTools(ws)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-
-
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """JupyterLab on 127.0.0.1 with a token; its root, config and state in ``tmp_path``."""
@@ -365,12 +255,12 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture
-def browser(lab: dict[str, Any]) -> Iterator[DevTools]:
-    with open_chromium(lab["tmp"]) as tools:
+def browser(lab: dict[str, Any]) -> Iterator[Page]:
+    with chromium_page(lab["tmp"], width=1280, height=1600) as tools:
         yield tools
 
 
-def _poll(tools: DevTools, seen: list[dict[str, Any]], until: Any, timeout: float, what: str) -> dict[str, Any]:
+def _poll(tools: Page, seen: list[dict[str, Any]], until: Any, timeout: float, what: str) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         state = json.loads(tools.evaluate(PROBE))
@@ -384,12 +274,13 @@ def _poll(tools: DevTools, seen: list[dict[str, Any]], until: Any, timeout: floa
         time.sleep(0.25)
 
 
-def test_panel_updates_live_and_ends_in_success(lab: dict[str, Any], browser: DevTools) -> None:
+def test_panel_updates_live_and_ends_in_success(lab: dict[str, Any], browser: Page) -> None:
     tools = browser
-    tools.call("Network.enable")
-    tools.call("Page.enable")
-    tools.call("Emulation.setDeviceMetricsOverride", width=1280, height=1600, deviceScaleFactor=1, mobile=False)
-    tools.call("Page.navigate", url=f"{lab['base']}/lab/tree/panel.ipynb?token={lab['token']}")
+    # Every request of the browser (its pages, workers, service workers) and every websocket.
+    urls: list[str] = []
+    tools.page.context.on("request", lambda request: urls.append(request.url))
+    tools.page.on("websocket", lambda socket: urls.append(socket.url))
+    tools.goto(f"{lab['base']}/lab/tree/panel.ipynb?token={lab['token']}")
     seen: list[dict[str, Any]] = []
     _poll(tools, seen, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
     tools.evaluate(  # not awaited: the promise settles when the last cell ends
@@ -437,10 +328,9 @@ def test_panel_updates_live_and_ends_in_success(lab: dict[str, Any], browser: De
 
     running = _poll(tools, seen, stoppable, 60, "the second launch to run with Stop enabled")
     launch = cell(running, 2)["panels"][0]["launch"]
-    clicked = tools.evaluate(
-        f"(() => {{ const p = document.querySelector('[data-air-magic-launch=\"{launch}\"]');"
-        " const b = p.closest('.widget-vbox').querySelector('button'); b.click(); return b.textContent; })()"
-    )
+    button = _panel_box(tools, launch).locator("button").first
+    clicked = button.text_content() or ""
+    button.click()
     assert "Stop" in clicked
     start = time.monotonic()
 
@@ -452,9 +342,14 @@ def test_panel_updates_live_and_ends_in_success(lab: dict[str, Any], browser: De
     assert time.monotonic() - start < 20
 
     # Offline: every request went to the local server.
-    urls = [e["params"]["request"]["url"] for e in tools.events if e.get("method") == "Network.requestWillBeSent"]
     foreign = [u for u in urls if not u.startswith((lab["base"], "data:", "blob:", "about:", "ws://127.0.0.1"))]
     assert urls and not foreign, foreign[:10]
+
+
+def _panel_box(tools: Page, launch: str) -> Any:
+    """The widget box (a Playwright locator) of the live panel of ``launch``: its buttons."""
+    panel = tools.page.locator(f'[data-air-magic-launch="{launch}"]').first
+    return panel.locator("xpath=ancestor::div[contains(concat(' ', @class, ' '), ' widget-vbox ')][1]")
 
 
 def _running_progress(cell: dict[str, Any]) -> list[int]:

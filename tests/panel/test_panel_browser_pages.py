@@ -1,8 +1,9 @@
 """The panel's pages beyond one live run: the kernel status, a saved notebook reopened, Notebook 7.
 
 One JupyterLab server, one Notebook 7 server (only for its test) and one headless
-Chromium serve the whole module (the helpers of ``test_panel_browser``: loopback, a
-token, temp folders, the DevTools protocol); after each test its kernels are shut down.
+Chromium page serve the whole module (the helpers of ``test_panel_browser``: loopback, a
+token, temp folders; Debian's Chromium driven with Playwright, ``tests/playwright_page.py``);
+after each test its kernels are shut down.
 
 * While a blocking ``%%distributed -n 2`` cell with its widget panel runs (the panel
   shown, then a click on Where?, which JupyterLab sends on a kernel subshell), the
@@ -17,12 +18,13 @@ token, temp folders, the DevTools protocol); after each test its kernels are shu
 * Notebook 7 (``/notebooks/<path>``) at 1280 px: a short tqdm cell's panel renders as
   widgets, ends in success, and neither it nor the output area overflows sideways.
 
-Skipped without Chromium, JupyterLab or Notebook 7, unless ``AIR_MAGIC_UI_REQUIRED=1``.
+Skipped without Chromium, Playwright, JupyterLab or Notebook 7, unless ``AIR_MAGIC_UI_REQUIRED=1``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from typing import Any, Iterator
@@ -30,7 +32,8 @@ from typing import Any, Iterator
 import nbformat
 import pytest
 from panel_support import WIDGET_MIME, status_of
-from test_panel_browser import PROBE, DevTools, _check_widths, _poll, _running_progress, open_chromium, serve_jupyter
+from playwright_page import Page, chromium_page
+from test_panel_browser import PROBE, _check_widths, _panel_box, _poll, _running_progress, serve_jupyter
 
 pytestmark = [pytest.mark.ui, pytest.mark.kernel]
 
@@ -106,11 +109,9 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevTools]:
-    with open_chromium(tmp_path_factory.mktemp("browser")) as tools:
-        tools.call("Page.enable")
-        tools.call("Emulation.setFocusEmulationEnabled", enabled=True)  # the status bar follows the focused notebook
-        tools.call("Emulation.setDeviceMetricsOverride", width=1280, height=1600, deviceScaleFactor=1, mobile=False)
+def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Page]:
+    # (Playwright emulates focus on its pages: the status bar follows the focused notebook.)
+    with chromium_page(tmp_path_factory.mktemp("browser"), width=1280, height=1600) as tools:
         yield tools
 
 
@@ -123,9 +124,8 @@ def lab(lab_server: dict[str, Any]) -> Iterator[dict[str, Any]]:
         _shut_kernels_down(lab_server)
 
 
-def _open(tools: DevTools, url: str, seen: list[dict[str, Any]]) -> dict[str, Any]:
-    tools.call("Page.navigate", url=url)
-    time.sleep(0.5)  # the old page goes first
+def _open(tools: Page, url: str, seen: list[dict[str, Any]]) -> dict[str, Any]:
+    tools.goto(url)
     state = _poll(tools, seen, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
     tools.evaluate(
         "(() => { const app = window.jupyterapp; const w = [...app.shell.widgets('main')].find(w => w.sessionContext);"
@@ -143,7 +143,7 @@ def _panel(state: dict[str, Any], index: int) -> dict[str, Any]:
     return panels[0] if panels else {}
 
 
-def test_the_kernel_reads_busy_while_a_blocking_launch_runs(lab: dict[str, Any], page: DevTools) -> None:
+def test_the_kernel_reads_busy_while_a_blocking_launch_runs(lab: dict[str, Any], page: Page) -> None:
     tools = page
     seen: list[dict[str, Any]] = []
     _open(tools, f"{lab['base']}/lab/tree/busy.ipynb?reset&token={lab['token']}", seen)
@@ -159,11 +159,9 @@ def test_the_kernel_reads_busy_while_a_blocking_launch_runs(lab: dict[str, Any],
 
     running = _poll(tools, seen, where_enabled, 60, "the blocking launch's panel, its buttons enabled")
     launch = _panel(running, 1)["launch"]
-    clicked = tools.evaluate(
-        f"(() => {{ const p = document.querySelector('[data-air-magic-launch=\"{launch}\"]');"
-        " const b = [...p.closest('.widget-vbox').querySelectorAll('button')].find(b => /Where/.test(b.textContent));"
-        " b.click(); return b.textContent; })()"
-    )
+    button = _panel_box(tools, launch).locator("button", has_text=re.compile("Where")).first
+    clicked = button.text_content() or ""
+    button.click()
     assert "Where" in clicked
 
     # While the launch runs, the page never shows the kernel idle.
@@ -196,7 +194,7 @@ def test_the_kernel_reads_busy_while_a_blocking_launch_runs(lab: dict[str, Any],
         time.sleep(0.25)
 
 
-def test_a_saved_notebook_reopens_with_its_summaries(lab: dict[str, Any], page: DevTools) -> None:
+def test_a_saved_notebook_reopens_with_its_summaries(lab: dict[str, Any], page: Page) -> None:
     tools = page
     seen: list[dict[str, Any]] = []
     url = f"{lab['base']}/lab/tree/saved.ipynb?reset&token={lab['token']}"
@@ -263,7 +261,7 @@ def notebook7(notebook7_server: dict[str, Any]) -> Iterator[dict[str, Any]]:
         _shut_kernels_down(notebook7_server)
 
 
-def test_the_panel_in_notebook_7(notebook7: dict[str, Any], page: DevTools) -> None:
+def test_the_panel_in_notebook_7(notebook7: dict[str, Any], page: Page) -> None:
     tools = page
     seen: list[dict[str, Any]] = []
     _open(tools, f"{notebook7['base']}/notebooks/nb7.ipynb?token={notebook7['token']}", seen)
