@@ -384,7 +384,12 @@ def test_ctrl_c_stops_every_rank_says_so_in_one_line_and_exits_130(tmp_path: Pat
         assert wait_until(lambda: len(psutil.Process(command.pid).children(recursive=True)) >= 3, 30)
         below = psutil.Process(command.pid).children(recursive=True)
         os.killpg(command.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        out, err = command.communicate(timeout=60)
+        try:
+            out, err = command.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            command.kill()
+            out, err = command.communicate()
+            pytest.fail(f"still running 60 s after Ctrl-C; its stderr ended with:\n{err[-3000:]}")
     finally:
         if command.poll() is None:
             command.kill()
