@@ -362,6 +362,27 @@ def test_a_module_that_fails_to_import_shows_its_traceback_and_exits_2(tmp_path:
 # -- Ctrl-C -------------------------------------------------------------------------------------------------
 
 
+def _where_it_hangs(command: subprocess.Popen[str]) -> str:
+    """The command's and its helper's threads' stacks (faulthandler, on SIGABRT), its
+    stderr, and its processes: what a failure to stop has to show."""
+    below = psutil.Process(command.pid).children(recursive=True)
+    shown = [f"{p.pid} {p.ppid()} {p.status()} {' '.join(p.cmdline()[:4])}" for p in below if alive(p)]
+    helpers = [p for p in below if p.ppid() == command.pid and "air_magic._zygote" in p.cmdline() and alive(p)]
+    # The helper's log is read through a descriptor opened now: the command removes it.
+    logs = [open(os.path.join(helper.cwd(), "helper.log"), errors="replace") for helper in helpers]
+    command.send_signal(signal.SIGSTOP)  # held as it is while its helper shows its stacks
+    for helper in helpers:
+        helper.send_signal(signal.SIGABRT)
+        wait_until(lambda: not alive(helper), 10)  # (a zombie until the command goes on)
+    helper_logs = "\n".join(log.read()[-4000:] for log in logs)
+    for log in logs:
+        log.close()
+    command.send_signal(signal.SIGABRT)
+    command.send_signal(signal.SIGCONT)
+    _, err = command.communicate()
+    return "\n".join(["processes:", *shown, "its stderr:", err[-6000:], "its helper's log:", helper_logs])
+
+
 def test_ctrl_c_stops_every_rank_says_so_in_one_line_and_exits_130(tmp_path: Path) -> None:
     (tmp_path / "slow.py").write_text(
         "import os, time\nprint('started', os.environ['RANK'], flush=True)\ntime.sleep(120)\n"
@@ -369,7 +390,8 @@ def test_ctrl_c_stops_every_rank_says_so_in_one_line_and_exits_130(tmp_path: Pat
     command = subprocess.Popen(
         [sys.executable, "-m", "air_magic.cli", "run", "slow.py", "-n", "2", "--no-tracking"],
         cwd=tmp_path,
-        env=environment(tmp_path),
+        # faulthandler: should it not end, SIGABRT shows where each of its threads was
+        env={**environment(tmp_path), "PYTHONFAULTHANDLER": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -387,9 +409,7 @@ def test_ctrl_c_stops_every_rank_says_so_in_one_line_and_exits_130(tmp_path: Pat
         try:
             out, err = command.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            command.kill()
-            out, err = command.communicate()
-            pytest.fail(f"still running 60 s after Ctrl-C; its stderr ended with:\n{err[-3000:]}")
+            pytest.fail(f"still running 60 s after Ctrl-C:\n{_where_it_hangs(command)}")
     finally:
         if command.poll() is None:
             command.kill()
