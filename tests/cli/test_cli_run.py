@@ -4,6 +4,7 @@ real ranks, run as a separate process (``python -m air_magic.cli``); its output,
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -399,6 +400,10 @@ def test_ctrl_c_stops_every_rank_says_so_in_one_line_and_exits_130(tmp_path: Pat
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's foreground job
+        # with Ctrl-C's default action, as a terminal's foreground job has it: a test run
+        # started in the background (`pytest &`) ignores SIGINT, and so would the command
+        # (it rightly keeps an ignored SIGINT ignored, as `nohup` and `&` expect)
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert command.stdout is not None

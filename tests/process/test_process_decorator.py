@@ -512,6 +512,24 @@ def test_helper_killed_during_a_launch_fails_it_and_the_next_launch_works() -> N
     assert launcher()._helper.proc.pid != helper
 
 
+def _describe_helpers(pids: list[int]) -> str:
+    """Each helper, its parent and how long they have been running: whose it was."""
+    import time
+
+    import psutil
+
+    rows = []
+    for pid in pids:
+        try:
+            helper = psutil.Process(pid)
+            parent = helper.parent()
+            owner = f"{parent.pid} {' '.join(parent.cmdline()[:6])}" if parent else "none"
+            rows.append(f"{pid} ({time.time() - helper.create_time():.0f} s old, {helper.status()}), parent: {owner}")
+        except psutil.Error as exc:
+            rows.append(f"{pid}: {exc}")
+    return "; ".join(rows)
+
+
 def only_current_helper(current: Any) -> list[Any]:
     """The launcher's own helper, alone: a helper of an earlier launcher of this process
     (killed or shut down by an earlier test) may still be on its way out, and must be
@@ -520,7 +538,8 @@ def only_current_helper(current: Any) -> list[Any]:
     helpers = helper_processes()
     assert own in [h.pid for h in helpers]
     others = [h.pid for h in helpers if h.pid != own]
-    assert wait_until(lambda: not [h for h in helper_processes() if h.pid in others], timeout=5), others
+    if not wait_until(lambda: not [h for h in helper_processes() if h.pid in others], timeout=5):
+        pytest.fail(f"an earlier helper is still there: {_describe_helpers(others)}")
     return [h for h in helper_processes() if h.pid == own]
 
 
