@@ -265,26 +265,31 @@ def test_a_summary_carries_its_own_mime_type(front: Front) -> None:
 
 def test_the_list_keeps_a_thread_only_while_a_front_end_watches_a_running_launch(kernel_factory: Any) -> None:
     kernel = kernel_factory()
-    front = Front(kernel)
-    watchers = "import threading\nsorted(t.name for t in threading.enumerate() if t.name.startswith('air_magic-lab'))"
+    try:
+        front = Front(kernel)
+        watchers = (
+            "import threading\nsorted(t.name for t in threading.enumerate() if t.name.startswith('air_magic-lab'))"
+        )
 
-    # No front end: a launch starts no watcher at all.
-    kernel.ok("%%distributed -n 1 --async\nimport time\ntime.sleep(30)")
-    assert wait_until(lambda: len(rank_processes()) == 1, timeout=30)
-    assert kernel.value(watchers) == []
-
-    # A page opens its comm while that launch runs: the watcher starts for it ...
-    comm_id = front.open()
-    front.wait("the list", lambda: front.comm_data(comm_id, "launches"))
-    assert kernel.value(watchers) == ["air_magic-lab"]
-    # ... and is gone once nothing runs (stopped from the page here).
-    launch = front.latest(comm_id)[0]
-    assert front.request(comm_id, {"type": "stop", "launch": launch["id"]})["ok"] is True
-    front.wait("the launch cancelled", lambda: [d for d in front.latest(comm_id) if d["status"] == "cancelled"])
-    assert wait_until(lambda: not rank_processes(), timeout=10)
-    assert kernel.value(watchers) == []
-
-    # A blocking launch watched by the page: no watcher left when its cell returns.
-    for _ in range(3):
-        kernel.ok("%%distributed -n 1\n1")
+        # No front end: a launch starts no watcher at all.
+        kernel.ok("%%distributed -n 1 --async\nimport time\ntime.sleep(30)")
+        assert wait_until(lambda: len(rank_processes()) == 1, timeout=30)
         assert kernel.value(watchers) == []
+
+        # A page opens its comm while that launch runs: the watcher starts for it ...
+        comm_id = front.open()
+        front.wait("the list", lambda: front.comm_data(comm_id, "launches"))
+        assert kernel.value(watchers) == ["air_magic-lab"]
+        # ... and is gone once nothing runs (stopped from the page here).
+        launch = front.latest(comm_id)[0]
+        assert front.request(comm_id, {"type": "stop", "launch": launch["id"]})["ok"] is True
+        front.wait("the launch cancelled", lambda: [d for d in front.latest(comm_id) if d["status"] == "cancelled"])
+        assert wait_until(lambda: not rank_processes(), timeout=10)
+        assert kernel.value(watchers) == []
+
+        # A blocking launch watched by the page: no watcher left when its cell returns.
+        for _ in range(3):
+            kernel.ok("%%distributed -n 1\n1")
+            assert kernel.value(watchers) == []
+    finally:
+        kernel.shutdown()  # (the factory's kernels live to the session's end)
