@@ -7,7 +7,7 @@ import ast
 from typing import Any, Iterator
 
 import pytest
-from harness import Kernel
+from harness import Kernel, strip_ansi
 
 pytestmark = pytest.mark.kernel
 
@@ -55,7 +55,7 @@ def test_a_script_s_own_usage_error_names_the_cell_and_both_ranks(k: Kernel) -> 
     res = k.run("%%distributed -n 2 -- --lr fast" + ARGPARSE)
     n = res.reply["execution_count"]
     assert f"Cell In[{n}]: error: argument --lr: invalid float value: 'fast'" in res.stdout
-    assert res.error["ename"] == "RankFailedError"
+    assert res.error["ename"] == "RankFailedError", strip_ansi("\n".join(res.error["traceback"]))
     summary = res.error["traceback"][-1]
     assert summary.startswith("RankFailedError: rank ")
     assert "raised SystemExit: 2; rank " in summary
