@@ -559,15 +559,8 @@ def _interrupt_flag() -> Iterator[_InterruptFlag]:
     """Catch SIGINT as a flag while the block runs, where Python's default handler is in
     place (the main thread; a user's own handler, or an ignored SIGINT, is left as it is)."""
     flag = _InterruptFlag()
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-    except ValueError:  # not the main interpreter
-        yield flag
-        return
-    if previous is not signal.default_int_handler:
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is not signal.default_int_handler:
         yield flag
         return
     signal.signal(signal.SIGINT, flag.handle)

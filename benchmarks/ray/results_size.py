@@ -41,7 +41,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from run import ROOT, in_loopback_namespace, machine, reexec_in_namespace, start_cluster  # noqa: E402
+from run import ROOT, in_loopback_namespace, machine, reexec_in_namespace, start_cluster, write_results  # noqa: E402
 
 
 def returns(rank: int, mib: int) -> Any:
@@ -191,13 +191,7 @@ def main() -> int:
                     results["trees"].append(json.load(handle))
             except (OSError, ValueError):
                 results["trees"].append({"commit": f"checkout {index + 1}", "runs": [], "exit": code})
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results_size.json"), "w") as handle:
-        json.dump(results, handle, indent=1)
-    text = report(results)
-    with open(os.path.join(args.out, "results_size.md"), "w") as handle:
-        handle.write(text)
-    print(text)
+    write_results(args.out, "results_size", results, report(results))
     return 0
 
 

@@ -907,14 +907,18 @@ def main() -> int:
 
     results["ray_version"] = ray.__version__
     results["torch_version"] = torch.__version__
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ray.json"), "w") as handle:
+    write_results(args.out, "ray", results, report(results))
+    return 0
+
+
+def write_results(out: str, name: str, results: dict, text: str) -> None:
+    """``out/name.json`` (every measurement) and ``out/name.md`` (the report, also printed)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as handle:
         json.dump(results, handle, indent=1)
-    text = report(results)
-    with open(os.path.join(args.out, "ray.md"), "w") as handle:
+    with open(os.path.join(out, f"{name}.md"), "w") as handle:
         handle.write(text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

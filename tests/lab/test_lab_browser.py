@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "panel"))
 
 from harness import rank_processes, wait_until  # noqa: E402
 from playwright_page import Page, chromium_page  # noqa: E402
-from test_panel_browser import PROBE, serve_jupyter  # noqa: E402
+from test_panel_browser import _poll, serve_jupyter  # noqa: E402
 from test_panel_browser_pages import _shut_kernels_down  # noqa: E402
 
 from air_magic.lint.notebook import fix_notebook_file  # noqa: E402
@@ -130,22 +130,9 @@ def _install_extension(tmp: Path) -> None:
     shutil.copy(ROOT / "jupyter-config" / "jupyter_server_config.d" / "air_magic.json", config / "air_magic.json")
 
 
-def _poll(page: Page, until: Any, timeout: float, what: str) -> dict[str, Any]:
-    """The notebook's cells and kernel as the page shows them, once ``until`` holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = json.loads(page.evaluate(PROBE))
-        if until(state):
-            return state  # type: ignore[no-any-return]
-        if time.monotonic() > deadline:
-            shown = "\n".join(json.dumps(cell)[:2000] for cell in state.get("cells", []))
-            raise AssertionError(f"timed out waiting for {what}; kernel {state.get('kernel')}, cells:\n{shown}")
-        time.sleep(0.25)
-
-
 def _open(tools: Page, url: str, extension: bool = True) -> None:
     tools.goto(url)
-    _poll(tools, lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
+    _poll(tools, [], lambda s: s["ready"] and s.get("kernel") == "idle", 120, "the notebook and its kernel")
     if not extension:
         return
     deadline = time.monotonic() + 30
@@ -208,7 +195,7 @@ def _stop_from_the_sidebar(tools: Page, shots: Path, name: str) -> None:
     assert time.monotonic() - started < 20
     assert state["items"][0]["ranks"] == ["stopped", "stopped"] and "cancelled after" in state["items"][0]["text"]
     assert wait_until(lambda: not rank_processes(), timeout=10)
-    _poll(tools, lambda s: "LaunchCancelledError" in s["cells"][1]["text"], 30, "the cell's error")
+    _poll(tools, [], lambda s: "LaunchCancelledError" in s["cells"][1]["text"], 30, "the cell's error")
 
 
 def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], page: Page) -> None:
@@ -404,6 +391,7 @@ def test_a_lab_without_the_extension_runs_air_magic_without_console_errors(
             tools.evaluate(RUN_ALL)
             _poll(
                 tools,
+                [],
                 lambda s: "[0, 1]" in s["cells"][1]["text"] and s.get("kernel") == "idle",
                 90,
                 "the launch's result",

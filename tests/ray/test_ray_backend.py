@@ -64,6 +64,21 @@ def assert_nothing_left(timeout: float = 15.0) -> None:
         pytest.fail(f"left running {timeout} s after the launch ended: {left}")
 
 
+#: A cell whose 2 Ray ranks sleep 300 s.
+SLEEPS = "%%distributed -n 2 --backend ray\nimport time\ntime.sleep(300)\n"
+
+
+def submit_sleeper(kernel: Any, name: str, ranks: int, handle: str, first: str = "") -> None:
+    """In ``kernel``: ``@distributed(num_accelerators=ranks, backend="ray") def name()``,
+    whose ranks run ``first`` then sleep 300 s, submitted as ``handle``."""
+    body = "".join(f"    {line}\n" for line in ["import time", *filter(None, [first]), "time.sleep(300)"])
+    kernel.ok(
+        "from air_magic import distributed\n\n"
+        f"@distributed(num_accelerators={ranks}, backend='ray')\ndef {name}():\n{body}\n{handle} = {name}.submit()\n",
+        timeout=60,
+    )
+
+
 @pytest.fixture(scope="module")
 def kernel(ray_kernel: Any) -> Any:
     ray_kernel.ok("%env GLOO_SOCKET_IFNAME=lo")
@@ -216,20 +231,7 @@ run = client.get_run(handle.run_id)
 
 
 def test_cancel_stops_every_rank_and_leaves_no_actor(kernel: Any) -> None:
-    kernel.ok(
-        """\
-from air_magic import distributed
-
-@distributed(num_accelerators=2, backend="ray")
-def sleeps():
-    import time
-    print("sleeping", flush=True)
-    time.sleep(300)
-
-sleeping = sleeps.submit()
-""",
-        timeout=60,
-    )
+    submit_sleeper(kernel, "sleeps", 2, "sleeping", first="print('sleeping', flush=True)")
     assert wait_until(lambda: kernel.value("sleeping.status") == "running", 90, interval=0.5)
     assert wait_until(lambda: running_ranks() == 2, 60)
     time.sleep(2)  # the ranks are in the user's code
@@ -272,19 +274,7 @@ def test_a_node_that_dies_fails_the_launch_naming_it_and_stops_the_rest(
     kernel: Any, ray_cluster: RayCluster, spare_worker: Node
 ) -> None:
     # Three ranks on three one-CPU nodes: one of them on the spare node, which dies.
-    kernel.ok(
-        """\
-from air_magic import distributed
-
-@distributed(num_accelerators=3, backend="ray")
-def long():
-    import time
-    time.sleep(300)
-
-doomed = long.submit()
-""",
-        timeout=60,
-    )
+    submit_sleeper(kernel, "long", 3, "doomed")
     assert wait_until(lambda: running_ranks() == 3, 120)
     time.sleep(2)
     ray_cluster.kill_worker(spare_worker, wait=False)
@@ -299,7 +289,7 @@ doomed = long.submit()
 def test_a_killed_kernel_takes_its_ranks_along(kernel_factory: Any, ray_cluster: RayCluster) -> None:
     doomed = kernel_factory(extra_env={**ray_cluster.env, **GLOO})
     doomed.ok("import air_magic\nair_magic.ray_init()", timeout=120)
-    doomed.execute("%%distributed -n 2 --backend ray\nimport time\ntime.sleep(300)\n")
+    doomed.execute(SLEEPS)
     assert wait_until(lambda: running_ranks() == 2, 120)
     os.kill(doomed.km.provisioner.process.pid, signal.SIGKILL)
     doomed.forget()
@@ -311,7 +301,7 @@ def test_a_restarted_kernel_takes_its_ranks_along_and_launches_again(
 ) -> None:
     restarted = kernel_factory(extra_env={**ray_cluster.env, **GLOO})
     restarted.ok("import air_magic\nair_magic.ray_init()", timeout=120)
-    restarted.execute("%%distributed -n 2 --backend ray\nimport time\ntime.sleep(300)\n")
+    restarted.execute(SLEEPS)
     assert wait_until(lambda: running_ranks() == 2, 120)
     assert len(live_agents(ray_cluster)) == 2
     old_pid = restarted.pid
@@ -342,19 +332,7 @@ def test_a_launch_whose_kernel_leaves_ray_ends_without_connecting_it_again(
 ) -> None:
     leaving = kernel_factory(extra_env={**ray_cluster.env, **GLOO})
     leaving.ok("import air_magic, ray\nair_magic.ray_init()", timeout=120)
-    leaving.ok(
-        """\
-from air_magic import distributed
-
-@distributed(num_accelerators=2, backend="ray")
-def sleeps():
-    import time
-    time.sleep(300)
-
-sleeping = sleeps.submit()
-""",
-        timeout=60,
-    )
+    submit_sleeper(leaving, "sleeps", 2, "sleeping")
     assert wait_until(lambda: running_ranks() == 2, 120)
     # ray.shutdown() ends the kernel's Ray launches before it disconnects: when it returns,
     # the ranks and their agents are gone and the launch has failed saying why.
