@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import types
 from types import SimpleNamespace
 from typing import Any
@@ -30,9 +31,26 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[Any]]:
     return devices
 
 
+def _sleeper(launch_id: str) -> subprocess.Popen[bytes]:
+    """``sleep 30`` carrying ``launch_id``, returned once its environment is readable.
+
+    ``Popen`` returns when ``exec`` has begun, but the kernel sets the new program's
+    environment a moment later; until then ``/proc/PID/environ`` reads empty (seen in CI
+    on a loaded 2-core machine)."""
+    process = subprocess.Popen(["sleep", "30"], env={**os.environ, "AIR_MAGIC_LAUNCH_ID": launch_id})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{process.pid}/environ", "rb") as handle:
+            if f"AIR_MAGIC_LAUNCH_ID={launch_id}".encode() in handle.read().split(b"\0"):
+                return process
+        time.sleep(0.01)
+    process.kill(), process.wait()
+    raise AssertionError(f"sleep 30 (pid {process.pid}) never showed its environment")
+
+
 def test_a_process_of_the_launch_that_holds_gpu_memory_is_named(nvml: dict[int, list[Any]]) -> None:
-    ours = subprocess.Popen(["sleep", "30"], env={**os.environ, "AIR_MAGIC_LAUNCH_ID": "0007-abc"})
-    theirs = subprocess.Popen(["sleep", "30"], env={**os.environ, "AIR_MAGIC_LAUNCH_ID": "0008-def"})
+    ours = _sleeper("0007-abc")
+    theirs = _sleeper("0008-def")
     try:
         nvml[1] = [
             SimpleNamespace(pid=ours.pid, usedGpuMemory=3 << 30),
