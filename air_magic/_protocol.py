@@ -45,6 +45,24 @@ STOP_ESCALATION: dict[str, list[tuple[float, signal.Signals]]] = {
     "kill": [(0.0, signal.SIGKILL)],
 }
 
+
+def signal_rank(pid: int, signum: int) -> None:
+    """Send ``signum`` to a rank's process group (the rank and what it started), or to the
+    rank alone while it has no group yet.  A rank calls ``setsid()`` first thing, and a
+    stop can come before that: a peer that failed at once, on a loaded machine."""
+    try:
+        os.killpg(pid, signum)
+        return
+    except ProcessLookupError:  # no group of that id (yet; or the rank has been reaped)
+        pass
+    except PermissionError:
+        return
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 #: Name the cell's last expression is stored under in the rank's namespace.
 RESULT_NAME = "__air_magic_result__"
 #: Line written to a rank's log before the traceback of its failure: the cell shows

@@ -104,9 +104,10 @@ def child_main(request: LaunchRequest, rank: int, port: int, alive_fd: int, clos
 
 
 def _fresh_signal_state() -> None:
-    """Signal dispositions and mask as a new Python process has them (torchrun's workers
-    are such processes): SIGINT raises KeyboardInterrupt, SIGPIPE and SIGXFSZ are ignored
-    (Python's start-up does that), every other signal has its default action."""
+    """Signal dispositions as a new Python process has them (torchrun's workers are such
+    processes): SIGINT raises KeyboardInterrupt, SIGPIPE and SIGXFSZ are ignored (Python's
+    start-up does that), every other signal has its default action.  The mask is emptied
+    by :func:`_let_signals_in`, once the rank is ready for them."""
     for signum in signal.valid_signals():
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -121,6 +122,13 @@ def _fresh_signal_state() -> None:
                 signal.signal(signum, handler)
         except (OSError, ValueError):  # signals the C library reserves
             pass
+
+
+def _let_signals_in() -> None:
+    """Empty the signal mask, as a new process has it.  The helper forks a rank with every
+    signal held, so a stop that came while the rank set itself up (the helper's handlers
+    still installed) waits until now and acts as it would on the user's code: SIGINT raises
+    KeyboardInterrupt, SIGTERM ends the rank."""
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
@@ -403,6 +411,7 @@ def _run(request: LaunchRequest, rank: int) -> int:
     _install_sources(sources)
     code = 0
     try:
+        _let_signals_in()
         _rank_tracking.install(request.work_dir, rank, os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"))
         with open(request.payload_path, "rb") as handle:
             payload = cloudpickle.load(handle)

@@ -51,7 +51,16 @@ import time
 from typing import Any
 
 from . import _results
-from ._protocol import STACK_SIGNAL, LaunchRequest, log_path, payload_path, result_path, spool_file, stack_path
+from ._protocol import (
+    STACK_SIGNAL,
+    LaunchRequest,
+    log_path,
+    payload_path,
+    result_path,
+    signal_rank,
+    spool_file,
+    stack_path,
+)
 from ._spool import SPOOL_DIR_ENV, artifact_dir, publish_run
 from .settings import settings
 
@@ -225,7 +234,7 @@ class RankAgent:
         if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
             return False
         # Still a zombie, so its group id cannot be reused yet: end what it left behind.
-        _killpg(pid, signal.SIGKILL)
+        signal_rank(pid, signal.SIGKILL)
         self.returncode = self.proc.wait()
         return True
 
@@ -268,7 +277,7 @@ class RankAgent:
 
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.returncode is None:
-            _killpg(self.proc.pid, signum)
+            signal_rank(self.proc.pid, signum)
 
     def stacks(self, grace: float = 0.5) -> str:
         """Every thread's Python stack of the running rank ('' if it has ended)."""
@@ -290,7 +299,7 @@ class RankAgent:
     def close(self) -> None:
         """Kill the rank if it still runs; remove its folder."""
         if self.proc is not None and self.returncode is None:
-            _killpg(self.proc.pid, signal.SIGKILL)
+            signal_rank(self.proc.pid, signal.SIGKILL)
             self.returncode = self.proc.wait()
         if self.alive_w is not None:
             os.close(self.alive_w)
@@ -358,13 +367,3 @@ def sweep(parent: str, min_age: float = _SWEEP_AGE) -> list[str]:
         finally:
             os.close(fd)
     return removed
-
-
-def _killpg(pid: int, signum: int) -> None:
-    """To the rank's group (its own, once it has called setsid) and to the rank itself
-    (in case it has not yet)."""
-    for send in (os.killpg, os.kill):
-        try:
-            send(pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass

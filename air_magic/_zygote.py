@@ -64,6 +64,7 @@ from ._protocol import (
     ToKernel,
     decode,
     encode,
+    signal_rank,
 )
 from .settings import settings
 
@@ -186,9 +187,16 @@ class Zygote:
         from . import _rank
 
         for rank in range(request.world_size):
-            pid = os.fork()
-            if pid == 0:  # the rank; child_main never returns
-                _rank.child_main(request, rank, port, self.alive_fd, close_in_child)
+            # Every signal is held across the fork: until the rank has its own handlers, a
+            # stop must not run this helper's (its SIGTERM handler would shut the helper's
+            # launches down from inside the rank). The rank lets them in when it is ready.
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            try:
+                pid = os.fork()
+                if pid == 0:  # the rank; child_main never returns
+                    _rank.child_main(request, rank, port, self.alive_fd, close_in_child)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
             launch.running[rank] = pid
             if self.use_pidfd:
                 fd = os.pidfd_open(pid)
@@ -201,7 +209,7 @@ class Zygote:
         (the kernel is told of the failure as one error)."""
         self.launches.pop(launch.launch_id, None)
         for pid in launch.running.values():
-            _killpg(pid, signal.SIGKILL)
+            signal_rank(pid, signal.SIGKILL)
             try:  # a rank forked just now may not lead its own group yet
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
@@ -226,7 +234,7 @@ class Zygote:
         pid = launch.running[rank]
         # The rank is a zombie until reaped, so its process-group id cannot be reused yet:
         # kill whatever it left behind (DataLoader workers, shells) before reaping it.
-        _killpg(pid, signal.SIGKILL)
+        signal_rank(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         self._reap_orphans()
         self._reaped(launch, rank, os.waitstatus_to_exitcode(status))
@@ -270,7 +278,7 @@ class Zygote:
 
     def _signal(self, launch: _Launch, signum: int) -> None:
         for pid in launch.running.values():
-            _killpg(pid, signum)
+            signal_rank(pid, signum)
 
     def _finish(self, launch: _Launch) -> None:
         self.launches.pop(launch.launch_id, None)
@@ -289,7 +297,7 @@ class Zygote:
             if not orphans:
                 return
             for pid in orphans:
-                _killpg(pid, signal.SIGKILL)
+                signal_rank(pid, signal.SIGKILL)
                 try:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
@@ -299,7 +307,7 @@ class Zygote:
     def shutdown(self) -> None:
         for launch in list(self.launches.values()):
             for pid in launch.running.values():
-                _killpg(pid, signal.SIGKILL)
+                signal_rank(pid, signal.SIGKILL)
             for pid in launch.running.values():
                 try:
                     os.waitpid(pid, 0)
@@ -369,13 +377,6 @@ def _become_subreaper() -> None:
 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-
-
-def _killpg(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
         pass
 
 
