@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["Launch", "LaunchObserver", "ObserverFactory"]
 
 _POLL = 0.05
+#: A launch's status while its ranks may still run; any other status is its outcome.
+LIVE_STATUSES = ("starting", "running", "stopping")
 
 
 class LaunchObserver(Protocol):
@@ -218,8 +220,9 @@ class Launch:
         return f"forking {self.world_size} rank{'s' * (self.world_size != 1)}"
 
     def cancel(self) -> bool:
-        """Stop every rank (SIGINT, then SIGTERM, then SIGKILL). False if it had already ended."""
-        if self._done.is_set():
+        """Stop every rank (SIGINT, then SIGTERM, then SIGKILL). False if it had already ended
+        (its outcome is known, even while the observers are still told of its end)."""
+        if self._done.is_set() or self.status not in LIVE_STATUSES:
             return False
         self._cancel_requested = True
         self.launcher.send(Stop(self.id, "cancel"))

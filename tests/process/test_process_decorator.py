@@ -443,6 +443,34 @@ def test_cancel_stops_a_submitted_launch() -> None:
     assert_next_launch_works()
 
 
+def test_cancel_is_refused_once_the_outcome_is_known_while_observers_are_told_of_the_end() -> None:
+    """A front end (the lab's list, the panel) may show the outcome before the launch is
+    done: a Stop then does nothing and says so, and the outcome stays."""
+    from air_magic.launcher import Launcher
+
+    seen: dict[str, Any] = {}
+
+    class Late:
+        def before_start(self, launch: Any, env: dict[str, str]) -> None:
+            pass
+
+        def before_end(self, launch: Any) -> None:
+            seen["status"], seen["cancelled"] = launch.status, launch.cancel()
+
+        def after_end(self, launch: Any) -> None:
+            pass
+
+    def factory(launch: Any) -> Late:
+        return Late()
+
+    Launcher.add_observer(factory)
+    try:
+        assert chatty.distributed(2) == [0, 1]
+    finally:
+        Launcher._observer_factories.remove(factory)
+    assert seen == {"status": "finished", "cancelled": False}
+
+
 @distributed(num_accelerators=2, tracking=False)
 def raise_unrebuildable() -> None:
     import os
