@@ -217,7 +217,10 @@ def test_the_chart_of_a_key_is_rank_0s_curve_and_each_other_rank_has_its_own(
     assert metric_points(store, run_id, "loss") == [(step, step / 10) for step in range(20)]
     for rank in range(1, ranks):
         assert metric_points(store, run_id, f"rank{rank}/loss") == [(step, 10 * rank + step / 10) for step in range(20)]
-    assert set(store.run(run_id).data.metrics) == {"loss"} | {f"rank{r}/loss" for r in range(1, ranks)}
+    # Beside MLflow's own system metrics (system/..., the kernel's machine), which a launch
+    # that runs past 2 s gets (this one does on a loaded machine).
+    logged = {key for key in store.run(run_id).data.metrics if not key.startswith("system/")}
+    assert logged == {"loss"} | {f"rank{r}/loss" for r in range(1, ranks)}
     params = store.run(run_id).data.params
     assert {k: v for k, v in params.items() if not k.startswith("air_magic.")} == {
         "batch_size": "32",
