@@ -475,6 +475,7 @@ class Launch:
             stop_reason=self._stop_reason,
             cancel_requested=self._cancel_requested,
             failures=tuple(self._failures),
+            shown_rank=0 if self._pump is not None else None,
         )
         records = read_records(self.work_dir, ending, self.shm_dir) if _outcome.needs_records(ending) else {}
         where = ""

@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ._protocol import ErrorRecord, UnpicklableRecord
+from ._protocol import TRACEBACK_MARK, ErrorRecord, UnpicklableRecord
 from .errors import (
     LaunchCancelledError,
     LaunchError,
@@ -100,6 +100,7 @@ class Ending:
     stop_reason: str | None = None  # "failure", "timeout", "cancel", "kill"
     cancel_requested: bool = False
     failures: tuple[int, ...] = ()  # ranks that failed on their own, in the order seen
+    shown_rank: int | None = None  # the rank whose output the cell showed as it ran (rank 0)
 
 
 @dataclass(frozen=True)
@@ -344,9 +345,18 @@ def rank_error(ending: Ending, records: Mapping[int, Any], rank: int, log_end: s
         traceback_text=record.traceback,
         log_path=state.log_path,
     )
+    printed = printed_before_exit(log_end) if record.type_name == "SystemExit" and rank != ending.shown_rank else ""
+    if printed:  # a program says why it exits on stderr (argparse's usage error), not in SystemExit
+        error.add_note(f"[air_magic] rank {rank} printed before it exited ({state.log_path}):\n{printed}")
     for hint in hints:
         error.add_note(hint)
     return error
+
+
+def printed_before_exit(log_end: str, lines: int = 20) -> str:
+    """The last ``lines`` lines a rank printed before the traceback of its failure."""
+    before, marked, _ = log_end.rpartition(TRACEBACK_MARK)
+    return "\n".join((before if marked else log_end).rstrip().splitlines()[-lines:])
 
 
 def _rebuild(blob: bytes | None) -> Any:

@@ -10,7 +10,7 @@ import pytest
 
 from air_magic import _outcome
 from air_magic._outcome import MISSING, Ending, RankState, decide, describe_exit, failed_ranks, needs_records
-from air_magic._protocol import ErrorRecord, UnpicklableRecord, ValueRecord
+from air_magic._protocol import TRACEBACK_MARK, ErrorRecord, UnpicklableRecord, ValueRecord
 from air_magic.errors import (
     LaunchCancelledError,
     LaunchError,
@@ -89,6 +89,26 @@ def test_the_first_to_fail_is_named_and_an_echo_is_never_the_cause() -> None:
         "rank 1 of 3, the first to fail, raised KeyError: 'x'; rank 0 failed too "
         "(RuntimeError: Connection closed by peer); rank 2 was stopped by air_magic."
     )
+
+
+def test_a_program_s_exit_on_a_rank_the_cell_did_not_show_tells_what_it_printed() -> None:
+    usage = "usage: train [-h] [--lr LR]\ntrain: error: argument --lr: invalid float value: 'fast'"
+    log = f"{usage}\n{TRACEBACK_MARK}Traceback (most recent call last):\n  ...\nSystemExit: 2\n"
+    records = {0: MISSING, 1: _error(SystemExit(2))}
+    failed = {"stop_reason": "failure", "failures": (1,)}
+    # rank 0's output was shown in the cell as it ran; rank 1's only in its log
+    exc = decide(_ending(_ranks(-15, 1, stopped=(0,)), shown_rank=0, **failed), records, tails={1: log}).value
+    assert isinstance(exc, RankFailedError)
+    assert str(exc) == "rank 1 of 2 raised SystemExit: 2; rank 0 was stopped by air_magic."
+    assert exc.__notes__ == [f"[air_magic] rank 1 printed before it exited (/logs/rank-1.log):\n{usage}"]
+    # the same on rank 0, which the cell showed: not twice
+    records = {0: _error(SystemExit(2)), 1: MISSING}
+    failed = {"stop_reason": "failure", "failures": (0,)}
+    exc = decide(_ending(_ranks(1, -15, stopped=(1,)), shown_rank=0, **failed), records, tails={0: log}).value
+    assert getattr(exc, "__notes__", []) == []
+    # a launch nobody watched (submit(), --async): rank 0's words are kept too
+    exc = decide(_ending(_ranks(1, -15, stopped=(1,)), **failed), records, tails={0: log}).value
+    assert exc.__notes__ == [f"[air_magic] rank 0 printed before it exited (/logs/rank-0.log):\n{usage}"]
 
 
 def test_a_crash_by_signal_says_how_with_the_logs_last_lines() -> None:
