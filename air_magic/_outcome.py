@@ -311,7 +311,7 @@ def rank_error(ending: Ending, records: Mapping[int, Any], rank: int, log_end: s
     lines = log_end.splitlines()
     log_text = "\n".join(lines[-200:])
     if record is None:
-        tail = "\n".join(lines[-20:])
+        tail = last_lines(log_end)
         how = describe_exit(state.returncode or 0)
         if state.returned_early:
             how = (
@@ -353,10 +353,15 @@ def rank_error(ending: Ending, records: Mapping[int, Any], rank: int, log_end: s
     return error
 
 
-def printed_before_exit(log_end: str, lines: int = 20) -> str:
-    """The last ``lines`` lines a rank printed before the traceback of its failure."""
+def last_lines(text: str, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log's text, as the errors quote them."""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def printed_before_exit(log_end: str) -> str:
+    """The last lines a rank printed before the traceback of its failure."""
     before, marked, _ = log_end.rpartition(TRACEBACK_MARK)
-    return "\n".join((before if marked else log_end).rstrip().splitlines()[-lines:])
+    return last_lines(before if marked else log_end)
 
 
 def _rebuild(blob: bytes | None) -> Any:

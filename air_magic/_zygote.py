@@ -209,9 +209,8 @@ class Zygote:
         (the kernel is told of the failure as one error)."""
         self.launches.pop(launch.launch_id, None)
         for pid in launch.running.values():
-            signal_rank(pid, signal.SIGKILL)
-            try:  # a rank forked just now may not lead its own group yet
-                os.kill(pid, signal.SIGKILL)
+            signal_rank(pid, signal.SIGKILL)  # the rank alone if it has no group yet
+            try:
                 os.waitpid(pid, 0)
             except (ProcessLookupError, ChildProcessError):
                 pass
