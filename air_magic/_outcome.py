@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ._protocol import TRACEBACK_MARK, ErrorRecord, UnpicklableRecord
+from ._protocol import FINAL_STACK_SIGNAL, TRACEBACK_MARK, ErrorRecord, UnpicklableRecord
 from .errors import (
     LaunchCancelledError,
     LaunchError,
@@ -37,8 +37,9 @@ from .hints import hints_for
 #: A rank's entry in ``records`` when it left no result file.
 MISSING = object()
 
-#: Exit codes of a rank that air_magic's own stop ended (SIGINT, SIGTERM, SIGKILL).
-STOP_EXITS = (-signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL)
+#: Exit codes of a rank that air_magic's own stop ended (SIGINT, SIGTERM, SIGKILL, and the
+#: timeout's last request for stacks).
+STOP_EXITS = (-signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL, -FINAL_STACK_SIGNAL)
 
 _SIGNAL_NOTES = {
     signal.SIGKILL: "possibly out of memory (the kernel's OOM killer sends SIGKILL)",

@@ -34,6 +34,10 @@ from typing import Any, Callable, ClassVar, NamedTuple, Union
 #: The signal that makes a rank write every thread's Python stack to its stack file
 #: (``faulthandler``; a real-time signal no library is known to use).
 STACK_SIGNAL = signal.SIGRTMAX - 3
+#: The same, once a launch's time is up: the rank writes its stacks and then ends by this
+#: signal (faulthandler chained to the default action), so no user code runs after the
+#: limit has passed -- a C call that the signal cut short cannot return a value.
+FINAL_STACK_SIGNAL = signal.SIGRTMAX - 4
 
 #: How a backend stops a launch's ranks, by the stop's reason: (delay in seconds, signal).
 STOP_ESCALATION: dict[str, list[tuple[float, signal.Signals]]] = {

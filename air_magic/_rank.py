@@ -43,6 +43,7 @@ from . import _rank_tracking, _results
 from ._protocol import (
     LEFT_PREFIX,
     RESULT_NAME,
+    FINAL_STACK_SIGNAL,
     STACK_SIGNAL,
     STOP_MARK,
     TRACEBACK_MARK,
@@ -209,13 +210,19 @@ _stack_file: Any = None  # kept open for faulthandler, which writes to its descr
 def _dump_stacks_on_signal(path: str) -> None:
     """``STACK_SIGNAL`` writes every thread's Python stack to ``path`` (by faulthandler,
     from the signal handler itself: it works while the rank is blocked in C++ code, a
-    collective, or holds the GIL in a loop).  Python's own handler table is untouched."""
+    collective, or holds the GIL in a loop).  Python's own handler table is untouched.
+
+    ``FINAL_STACK_SIGNAL`` (a timeout) writes them too, then ends the rank by the signal's
+    default action: no line of the user's code runs once the launch's time is up.  A
+    stack request interrupts a system call such as ``nanosleep`` that is never restarted,
+    and the user's code must not go on with what that call returned."""
     import faulthandler
 
     global _stack_file
     # O_APPEND: the kernel empties the file before each request; writes start at its end.
     _stack_file = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600), "w")
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+    faulthandler.register(FINAL_STACK_SIGNAL, file=_stack_file, all_threads=True, chain=True)
 
 
 def _text_stream(fd: int, like: Any) -> io.TextIOWrapper:

@@ -308,7 +308,7 @@ class _RayLaunch:
         while self.running:
             if not ray.is_initialized():
                 raise ConnectionError(_LEFT)
-            if timeout_at is not None and time.monotonic() >= timeout_at and self.stopping is None:
+            if timeout_at is not None and time.monotonic() >= timeout_at:
                 self._timeout()
             self._send_due_signals()
             if self.spool and self.run_id is None:
@@ -325,6 +325,8 @@ class _RayLaunch:
                 if self.spool:
                     self._append(spool_file(self.spool, rank), spool)
                 if code is not None:
+                    if timeout_at is not None and time.monotonic() >= timeout_at:
+                        self._timeout()  # the time was up before this exit was seen
                     self._rank_ended(rank, code)
             if self.running:
                 time.sleep(_POLL)
@@ -396,8 +398,17 @@ class _RayLaunch:
         )
 
     def _timeout(self) -> None:
+        """The time is up: the launch is stopping from this moment (a rank that returns while
+        its stacks are taken does not make it a success), then its ranks are stopped."""
+        with self._lock:
+            if self.stopping is not None:
+                return
+            self.stopping = "timeout"
+        self.backend.emit(Stopping(self.id, "timeout", time.monotonic()))
         self.stacks(_STACK_GRACE)  # where each rank was: the timeout's error says it
-        self.stop("timeout")
+        with self._lock:
+            self._schedule("timeout")
+        self._send_due_signals()
 
     def _append(self, path: str, data: bytes) -> None:
         if data:

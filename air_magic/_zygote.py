@@ -49,7 +49,7 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from ._protocol import (
-    STACK_SIGNAL,
+    FINAL_STACK_SIGNAL,
     STOP_ESCALATION,
     Done,
     Exited,
@@ -83,6 +83,7 @@ class _Launch:
     pidfds: dict[int, int] = field(default_factory=dict)  # rank -> pidfd
     port: socket.socket | None = None  # bound, not listening: reserves MASTER_PORT
     stopping: str | None = None
+    deadline: float | None = None  # time.monotonic() when its timeout passes
 
 
 class Zygote:
@@ -170,7 +171,8 @@ class Zygote:
         self._send(Started(launch.launch_id, dict(launch.running)))
         timeout = request.timeout
         if timeout is not None:
-            self._after(timeout, launch.launch_id, lambda: self._stacks_then_stop(launch, "timeout"))
+            launch.deadline = time.monotonic() + timeout
+            self._after(timeout, launch.launch_id, lambda: self._time_up(launch))
 
     def _fork_ranks(self, launch: _Launch, request: LaunchRequest) -> None:
         reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -231,6 +233,8 @@ class Zygote:
         if launch is None or rank not in launch.running:
             return
         pid = launch.running[rank]
+        if launch.deadline is not None and time.monotonic() >= launch.deadline:
+            self._time_up(launch)  # its time was up before this exit was seen: a timeout
         # The rank is a zombie until reaped, so its process-group id cannot be reused yet:
         # kill whatever it left behind (DataLoader workers, shells) before reaping it.
         signal_rank(pid, signal.SIGKILL)
@@ -258,22 +262,28 @@ class Zygote:
         if not launch.running:
             self._finish(launch)
 
-    def _stacks_then_stop(self, launch: _Launch, reason: str) -> None:
-        """Ask every rank for its stacks (where was each one?), then stop them a moment later."""
+    def _time_up(self, launch: _Launch) -> None:
+        """The launch's timeout has passed: it is stopping from this moment (whatever its ranks
+        do from now on, its outcome is the timeout).  Every rank writes its stacks (where was
+        each one?) and ends at once; the escalation follows a moment later for a rank that
+        could not (not yet set up, or stuck in the kernel)."""
+        launch.deadline = None
+        if launch.stopping is not None or not launch.running:
+            return
+        self._stop(launch, "timeout", after=_STACK_GRACE)
         for pid in launch.running.values():
             try:
-                os.kill(pid, STACK_SIGNAL)
+                os.kill(pid, FINAL_STACK_SIGNAL)
             except ProcessLookupError:
                 pass
-        self._after(_STACK_GRACE, launch.launch_id, lambda: self._stop(launch, reason))
 
-    def _stop(self, launch: _Launch, reason: str) -> None:
+    def _stop(self, launch: _Launch, reason: str, after: float = 0.0) -> None:
         if launch.stopping is not None or not launch.running:
             return
         launch.stopping = reason
         self._send(Stopping(launch.launch_id, reason, time.monotonic()))
         for delay, signum in STOP_ESCALATION.get(reason, STOP_ESCALATION["failure"]):
-            self._after(delay, launch.launch_id, functools.partial(self._signal, launch, signum))
+            self._after(after + delay, launch.launch_id, functools.partial(self._signal, launch, signum))
 
     def _signal(self, launch: _Launch, signum: int) -> None:
         for pid in launch.running.values():

@@ -34,6 +34,9 @@ def faulty(fault):
     import ctypes, os, signal, sys, time
     import torch, torch.distributed as dist
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if fault == "csleep":  # every rank in a C call that gives up when a signal comes
+        ctypes.CDLL(None).sleep(30)
+        return "returned"
     if fault != "timeout":  # importing mlflow takes seconds: not inside a 3 s timeout
         import mlflow
         for step in range({POINTS}):
@@ -170,6 +173,21 @@ def test_a_rank_fault_is_named_and_leaves_nothing(k: Kernel, fault: str, n: int)
         assert POINTS <= points <= POINTS * n
     else:
         assert points == POINTS * n
+    _assert_nothing_left(k)
+    _assert_next_launch_works(k, n)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_timeout_while_the_ranks_are_in_a_c_call_is_a_timeout_not_their_value(k: Kernel, n: int) -> None:
+    # The stacks a timeout asks for cut libc's sleep() short; the ranks must not return then.
+    res = k.run(f"run('csleep', {n}, timeout=2)", timeout=60)
+    assert res.error is not None and res.error["ename"] == "LaunchTimeoutError", res.error_text
+    assert res.error["evalue"].startswith("faulty ran past its timeout of 2 s; ")
+    assert "[air_magic] where each rank was:" in res.error_text
+    for rank in range(n):
+        assert f"rank {rank}: at " in res.error_text
+    assert k.value("LAST.last_launch.status") == "timed out"
+    assert k.value("[r.state for r in LAST.last_launch.ranks]") == ["stopped"] * n
     _assert_nothing_left(k)
     _assert_next_launch_works(k, n)
 

@@ -237,6 +237,19 @@ def test_one_rank_stopped_is_said_in_the_singular() -> None:
     assert "ran past its timeout of 1 s; its rank was stopped." in str(info.value)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_timeout_that_passes_before_the_ranks_return_is_a_timeout(n: int) -> None:
+    # The limit passes before the helper has even seen the ranks' exits: whatever the ranks
+    # do after it, the outcome is the timeout.
+    @distributed(num_accelerators=n, accelerator_type="CPU", timeout=1e-9, tracking=False)
+    def quick() -> int:
+        return 1
+
+    with pytest.raises(LaunchTimeoutError) as info:
+        quick.distributed()
+    assert str(info.value).startswith(f"{quick.func.__qualname__} ran past its timeout of 1e-09 s; ")
+
+
 @distributed(num_accelerators=1, tracking=False)
 def chatty(megabytes: int) -> int:
     line = "x" * 1023 + "\n"
