@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol
 
@@ -66,6 +67,13 @@ _POLL = 0.05
 LIVE_STATUSES = ("starting", "running", "stopping")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+    output: int  # bytes of rank 0's output copied into the cell (AIR_MAGIC_OUTPUT_LIMIT)
+    stall_seconds: float  # quiet seconds before the ranks' stacks are looked at
+    log: int  # bytes of each rank's log kept (AIR_MAGIC_LOG_LIMIT)
+
+
 class LaunchObserver(Protocol):
     """What optional pieces (MLflow tracking, the panel) see of a launch."""
 
@@ -94,6 +102,9 @@ class Launch:
     def __init__(self, launcher: "Launcher", spec: LaunchSpec, placement: Placement, payload: Payload) -> None:
         self.launcher = launcher
         self.spec = spec
+        #: The settings it runs with, read as it starts (a change of ``AIR_MAGIC_*`` while it
+        #: runs is for the next launch; a bad value never reaches one that runs).
+        self.limits = _Limits(settings.output_limit, settings.stall_seconds, settings.log_limit)
         self.placement = placement
         self.label = payload.label
         self.kind = payload.kind
@@ -142,6 +153,7 @@ class Launch:
         self._interrupted = False  # the user interrupted the cell that waited for it
         self._interrupt_text: str | None = None
         self._pump: OutputPump | None = None
+        self._internal_error: LaunchError | None = None  # air_magic's own failure (fail_inside)
 
     # -- public handle ----------------------------------------------------------------------
 
@@ -278,13 +290,27 @@ class Launch:
 
     def wait_streaming(self) -> list[Any]:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
-        pump = OutputPump(self.ranks[0].log_path, settings.output_limit, terminal=_is_terminal(sys.stdout))
-        stall = StallWatch(self, settings.stall_seconds)
+        try:
+            pump = OutputPump(self.ranks[0].log_path, self.limits.output, terminal=_is_terminal(sys.stdout))
+            stall = StallWatch(self, self.limits.stall_seconds)
+        except Exception as exc:  # never a launch that runs on with nobody waiting for it
+            return self._failed_wait(exc)
         self._pump = pump  # finish() has it read the rest before the logs are rewritten
         self._waiter = True
         sys.stdout.flush()  # what the observers printed at the start comes before the ranks' output
         with _interrupt_flag() as interrupt:
-            return self._wait_streaming(pump, stall, interrupt)
+            try:
+                return self._wait_streaming(pump, stall, interrupt)
+            except Exception as exc:
+                if self._done.is_set():  # the launch's own outcome (a rank's error), or after it
+                    raise
+                return self._failed_wait(exc)  # air_magic's own failure while ranks ran: as above
+
+    def _failed_wait(self, exc: Exception) -> list[Any]:
+        self.fail_inside(exc, "waiting for the ranks")
+        self._done.wait(10)  # the helper reports the killed ranks; finish() ends the launch
+        assert self._internal_error is not None
+        raise self._internal_error
 
     def _wait_streaming(self, pump: OutputPump, stall: StallWatch, interrupt: "_InterruptFlag") -> list[Any]:
         try:
@@ -382,17 +408,77 @@ class Launch:
         self.status = "stopping"
 
     def finish(self) -> None:
-        """Every rank has ended: the outcome, the observers' end, the files' cleanup."""
+        """Every rank has ended: the outcome, the observers' end, the files' cleanup.
+
+        Whatever fails in here (a bug of air_magic's, not the user's code) still ends the
+        launch: its ranks are stopped, it fails with an error that says so and where the
+        traceback was written, and the next launch works."""
+        if self._done.is_set():
+            return
+        try:
+            self._finish()
+        except BaseException as exc:
+            self.fail_inside(exc, "ending the launch")
+            self._end_failed()
+
+    def fail_inside(self, exc: BaseException, during: str) -> None:
+        """air_magic itself failed while ``during`` (on the reader thread, in ``finish()``):
+        the ranks are stopped, and the launch's outcome is a ``LaunchError`` that says so,
+        with the traceback kept in the launch's log folder."""
+        if self._internal_error is not None:
+            return
+        self.launcher.send(Stop(self.id, "kill"))
+        self._kill_now()
+        where = os.path.join(self.log_dir, "air_magic-error.log")
+        try:
+            os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+            with open(os.open(where, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "w") as handle:
+                handle.write(f"launch {self.id}, while {during}:\n")
+                traceback.print_exception(type(exc), exc, exc.__traceback__, file=handle)
+            told = f"Its traceback is in {where}."
+        except OSError:
+            told = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+        self._internal_error = LaunchError(
+            f"air_magic failed while {during} of {self.label} ({type(exc).__name__}: {_safe_text(exc)}); "
+            f"its ranks were stopped. This is a bug of air_magic, not of your code; the next launch "
+            f"works. {told}"
+        )
+        self._internal_error.__cause__ = exc
+
+    def _end_failed(self) -> None:
+        """The end of a launch whose ``_finish()`` failed: its error is the outcome; each of
+        the remaining steps is tried on its own, and ``done()`` is true whatever happens."""
+        try:
+            self.status = "failed"
+            self._outcome = (False, self._internal_error)
+            self.ended_at = self.ended_at or time.time()
+            for observer in self.observers:
+                try:
+                    observer.after_end(self)
+                except Exception:  # an observer that failed already: told once, above
+                    pass
+            self._cleanup_files()
+            if not self._waiter:
+                self.print_notices()
+        except BaseException:  # nothing more to do: the waiter must not hang
+            pass
+        finally:
+            self._done.set()
+
+    def _finish(self) -> None:
         self.timings["done"] = time.monotonic()
         try:
             outcome = self._build_outcome()
         except BaseException as exc:  # never leave a waiter hanging
             outcome = (False, exc)
+        if self._internal_error is not None:  # the reader failed on one of its messages
+            outcome = (False, self._internal_error)
+            self.status = "failed"
         self.timings["outcome"] = time.monotonic()
         if self._pump is not None:
             self._pump.hold_rest()  # what rank 0 printed last reaches the cell as printed
         for state in self.ranks:  # before the observers: MLflow keeps the bounded log too
-            bound_log(state.log_path, settings.log_limit)
+            bound_log(state.log_path, self.limits.log)
         try:
             from ._teardown import check
 
@@ -521,6 +607,14 @@ class Launch:
                         pass
         if self.shm_dir:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def _safe_text(exc: BaseException) -> str:
+    """``str(exc)``, or ``<unprintable ValueError>`` when its ``__str__`` raises."""
+    try:
+        return str(exc)
+    except BaseException:
+        return f"<unprintable {type(exc).__name__}>"
 
 
 def _is_terminal(stream: Any) -> bool:

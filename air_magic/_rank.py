@@ -41,9 +41,9 @@ import cloudpickle
 
 from . import _rank_tracking, _results
 from ._protocol import (
+    FINAL_STACK_SIGNAL,
     LEFT_PREFIX,
     RESULT_NAME,
-    FINAL_STACK_SIGNAL,
     STACK_SIGNAL,
     STOP_MARK,
     TRACEBACK_MARK,

@@ -54,7 +54,7 @@ from ._protocol import (
     payload_path,
 )
 from .capture import Payload
-from .errors import LaunchError
+from .errors import ConfigurationError, LaunchError
 from .settings import settings
 from .spec import LaunchSpec
 
@@ -104,7 +104,11 @@ class Launcher:
 
         ``AIR_MAGIC_WARM=0`` leaves it to the first launch (tests of code that never launches).
         """
-        if settings.warm:
+        try:
+            warm = settings.warm
+        except ConfigurationError:  # the first launch says what is wrong with it
+            return
+        if warm:
             self._ensure_helper()
 
     def _ensure_helper(self) -> Helper:
@@ -145,6 +149,7 @@ class Launcher:
     def start(self, spec: LaunchSpec, payload: Payload) -> Launch:
         """Start ``payload`` on the ranks ``spec`` asks for; returns at once."""
         called = time.monotonic()
+        settings.check()  # a bad AIR_MAGIC_* value stops the launch here, before anything starts
         cwd = _request.working_directory()
         self._ensure_session_folders()  # before a new helper, which logs into the session folder
         helper = self.backend_for(spec.backend)
@@ -226,8 +231,13 @@ class Launcher:
         launch = self.launches.get(message.launch_id)
         if launch is None:
             return
-        launch.handle(message)
-        if isinstance(message, (StartFailed, Done)):
+        try:
+            launch.handle(message)
+            ended = isinstance(message, (StartFailed, Done))
+        except Exception as exc:  # a bug of air_magic's: it ends this launch, not the reader
+            ended = True
+            launch.fail_inside(exc, f"reading the helper's {message.KIND!r} message")
+        if ended:
             with self._lock:
                 self.launches.pop(launch.id, None)
             launch.finish()

@@ -2,7 +2,8 @@
 
 Each setting is read from its ``AIR_MAGIC_*`` environment variable *when it is used*
 (so ``%env`` after ``import air_magic`` counts, and a bad value never breaks the
-import), unless a value was set on the object: ``%config DistributedMagics.<trait>``
+import); :meth:`Settings.check` reads them all before a launch starts anything, so a bad
+value is that launch's ``ConfigurationError``, never an error inside a running one; unless a value was set on the object: ``%config DistributedMagics.<trait>``
 writes ``capture_warn_mb`` and ``panel`` here, and then wins over the environment.
 
 =============================  ===========================================================
@@ -18,11 +19,11 @@ Environment variable           Setting (default)
 ``AIR_MAGIC_WARM``             ``warm``: start the helper and MLflow's store early
                                (``1``; ``0`` leaves it to the first launch)
 ``AIR_MAGIC_OUTPUT_LIMIT``     ``output_limit``: bytes of rank 0's output copied into the
-                               cell per launch (1 MiB)
+                               cell per launch (1 MiB; a whole number of bytes)
 ``AIR_MAGIC_STALL_SECONDS``    ``stall_seconds``: seconds without output before the ranks'
                                stacks are looked at (300; 0: never)
 ``AIR_MAGIC_LOG_LIMIT``        ``log_limit``: bytes of each rank's log kept after a launch
-                               (16 MiB)
+                               (16 MiB; a whole number of bytes)
 ``AIR_MAGIC_SHM_DIR``          ``shm_dir``: where large result tensors travel (``/dev/shm``;
                                on a Ray node, as the node's environment sets it)
 ``AIR_MAGIC_MAX_CPU_RANKS``    ``max_cpu_ranks(cores)``: the most CPU ranks a launch may
@@ -164,27 +165,52 @@ class Settings:
             return "text"
         if value in ("widget", "widgets"):
             return "widget"
-        return "auto"
+        if value in ("", "auto"):
+            return "auto"
+        raise ConfigurationError(
+            f"{PANEL_ENV} must be auto, text, widget or off (also 0, false, no, none), got "
+            f"{self._env(PANEL_ENV)!r}; unset it for auto."
+        )
 
     @property
     def warm(self) -> bool:
         """Start the helper (and MLflow's store) before the first launch (``AIR_MAGIC_WARM``)."""
-        return self._env(WARM_ENV, "1") != "0"
+        value = self._env(WARM_ENV, "1").strip().lower()
+        if value in ("", "1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ConfigurationError(
+            f"{WARM_ENV} must be 1 (start the helper early) or 0 (at the first launch), got "
+            f"{self._env(WARM_ENV)!r}; unset it for 1."
+        )
 
     @property
     def output_limit(self) -> int:
         """Bytes of rank 0's output copied into the cell per launch (``AIR_MAGIC_OUTPUT_LIMIT``)."""
-        return int(self._env(OUTPUT_LIMIT_ENV, str(1 << 20)))
+        return self._bytes(OUTPUT_LIMIT_ENV, 1 << 20)
 
     @property
     def stall_seconds(self) -> float:
         """Seconds without a line from any rank before their stacks are looked at (0: never)."""
-        return float(self._env(STALL_SECONDS_ENV, "300"))
+        return self._number(STALL_SECONDS_ENV, 300.0, unit="seconds", zero="0 never looks")
 
     @property
     def log_limit(self) -> int:
         """Bytes of each rank's log kept once a launch has ended (``AIR_MAGIC_LOG_LIMIT``)."""
-        return int(self._env(LOG_LIMIT_ENV, str(16 << 20)))
+        return self._bytes(LOG_LIMIT_ENV, 16 << 20)
+
+    def _bytes(self, name: str, default: int) -> int:
+        """``name``'s value, a whole number of bytes, 0 or more (``default`` when unset)."""
+        text = self._env(name).strip()
+        if not text:
+            return default
+        if not text.isdigit():  # no sign, no unit, no point
+            raise ConfigurationError(
+                f"{name} must be a whole number of bytes (0 or more), got {text!r}: for example "
+                f"{name}={16 << 20} for 16 MiB, or unset it for the default ({_size(default)})."
+            )
+        return int(text)
 
     @property
     def shm_dir(self) -> str:
@@ -216,8 +242,17 @@ class Settings:
         """The oldest launch logs are pruned past this many MB in all (``AIR_MAGIC_LOG_KEEP_MB``)."""
         return self._number(LOG_KEEP_MB_ENV, 1024.0)
 
-    def _number(self, name: str, default: float, bad: Callable[[str], str] | None = None) -> float:
-        """``name``'s value, 0 or more (``default`` when unset); ``bad(text)`` says what is wrong."""
+    def _number(
+        self,
+        name: str,
+        default: float,
+        bad: Callable[[str], str] | None = None,
+        *,
+        unit: str = "",
+        zero: str = "",
+    ) -> float:
+        """``name``'s value, a finite number, 0 or more (``default`` when unset); ``bad(text)``
+        says what is wrong (else a message with ``unit`` and what ``zero`` means)."""
         text = self._env(name).strip()
         if not text:
             return default
@@ -225,9 +260,13 @@ class Settings:
             value = float(text)
         except ValueError:
             value = math.nan
-        if math.isnan(value) or value < 0:
+        if not math.isfinite(value) or value < 0:
+            what = f"a number of {unit}" if unit else "a number"
+            means = f"; {zero}" if zero else ""
             message = (
-                bad(text) if bad else f"{name} must be a number (0 or more), got {text!r}; unset it for {default:g}."
+                bad(text)
+                if bad
+                else f"{name} must be {what} (0 or more{means}), got {text!r}; unset it for {default:g}."
             )
             raise ConfigurationError(message)
         return value
@@ -269,6 +308,33 @@ class Settings:
                 f"({CPU_RANKS_PER_CORE} per CPU core: {default} here)."
             )
         return bound, True
+
+    def check(self) -> None:
+        """Read every setting once: a bad ``AIR_MAGIC_*`` value is a ``ConfigurationError``
+        naming the variable, its value and what it accepts -- before a launch starts
+        anything, never from inside a launch that runs."""
+        for name in _CHECKED:
+            getattr(self, name)
+
+
+#: What :meth:`Settings.check` reads (``max_cpu_ranks`` needs the machine's cores: the
+#: launch reads it as it places its ranks, also before anything starts).
+_CHECKED = (
+    "capture_warn_mb",
+    "panel_mode",
+    "warm",
+    "output_limit",
+    "stall_seconds",
+    "log_limit",
+    "log_keep_days",
+    "log_keep_mb",
+    "ray_strategy",
+    "ray_place_timeout",
+)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
 
 
 #: The settings of this process.

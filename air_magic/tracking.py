@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._spool import SPOOL_DIR_ENV, STATE_DIR_ENV, PrivateFolderError, Spool, publish_run, state_dir
 from ._tracking_recovery import Recovered, recover_in_background, upload_pending
+from .errors import ConfigurationError
 from .settings import settings
 
 if TYPE_CHECKING:
@@ -171,7 +172,10 @@ _warmed: set[str] = set()  # store URIs opened (or being opened) by this kernel
 def warm_in_background(log_dir: str | None = None) -> None:
     """Import MLflow and open (or create) the store now, in a thread, so that the first
     launch's run is made at once.  Its log lines go to ``log_dir/mlflow.log``."""
-    if not settings.warm:
+    try:
+        if not settings.warm:
+            return
+    except ConfigurationError:  # the first launch says what is wrong with AIR_MAGIC_WARM
         return
     uri = current_uri()
     with _warm_lock:

@@ -27,7 +27,14 @@ MACHINES = {
 }
 
 #: Settings a row may change; unset before every row.
-ROW_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "AIR_MAGIC_MAX_CPU_RANKS", "AIR_MAGIC_CAPTURE_WARN_MB")
+ROW_ENVIRONMENT = (
+    "CUDA_VISIBLE_DEVICES",
+    "AIR_MAGIC_MAX_CPU_RANKS",
+    "AIR_MAGIC_CAPTURE_WARN_MB",
+    "AIR_MAGIC_LOG_LIMIT",
+    "AIR_MAGIC_OUTPUT_LIMIT",
+    "AIR_MAGIC_STALL_SECONDS",
+)
 
 KERNEL_HELPERS = f'''
 def _bad_inputs_machine(gpus, cores):
