@@ -34,9 +34,11 @@ it ``StartLaunch`` (a :class:`~air_magic._protocol.LaunchRequest`), ``Stop``, ``
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -76,6 +78,22 @@ _PR_SET_CHILD_SUBREAPER = 36
 _STACK_GRACE = 0.5
 
 
+#: How often a launch that forks many ranks looks at the kernel between two forks (s).
+_LOOK_EVERY = 0.05
+
+
+class _KernelGone(Exception):
+    """The kernel died, or said to shut down, while ranks were being forked."""
+
+
+class _StoppedWhileStarting(Exception):
+    """The launch whose ranks were being forked was stopped (``reason``: the stop's)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass
 class _Launch:
     launch_id: str
@@ -96,6 +114,9 @@ class Zygote:
         self.launches: dict[str, _Launch] = {}
         self.timers: list[tuple[float, str, Callable[[], None]]] = []
         self.use_pidfd = _pidfds_work()
+        #: Messages read while a launch's ranks were being forked, handled after it.
+        self.pending: collections.deque[StartLaunch | Stop] = collections.deque()
+        self._next_look = 0.0  # time.monotonic() of the next look at the kernel between forks
 
     # -- start-up -------------------------------------------------------------------
 
@@ -136,7 +157,10 @@ class Zygote:
                     if isinstance(message, Shutdown):
                         return
                     if isinstance(message, (StartLaunch, Stop)):
-                        self._handle(message)
+                        try:
+                            self._handle(message)
+                        except _KernelGone:
+                            return
                 else:
                     launch_id, rank = key.data
                     self._on_rank_exit(launch_id, rank)
@@ -145,10 +169,19 @@ class Zygote:
             self._run_timers()
 
     def _handle(self, message: StartLaunch | Stop) -> None:
+        self.pending.append(message)
+        while self.pending:
+            self._handle_one(self.pending.popleft())
+
+    def _handle_one(self, message: StartLaunch | Stop) -> None:
         if isinstance(message, StartLaunch):
             request = message.request
             try:
                 self._start(request)
+            except _StoppedWhileStarting:  # told, and each rank forked so far taken back
+                pass
+            except _KernelGone:
+                raise
             except Exception:  # any failure to start is the launch's error, told to the kernel
                 self._send(StartFailed(request.launch_id, traceback.format_exc()))
         elif isinstance(message, Stop):
@@ -165,6 +198,12 @@ class Zygote:
         self.launches[launch.launch_id] = launch
         try:
             self._fork_ranks(launch, request)
+        except _StoppedWhileStarting as stop:
+            # The kernel waits for this answer (a Ctrl-C): it is told before the killed ranks
+            # are reaped, which takes a while for thousands of them.
+            reason = stop.reason
+            self._abort(launch, lambda: self._send_stopped(launch.launch_id, reason))
+            raise
         except BaseException:  # take back the ranks forked so far, then re-raise
             self._abort(launch)
             raise
@@ -189,6 +228,8 @@ class Zygote:
         from . import _rank
 
         for rank in range(request.world_size):
+            if rank:
+                self._between_forks(launch)
             # Every signal is held across the fork: until the rank has its own handlers, a
             # stop must not run this helper's (its SIGTERM handler would shut the helper's
             # launches down from inside the rank). The rank lets them in when it is ready.
@@ -206,12 +247,47 @@ class Zygote:
                 close_in_child.append(fd)
                 self.selector.register(fd, selectors.EVENT_READ, (launch.launch_id, rank))
 
-    def _abort(self, launch: _Launch) -> None:
+    def _between_forks(self, launch: _Launch) -> None:
+        """A look at the kernel between two forks of a large launch (thousands of ranks take
+        seconds): the kernel's death ends the helper now, and a stop of this launch (Ctrl-C,
+        cancel) ends its start-up now.  Other messages wait for the main loop."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + _LOOK_EVERY
+        readable, _, _ = select.select([self.alive_fd, self.conn.fileno()], [], [], 0)
+        if self.alive_fd in readable:  # nobody writes to it: readable means the kernel is gone
+            raise _KernelGone
+        while self.conn.fileno() in readable:
+            try:
+                wire = self.conn.recv()
+            except (EOFError, OSError):
+                raise _KernelGone from None
+            try:
+                message = decode(wire)
+            except ValueError:
+                message = None
+            if isinstance(message, Shutdown):
+                raise _KernelGone
+            if isinstance(message, Stop) and message.launch_id == launch.launch_id:
+                raise _StoppedWhileStarting(message.reason)
+            if isinstance(message, (StartLaunch, Stop)):
+                self.pending.append(message)
+            readable, _, _ = select.select([self.conn.fileno()], [], [], 0)
+
+    def _send_stopped(self, launch_id: str, reason: str) -> None:
+        self._send(Stopping(launch_id, reason, time.monotonic()))
+        self._send(Done(launch_id))
+
+    def _abort(self, launch: _Launch, before_reaping: Callable[[], None] | None = None) -> None:
         """A launch that failed to start: take back whatever of it was started, silently
-        (the kernel is told of the failure as one error)."""
+        (the kernel is told of the failure as one error, or by ``before_reaping``)."""
         self.launches.pop(launch.launch_id, None)
-        for pid in launch.running.values():
+        for pid in launch.running.values():  # every one first, then reap: they die together
             signal_rank(pid, signal.SIGKILL)  # the rank alone if it has no group yet
+        if before_reaping is not None:
+            before_reaping()
+        for pid in launch.running.values():
             try:
                 os.waitpid(pid, 0)
             except (ProcessLookupError, ChildProcessError):

@@ -246,3 +246,64 @@ def test_the_kernel_going_away_takes_every_rank_within_seconds(kernel_factory: A
         assert time.monotonic() - start < 5
     finally:
         kernel.shutdown()
+
+
+#: A launch of many ranks: its start-up alone takes seconds (one fork after the other).
+MANY = 600
+
+
+def _start_many(kernel: Kernel, n: int) -> str:
+    kernel.ok(f"import os\nos.environ['AIR_MAGIC_MAX_CPU_RANKS'] = '{n}'")
+    return kernel.execute(f"%%distributed -n {n} --no-tracking\nimport time\ntime.sleep(60)")
+
+
+def _forking(kernel: Kernel) -> list[psutil.Process]:
+    """The kernel's helper and its ranks, once the helper is forking them."""
+    helper = _helper(kernel)
+    assert wait_until(lambda: len(_ranks(helper)) >= 20, timeout=30)
+    return [helper, *_ranks(helper)]
+
+
+def _all_gone(processes: list[psutil.Process]) -> bool:
+    return not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_an_interrupt_while_many_ranks_start_answers_at_once_and_leaves_none(kernel_factory: Any) -> None:
+    kernel = kernel_factory()
+    try:
+        msg_id = _start_many(kernel, MANY)
+        started = _forking(kernel)
+        helper = started[0]
+        begin = time.monotonic()
+        kernel.km.interrupt_kernel()
+        res = kernel.collect(msg_id, timeout=30)
+        answered = time.monotonic() - begin
+        assert res.error is not None and res.error["ename"] == "KeyboardInterrupt", res.error_text
+        assert answered < 5, answered
+        assert wait_until(lambda: not _ranks(helper), timeout=5)
+        assert helper.is_running()  # the helper serves on: the next launch works
+        assert kernel.value("%%distributed -n 2 --no-tracking\nint(os.environ['RANK'])") == [0, 1]
+    finally:
+        kernel.shutdown()
+
+
+@pytest.mark.parametrize("n", [*SIZES, MANY])
+def test_the_kernel_killed_while_its_ranks_start_takes_the_helper_and_every_rank(kernel_factory: Any, n: int) -> None:
+    kernel = kernel_factory()
+    try:
+        kernel.ok(FAULTY)
+        if n == MANY:
+            _start_many(kernel, n)
+            processes = _forking(kernel)
+        else:
+            kernel.ok("run('none', 1, tracking=False)")  # the helper has torch
+            helper = _helper(kernel)
+            kernel.execute(f"run('hang', {n}, tracking=False)")
+            assert wait_until(lambda: len(_ranks(helper)) >= 1, timeout=20)
+            processes = [helper, *_ranks(helper)]
+        os.kill(kernel.pid, signal.SIGKILL)
+        begin = time.monotonic()
+        assert wait_until(lambda: _all_gone(processes + [p for p in rank_processes()]), timeout=10)
+        assert time.monotonic() - begin < 5
+    finally:
+        kernel.shutdown()
