@@ -121,6 +121,11 @@ class Helper:
             except Exception as exc:  # pragma: no cover - a bug must not kill the reader
                 sys.stderr.write(f"[air_magic] internal error handling {message.KIND!r}: {exc}\n")
         self.alive = False
+        # The socket closes as the helper exits, a moment before its exit status can be read.
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:  # closed its end and lives on: said as "exit None"
+            pass
         self._on_gone(self)
 
     def close(self, wait: float = 3.0) -> None:

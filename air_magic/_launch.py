@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol
 
 from . import _logs, _outcome, _results
 from ._backend import Backend
-from ._outcome import RankState
+from ._outcome import RankState, describe_exit
 from ._protocol import (
     Exited,
     LaunchRequest,
@@ -36,6 +36,7 @@ from ._protocol import (
     Stop,
     Stopping,
     ToKernel,
+    end_carriers,
     joined_path,
     left_path,
     log_dir,
@@ -540,11 +541,19 @@ class Launch:
                     pass
 
     def helper_died(self, returncode: int | None) -> None:
-        """The helper went away with this launch running: its ranks are killed, it fails."""
+        """The helper went away with this launch running: its ranks are killed, it fails.
+
+        What its ranks started in sessions of their own is no longer the helper's to reap
+        (it was their subreaper): every process that carries the launch's id ends too."""
         self._kill_now()
+        if self.local_processes:
+            end_carriers(self.id)
+        if returncode is not None and returncode < 0:
+            how = ": it " + describe_exit(returncode).replace(": ", ", ", 1)
+        else:
+            how = f" (exit {returncode})" if returncode is not None else " (its exit status is not known)"
         self._error_text = (
-            f"the air_magic helper process died (exit {returncode}); the ranks were stopped. "
-            "The next launch starts a new helper."
+            f"the air_magic helper process died{how}; the ranks were stopped. The next launch starts a new helper."
         )
         self.finish()
 

@@ -111,7 +111,7 @@ class Outcome:
     value: Any  # the values in rank order, or the exception to raise
 
 
-def describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int, world_size: int = 2) -> str:
     """``-9`` -> ``'was killed by SIGKILL (exit -9), possibly out of memory ...'``."""
     if returncode < 0:
         try:
@@ -121,10 +121,8 @@ def describe_exit(returncode: int) -> str:
         note = _SIGNAL_NOTES.get(sig)
         return f"was killed by {sig.name} (exit {returncode})" + (f": {note}" if note else "")
     if returncode == 0:
-        return (
-            "exited (code 0) without returning: something ended the process early "
-            "(os._exit(0), or a library that exits), so the other ranks would have waited for it"
-        )
+        early = "exited (code 0) without returning: something ended the process early (os._exit(0), or a library that exits)"
+        return early + (", so the other ranks would have waited for it" if world_size > 1 else "")
     return f"exited with code {returncode} without reporting an exception (os._exit() or a crash in native code)"
 
 
@@ -313,7 +311,7 @@ def rank_error(ending: Ending, records: Mapping[int, Any], rank: int, log_end: s
     log_text = "\n".join(lines[-200:])
     if record is None:
         tail = last_lines(log_end)
-        how = describe_exit(state.returncode or 0)
+        how = describe_exit(state.returncode or 0, n)
         if state.returned_early:
             how = (
                 "returned without joining the process group that the other ranks wait for it in "

@@ -67,6 +67,47 @@ def signal_rank(pid: int, signum: int) -> None:
         pass
 
 
+#: Every process of a launch carries its id in this variable (set in the ranks'
+#: environment and inherited by whatever they start, in a session of its own or not).
+LAUNCH_ID_ENV = "AIR_MAGIC_LAUNCH_ID"
+
+
+def carriers(launch_id: str) -> list[int]:
+    """This user's processes (not this one) whose environment carries ``launch_id``: the
+    ranks and everything they started, also what left their process group and session."""
+    mark = f"{LAUNCH_ID_ENV}={launch_id}".encode()
+    uid, me, found = os.getuid(), os.getpid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as handle:
+                if mark in handle.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return found
+
+
+def end_carriers(launch_id: str, rounds: int = 5) -> list[int]:
+    """SIGKILL every process that carries ``launch_id`` (see :func:`carriers`), looking
+    again a few times for what one of them forked meanwhile; the pids killed."""
+    killed: list[int] = []
+    for _ in range(rounds):
+        found = [pid for pid in carriers(launch_id) if pid not in killed]
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        killed.extend(found)
+    return killed
+
+
 #: Name the cell's last expression is stored under in the rank's namespace.
 RESULT_NAME = "__air_magic_result__"
 #: Line written to a rank's log before the traceback of its failure: the cell shows

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from ._protocol import LaunchRequest
+from ._protocol import LAUNCH_ID_ENV, LaunchRequest
 from .errors import LaunchError
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def rank_environment(launch: "Launch") -> dict[str, str]:
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if launch.world_size > 1:  # torchrun's rule: one thread per rank unless set
         env.setdefault("OMP_NUM_THREADS", "1")
-    env["AIR_MAGIC_LAUNCH_ID"] = launch.id
+    env[LAUNCH_ID_ENV] = launch.id
     if launch.placement.device == "cpu":
         # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU
         # is what `accelerate launch --cpu` sets: without it the Hugging Face Trainer

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ._protocol import LAUNCH_ID_ENV
+
 __all__ = ["gpu_holders", "describe_holders", "wait_for_release"]
 
 
@@ -46,7 +48,7 @@ def gpu_holders(rank_pids: set[int], launch_id: str) -> list[tuple[int, int, int
 def _carries(pid: int, launch_id: str) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as handle:
-            return f"AIR_MAGIC_LAUNCH_ID={launch_id}".encode() in handle.read().split(b"\0")
+            return f"{LAUNCH_ID_ENV}={launch_id}".encode() in handle.read().split(b"\0")
     except OSError:
         return False
 

@@ -66,6 +66,7 @@ from ._protocol import (
     ToKernel,
     decode,
     encode,
+    end_carriers,
     signal_rank,
 )
 from .settings import settings
@@ -398,7 +399,11 @@ class Zygote:
                     os.waitpid(pid, 0)
                 except ChildProcessError:
                     pass
+        ended = list(self.launches)
         self.launches.clear()
+        self._reap_orphans()
+        for launch_id in ended:  # what left the ranks' sessions and was not handed to us yet
+            end_carriers(launch_id)
         self._reap_orphans()
         for path in (self.session_dir, self.shm_dir):
             if path:

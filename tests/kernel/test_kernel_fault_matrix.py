@@ -26,14 +26,33 @@ POINTS = 5  # each rank logs this many points before the fault
 
 #: Every rank logs POINTS points; then the last rank meets the fault while the others
 #: wait for it in an all_reduce (or in the rendezvous, for a rank that leaves).
+#: A double fork into a session of its own that ignores every polite signal; it writes its pid.
+DAEMON = (
+    "import os, signal, sys, time\n"
+    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGIO): signal.signal(s, signal.SIG_IGN)\n"
+    "if os.fork(): os._exit(0)\n"
+    "os.setsid()\n"
+    "if os.fork(): os._exit(0)\n"
+    "open(sys.argv[1], 'a').write(f' {os.getpid()}')\n"
+    "time.sleep(120)\n"
+)
+
 FAULTY = f"""
 from air_magic import distributed
+DAEMON = {DAEMON!r}
 
 @distributed(accelerator_type="CPU")
 def faulty(fault):
     import ctypes, os, signal, sys, time
     import torch, torch.distributed as dist
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if fault == "escape":  # every rank hides two processes from its group and session, then waits
+        import subprocess
+        hidden = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        subprocess.run([sys.executable, "-c", DAEMON, f"escaped-{{os.environ['AIR_MAGIC_LAUNCH_ID']}}-{{rank}}"])
+        with open(f"escaped-{{os.environ['AIR_MAGIC_LAUNCH_ID']}}-{{rank}}", "a") as mark:
+            mark.write(f" {{hidden.pid}}")
+        time.sleep(120)
     if fault == "csleep":  # every rank in a C call that gives up when a signal comes
         ctypes.CDLL(None).sleep(30)
         return "returned"
@@ -189,6 +208,36 @@ def test_a_timeout_while_the_ranks_are_in_a_c_call_is_a_timeout_not_their_value(
     assert k.value("LAST.last_launch.status") == "timed out"
     assert k.value("[r.state for r in LAST.last_launch.ranks]") == ["stopped"] * n
     _assert_nothing_left(k)
+    _assert_next_launch_works(k, n)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_what_the_ranks_hid_in_sessions_of_their_own_ends_when_the_helper_is_killed(k: Kernel, n: int) -> None:
+    before = set(os.listdir(k.workdir))
+    msg_id = k.execute(f"run('escape', {n}, tracking=False)")
+
+    def hidden() -> list[int]:
+        marks = [f for f in set(os.listdir(k.workdir)) - before if f.startswith("escaped-")]
+        pids = []
+        for mark in marks:
+            with open(os.path.join(k.workdir, mark)) as handle:
+                pids += [int(p) for p in handle.read().split()]
+        return pids if len(marks) == n and len(pids) == 2 * n else []
+
+    assert wait_until(lambda: bool(hidden()), timeout=60)
+    pids = hidden()
+    _helper(k).send_signal(signal.SIGKILL)
+    res = k.collect(msg_id, timeout=30)
+    assert res.error is not None and res.error["ename"] == "LaunchError", res.error_text
+    assert "the air_magic helper process died: it was killed by SIGKILL (exit -9)" in res.error["evalue"]
+
+    def ended(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    assert wait_until(lambda: all(ended(pid) for pid in pids), timeout=3), [p for p in pids if not ended(p)]
     _assert_next_launch_works(k, n)
 
 
