@@ -330,6 +330,7 @@ def rank_error(ending: Ending, records: Mapping[int, Any], rank: int, log_end: s
     rebuilt = _rebuild(record.blob)
     note = f"[air_magic] raised on rank {rank} of {n}{first.rstrip(',')}{ended}. Full log: {state.log_path}"
     if isinstance(rebuilt, BaseException) and not isinstance(rebuilt, (KeyboardInterrupt, SystemExit)):
+        rebuilt = _printable(rebuilt, record.message)
         rebuilt.__cause__ = RankTraceback(record.traceback)
         rebuilt.__suppress_context__ = True
         rebuilt.__traceback__ = None
@@ -361,6 +362,26 @@ def printed_before_exit(log_end: str) -> str:
     """The last lines a rank printed before the traceback of its failure."""
     before, marked, _ = log_end.rpartition(TRACEBACK_MARK)
     return last_lines(before if marked else log_end)
+
+
+def _printable(exc: BaseException, text: str) -> BaseException:
+    """``exc``, made printable when its own ``__str__`` raises (IPython, logging and the
+    panel all print it): its class becomes a subclass of its own, of the same name, whose
+    ``__str__`` says ``text`` (``<unprintable ValueError>``); ``except`` clauses and
+    ``isinstance`` see the user's class as before."""
+    try:
+        str(exc)
+        return exc
+    except BaseException:
+        pass
+    cls = type(exc)
+    try:
+        printable = type(cls.__name__, (cls,), {"__str__": lambda self: text, "__module__": cls.__module__})
+        printable.__qualname__ = cls.__qualname__
+        exc.__class__ = printable
+    except TypeError:  # a class whose instances cannot change class (a C type's layout)
+        pass
+    return exc
 
 
 def _rebuild(blob: bytes | None) -> Any:

@@ -452,23 +452,47 @@ def _run(request: LaunchRequest, rank: int) -> int:
         code = 1
     finally:
         _flush_exit_hooks()
-    if isinstance(record, ErrorRecord):
-        # Last in the log, after anything the exit hooks printed.
-        sys.stdout.flush()
-        # A KeyboardInterrupt in a rank is air_magic's stop (SIGINT: a cancel, a timeout, the
-        # panel's Stop, another rank's failure): the rank did not fail, it was stopped.
-        stopped = record.type_name == "KeyboardInterrupt"
-        sys.stderr.write((STOP_MARK if stopped else TRACEBACK_MARK) + record.traceback)
-        sys.stderr.flush()
+    # The record first: it travels on air_magic's own channel (a file of the launch's folder),
+    # whatever the user's code did to its streams (closed fds 1 and 2, replaced sys.stderr).
     try:
         prefix = _results.rank_prefix(rank)
         _results.write_record(path, record, shm_dir if code == 0 else None, prefix, fallback_dir=request.work_dir)
     except BaseException as exc:  # the return value cannot be pickled (any error a __reduce__ raises)
-        reason = f"{type(exc).__name__}: {exc}"
+        reason = f"{type(exc).__name__}: {_text(exc)}"
         value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
         _results.write_record(path, UnpicklableRecord(value_type, reason), None, _results.rank_prefix(rank))
         code = 0
+    if isinstance(record, ErrorRecord):
+        # A KeyboardInterrupt in a rank is air_magic's stop (SIGINT: a cancel, a timeout, the
+        # panel's Stop, another rank's failure): the rank did not fail, it was stopped.
+        stopped = record.type_name == "KeyboardInterrupt"
+        _to_log((STOP_MARK if stopped else TRACEBACK_MARK) + record.traceback)
     return code
+
+
+def _to_log(text: str) -> None:
+    """``text`` last in the rank's log, after anything the exit hooks printed, on fd 2 itself:
+    the user's code may have replaced ``sys.stderr``, or closed the descriptors (then the log
+    has no traceback; the record has it)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # a stream the user's code closed or broke
+            pass
+    try:
+        data = text.encode("utf-8", "backslashreplace")
+        while data:
+            data = data[os.write(2, data) :]
+    except OSError:
+        pass
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or ``<unprintable ValueError>`` when its ``__str__`` raises."""
+    try:
+        return str(exc)
+    except BaseException:
+        return f"<unprintable {type(exc).__name__}>"
 
 
 def _hold_stop_signals() -> None:
@@ -501,7 +525,7 @@ def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> Er
         if exc_type.__module__ in ("builtins", "__main__")
         else (f"{exc_type.__module__}.{exc_type.__qualname__}")
     )
-    return ErrorRecord(blob, name, str(exc), text, failed_at)
+    return ErrorRecord(blob, name, _text(exc), text, failed_at)
 
 
 def format_user_traceback(exc: BaseException, sources: dict[str, tuple[str, str]]) -> str:
@@ -510,6 +534,8 @@ def format_user_traceback(exc: BaseException, sources: dict[str, tuple[str, str]
     while tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == _PACKAGE_DIR:
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
+    if _text(exc).startswith("<unprintable "):  # Python's own words for it, made to say what it is
+        text = text.replace("<exception str() failed>", _text(exc))
     for filename, (display, _) in sources.items():
         text = text.replace(f'File "{filename}"', display)
     return text

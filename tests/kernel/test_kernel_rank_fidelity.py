@@ -240,3 +240,30 @@ def test_an_interrupt_says_where_each_rank_was_at_the_cells_lines(k: Kernel) -> 
     where = res.stderr[res.stderr.index("[air_magic] where each rank was:") :].splitlines()
     assert where[1] == f"  rank 0: in all_reduce (torch.distributed), called at Cell In[{n}], line 8 in <module>"
     assert where[2] == f"  rank 1: at Cell In[{n}], line 6 in <module>  <- behind: rank 0 waits for it"
+
+
+# -- an exception that is hard to report ------------------------------------------------------
+
+
+def test_an_exception_whose_str_raises_keeps_its_type_and_traceback(k: Kernel) -> None:
+    res = k.run(
+        "%%distributed -n 2\n"
+        "class Odd(ValueError):\n"
+        "    def __str__(self):\n"
+        "        raise RuntimeError('no words for it')\n"
+        "raise Odd('x')"
+    )
+    assert res.error is not None and res.error["ename"] == "Odd", res.error_text
+    shown = strip_ansi("\n".join(res.error["traceback"]))
+    assert "raise Odd('x')" in shown  # the rank's traceback, at the cell's line
+    assert "Odd: <unprintable Odd>" in shown
+    assert "RankCrashedError" not in shown and "code 70" not in shown
+
+
+def test_a_rank_that_closed_its_stdout_and_stderr_still_reports_its_exception(k: Kernel) -> None:
+    res = k.run("%%distributed -n 2\nimport os\nos.close(1)\nos.close(2)\nraise KeyError('gone quiet')")
+    assert res.error is not None and res.error["ename"] == "KeyError", res.error_text
+    assert res.error["evalue"] == "'gone quiet'"
+    shown = strip_ansi("\n".join(res.error["traceback"]))
+    assert "raise KeyError('gone quiet')" in shown
+    assert k.value("%%distributed -n 2\n1") == [1, 1]
