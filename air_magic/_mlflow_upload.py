@@ -45,16 +45,24 @@ later kernel that sends the rest names things the same way.  MLflow's system met
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Iterator
 
 from ._spool import Spool, iter_lines
 
-__all__ = ["Unreachable", "SpoolUploader", "bounded_requests", "make_client", "absolute_uri", "store_name"]
+__all__ = [
+    "Unreachable",
+    "StoreUnusable",
+    "SpoolUploader",
+    "bounded_requests",
+    "make_client",
+    "absolute_uri",
+    "store_name",
+]
 __all__ += ["metric_name", "rank_name"]
 
 #: MLflow's HTTP settings inside air_magic's threads: about 5 s for a server that hangs,
@@ -203,35 +211,165 @@ def store_name(uri: str) -> str:
     return f"MLflow {'server' if uri.startswith(('http://', 'https://')) else 'store'} {uri}"
 
 
-@contextlib.contextmanager
-def _first_use_lock(uri: str) -> Iterator[None]:
-    """Serialise MLflow's first-time set-up of a sqlite store across processes."""
-    path = None
-    if uri.startswith("sqlite:///"):
-        path = os.path.abspath(uri[len("sqlite:///") :]) + ".air_magic.lock"
-    if path is None:
-        yield
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+class StoreUnusable(Unreachable):
+    """A local store air_magic does not write to as it is: another user's file, or one left
+    half-made; ``reason`` names it and says what to do.  The spool waits, as for a store
+    that does not answer."""
 
 
 def make_client(uri: str) -> Any:
+    """An ``MlflowClient`` of ``uri`` whose store is open (a sqlite store that does not exist
+    yet is made first, whole, see :func:`_create_sqlite_store`)."""
     from mlflow import MlflowClient
 
-    with _first_use_lock(uri):
+    path = uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
+    if path is not None:
+        path = os.path.abspath(path)
+        _check_owner(path)
+        with _creation_lock(path):  # this process's threads (the warm-up, a writer) make it once
+            if not os.path.lexists(path):
+                _create_sqlite_store(path)
+    # Read before MLflow opens it: a failed migration of a half-made store touches it.
+    recent = path is not None and _changed_within(path, _BEING_MADE)
+    try:
+        client = MlflowClient(uri)
+        client._tracking_client.store  # noqa: B018 - opens the store (checks its tables)
+        return client
+    except Exception as exc:  # a store's client raises anything (sqlalchemy, requests, MlflowException)
+        reason = unreachable_reason(exc)
+        if reason is not None:
+            raise Unreachable(reason) from exc
+        if path is not None and _half_made(exc) and recent and _open_elsewhere(path):
+            # Another process (a plain MLflow client) is making it in place right now.
+            raise Unreachable("it is being made by another process") from exc
+        if path is not None and _half_made(exc):
+            raise StoreUnusable(
+                f"it was left half-made ({short_error(exc)}), by a process stopped while it created the "
+                f"store: move it away (mv {path} {path}.broken) and the next launch makes a new one"
+            ) from exc
+        raise
+
+
+#: A store whose tables MLflow cannot make and that changed less than this long ago (s) is
+#: taken to be in the making by another process (tried again later), not half-made.
+_BEING_MADE = 60.0
+
+
+def _changed_within(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime < seconds
+    except OSError:
+        return False
+
+
+def _open_elsewhere(path: str) -> bool:
+    """Whether another process has ``path`` open (of those whose descriptors this user may
+    read): one that makes the store in place holds it open while it does."""
+    me = str(os.getpid())
+    target = os.path.realpath(path)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or pid == me:
+            continue
         try:
-            return MlflowClient(uri)  # a sqlite store creates its tables here
-        except Exception as exc:  # a store's client raises anything (sqlalchemy, requests, MlflowException)
-            reason = unreachable_reason(exc)
-            if reason is not None:
-                raise Unreachable(reason) from exc
-            raise
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _check_owner(path: str) -> None:
+    """A store file (or a link at its path) that is not this user's is never written to."""
+    uid = os.getuid()
+    for check in (os.lstat, os.stat):
+        try:
+            owner = check(path).st_uid
+        except OSError:  # none yet (it is made below), or a link to nothing
+            continue
+        if owner != uid:
+            raise StoreUnusable(
+                f"{path} belongs to {_user(owner)}, not to you: air_magic does not write your runs into "
+                "another user's file. Set MLFLOW_TRACKING_URI to a store of your own (for example "
+                "sqlite:///$HOME/mlflow.db), or move the file away"
+            )
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
+def _half_made(exc: BaseException) -> bool:
+    text = " ".join(str(link) for link in _chain(exc))
+    return "_alembic_tmp" in text or "already exists" in text or "no such table" in text or "duplicate column" in text
+
+
+#: A store being made: ``.<name>.air_magic-<random>.tmp`` beside it, until it is linked into place.
+_TEMP_MARK = ".air_magic-"
+_STALE_TEMP = 600.0  # seconds: a temp store older than this was left by a process that died
+
+
+_creation_locks: dict[str, threading.Lock] = {}
+
+
+def _creation_lock(path: str) -> threading.Lock:
+    with _install_lock:
+        return _creation_locks.setdefault(path, threading.Lock())
+
+
+def _create_sqlite_store(path: str) -> None:
+    """Make a new sqlite store whole: MLflow creates and migrates its tables in a temp file
+    beside it (private, a name nobody can guess, opened with ``O_EXCL``), which is then
+    linked into place (``link`` never replaces: a store another process made meanwhile
+    wins, and is used).  A process stopped half-way leaves a temp file, never a half-made
+    store; the next creation removes such files of this user's."""
+    from mlflow import MlflowClient
+
+    folder, name = os.path.split(path)
+    _remove_stale_temps(folder, name)
+    fd, temp = tempfile.mkstemp(prefix=f".{name}{_TEMP_MARK}", suffix=".tmp", dir=folder)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # the mode sqlite itself would have given the store
+        os.close(fd)
+        store = MlflowClient(f"sqlite:///{temp}")._tracking_client.store
+        engine = getattr(store, "engine", None)
+        if engine is not None:
+            engine.dispose()  # no connection stays open on the temp name
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            pass  # made meanwhile by another process: theirs is the store
+    finally:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+
+
+def _remove_stale_temps(folder: str, name: str) -> None:
+    prefix, uid, now = f".{name}{_TEMP_MARK}", os.getuid(), time.time()
+    try:
+        entries = [e for e in os.scandir(folder) if e.name.startswith(prefix) and e.name.endswith(".tmp")]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid == uid and now - st.st_mtime > _STALE_TEMP:
+                os.unlink(entry.path)
+        except OSError:
+            pass
 
 
 # -- names of several ranks' items ------------------------------------------------------------------

@@ -423,9 +423,9 @@ def _run(request: LaunchRequest, rank: int) -> int:
         with open(request.payload_path, "rb") as handle:
             payload = cloudpickle.load(handle)
         if payload["kind"] == "function":
-            func = cloudpickle.loads(payload["func"])
-            args = [cloudpickle.loads(blob) for blob in payload["args"]]
-            kwargs = {key: cloudpickle.loads(blob) for key, blob in payload["kwargs"].items()}
+            func = _load(payload["func"], "the function")
+            args = [_load(blob, f"argument {i}") for i, blob in enumerate(payload["args"])]
+            kwargs = {key: _load(blob, f"keyword argument {key}") for key, blob in payload["kwargs"].items()}
             # Functions and classes defined in the notebook also live in __main__, so
             # pickle-by-reference (torch.save of a model, multiprocessing) finds them.
             for key, value in getattr(func, "__globals__", {}).items():
@@ -434,7 +434,7 @@ def _run(request: LaunchRequest, rank: int) -> int:
             value = func(*args, **kwargs)
         else:  # a cell, or a script (its __file__ among the names)
             for name, blob in payload["names"].items():
-                main.__dict__[name] = cloudpickle.loads(blob)
+                main.__dict__[name] = _load(blob, f"the captured name {name!r}")
             exec(payload["code"], main.__dict__)
             value = main.__dict__.pop(RESULT_NAME, None)
         _hold_stop_signals()
@@ -493,6 +493,16 @@ def _text(exc: BaseException) -> str:
         return str(exc)
     except BaseException:
         return f"<unprintable {type(exc).__name__}>"
+
+
+def _load(blob: bytes, what: str) -> Any:
+    """One value sent from the kernel; an error its unpickling raises (a ``__setstate__``
+    of the user's) says which value it was loading."""
+    try:
+        return cloudpickle.loads(blob)
+    except Exception as exc:
+        exc.add_note(f"[air_magic] while loading {what}, sent from the kernel, on this rank")
+        raise
 
 
 def _hold_stop_signals() -> None:

@@ -51,6 +51,9 @@ class Recovered:
     status: str | None = None  # the status the run was given
     reason: str | None = None
     skipped: str | None = None  # what the store refused, by name
+    #: The store is one air_magic does not write to as it is (another user's, half-made):
+    #: told once on this machine, not once per kernel, until it changes.
+    unusable: bool = False
 
     def line(self) -> str:
         """The one line a user sees about it."""
@@ -75,8 +78,11 @@ _thread: threading.Thread | None = None
 _told: set[tuple[str, str]] = set()  # (outcome, uri or launch) told in the background already
 
 
-def recover_pending() -> list[Recovered]:
-    """One pass over this user's spool: every orphan that can be claimed now is sent."""
+def recover_pending(later: list[str] | None = None) -> list[Recovered]:
+    """One pass over this user's spool: every orphan that can be claimed now is sent.
+
+    ``later`` gets the folders of orphans whose ranks are still on their way out (a kernel
+    killed a moment ago): a pass a second later sends them."""
     try:
         folders = Spool.folders()
     except OSError:  # PrivateFolderError included
@@ -89,6 +95,11 @@ def recover_pending() -> list[Recovered]:
             continue  # not a spool of ours, or half-written: leave it alone
         if spool is None:
             continue  # its kernel (or another recovery) holds it
+        if spool.ranks_alive():
+            spool.release()
+            if later is not None:
+                later.append(folder)
+            continue
         try:
             result = _recover(spool)
         except OSError as exc:  # a file in it is not what it should be
@@ -109,16 +120,22 @@ def recover_pending() -> list[Recovered]:
 
 
 def _recover(spool: Spool) -> Recovered | None:
-    from ._mlflow_upload import SpoolUploader, Unreachable, bounded_requests, local_store_path, make_client
+    from ._mlflow_upload import (
+        SpoolUploader,
+        StoreUnusable,
+        Unreachable,
+        bounded_requests,
+        local_store_path,
+        make_client,
+    )
 
     journal = spool.journal
-    if spool.ranks_alive():
-        return None  # its kernel is gone but a rank is not yet: next time
     uri = str(journal["tracking_uri"])
     launch_id = str(journal["launch_id"])
     status = str(journal.get("status") or "KILLED")
     path = local_store_path(uri)
-    if path is not None and not os.path.exists(path):
+    # A store told unusable was moved away as its line said: a new one is made there.
+    if path is not None and not os.path.exists(path) and not journal.get("store_unusable"):
         waiting = _count_points(spool)
         spool.remove()
         return Recovered(
@@ -135,7 +152,17 @@ def _recover(spool: Spool) -> Recovered | None:
                 spool.update(logs_sent=True)
             uploader.finish(status)
         except Unreachable as exc:
-            return Recovered(launch_id, uri, journal.get("run_id"), "waiting", _count_points(spool), reason=exc.reason)
+            if isinstance(exc, StoreUnusable):
+                spool.update(store_unusable=exc.reason)
+            return Recovered(
+                launch_id,
+                uri,
+                journal.get("run_id"),
+                "waiting",
+                _count_points(spool),
+                reason=exc.reason,
+                unusable=isinstance(exc, StoreUnusable),
+            )
         except Exception as exc:  # one launch's failure is reported; the others are still recovered
             return Recovered(
                 launch_id,
@@ -183,6 +210,8 @@ def _lines(results: list[Recovered], background: bool) -> list[str]:
         if background and key in _told:
             continue
         _told.add(key)
+        if background and group[0].unusable and not _first_time_told(uri, str(group[0].reason)):
+            continue  # another kernel said it already
         launches = f"{len(group)} earlier launch{'es' if len(group) != 1 else ''}"
         lines.append(
             f"[air_magic] {group[0].line()}: {_points(sum(r.points for r in group))} of {launches} stay on disk; "
@@ -191,16 +220,83 @@ def _lines(results: list[Recovered], background: bool) -> list[str]:
     return lines
 
 
-def _background_pass() -> None:
+def _first_time_told(uri: str, reason: str) -> bool:
+    """Whether this is the first time this user is told ``reason`` about ``uri``'s store as
+    it is now (a mark in the user's private state folder; a changed file is told again)."""
+    import hashlib
+
+    from ._mlflow_upload import local_store_path
+    from ._private import private_dir
+    from ._spool import state_dir
+
+    path = local_store_path(uri)
     try:
-        results = recover_pending()
-    except Exception as exc:  # never a traceback from a background thread
-        sys.stderr.write(f"[air_magic] could not look for MLflow points left by earlier launches: {exc}\n")
+        st = os.stat(path) if path else None
+    except OSError:
+        st = None
+    what = f"{uri}\0{reason}\0{st.st_ino if st else ''}\0{st.st_mtime_ns if st else ''}"
+    try:
+        folder = private_dir(os.path.join(private_dir(state_dir(), "state"), "told"), "state")
+        mark = os.path.join(folder, hashlib.sha256(what.encode()).hexdigest()[:32])
+        os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:  # no state folder to keep the mark in: told in every kernel, as before
+        return True
+    return True
+
+
+#: Seconds between passes while an orphan's ranks are still ending, and while a store that
+#: holds orphans does not answer (the points reach it within this long once it is back).
+_AGAIN_SOON = 1.0
+_AGAIN = 10.0
+_pass_lock = threading.Lock()  # one pass at a time in this process (the thread, upload_pending)
+_wake = threading.Event()  # a new launch or %load_ext: look again now
+_stop = threading.Event()  # stop_background(): no more passes
+#: Passes for a store that does not answer, before the thread leaves it to the next launch,
+#: %load_ext or upload_pending() (five minutes).
+_MAX_WAITS = 30
+
+
+def _background_passes() -> None:
+    """Passes until nothing is left that this kernel could send later: again a second later
+    for orphans whose ranks were still ending, again every few seconds while a store that
+    holds orphans does not answer, for as long as the kernel lives."""
+    waits = 0
+    while not _stop.is_set():
+        later: list[str] = []
+        try:
+            with _pass_lock:
+                results = recover_pending(later)
+        except Exception as exc:  # never a traceback from a background thread
+            sys.stderr.write(f"[air_magic] could not look for MLflow points left by earlier launches: {exc}\n")
+            return
+        lines = _lines(results, background=True)
+        if lines:  # nothing at all otherwise: in a kernel, a thread's first write opens a socket kept for good
+            sys.stderr.write("".join(line + "\n" for line in lines))
+            sys.stderr.flush()
+        if later:
+            delay = _AGAIN_SOON
+        elif any(r.outcome == "waiting" and not r.unusable for r in results) and waits < _MAX_WAITS:
+            delay, waits = _AGAIN, waits + 1  # (an unusable store waits for the user's fix)
+        else:
+            return
+        _wake.wait(delay)
+        _wake.clear()
+
+
+def stop_background(timeout: float = 60.0) -> None:
+    """End the background passes (after the one under way) and wait for their thread."""
+    with _lock:
+        running = _thread
+    if running is None:
         return
-    lines = _lines(results, background=True)
-    if lines:  # nothing at all otherwise: in a kernel, a thread's first write opens a socket kept for good
-        sys.stderr.write("".join(line + "\n" for line in lines))
-        sys.stderr.flush()
+    _stop.set()
+    _wake.set()
+    try:
+        running.join(timeout)
+    finally:
+        _stop.clear()
 
 
 def recover_in_background() -> None:
@@ -212,8 +308,9 @@ def recover_in_background() -> None:
     global _thread
     with _lock:
         if _thread is not None and _thread.is_alive():
+            _wake.set()  # it waits for its next pass: now
             return
-        _thread = threading.Thread(target=_background_pass, name="air_magic-mlflow-recovery", daemon=True)
+        _thread = threading.Thread(target=_background_passes, name="air_magic-mlflow-recovery", daemon=True)
         _thread.start()
 
 
@@ -236,11 +333,8 @@ def upload_pending() -> list[Recovered]:
     In [2]: air_magic.tracking.upload_pending()
     [air_magic] recovered what earlier launches left on disk: MLflow run 5e6f... (312 points sent, marked KILLED).
     """
-    with _lock:
-        running = _thread
-    if running is not None:
-        running.join()
-    results = recover_pending()
+    with _pass_lock:  # after a background pass under way, never beside it
+        results = recover_pending()
     lines = _lines(results, background=False) or ["[air_magic] nothing is waiting to be sent to MLflow."]
     for line in lines:
         sys.stderr.write(line + "\n")

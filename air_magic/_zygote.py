@@ -38,6 +38,7 @@ import collections
 import functools
 import importlib
 import os
+import resource
 import select
 import selectors
 import shutil
@@ -85,6 +86,55 @@ _LOOK_EVERY = 0.05
 
 class _KernelGone(Exception):
     """The kernel died, or said to shut down, while ranks were being forked."""
+
+
+class _CannotFork(Exception):
+    """The system refused to create a rank's process; the text says which limit."""
+
+
+def fork_refused(rank: int, world_size: int, exc: OSError) -> str:
+    """What a launch says when the system refuses to fork its rank ``rank``."""
+    limits = []
+    for path in _cgroup_pid_files():
+        try:
+            with open(os.path.join(path, "pids.max")) as handle:
+                most = handle.read().strip()
+            with open(os.path.join(path, "pids.current")) as handle:
+                now = handle.read().strip()
+        except OSError:
+            continue
+        if most != "max":
+            limits.append(f"the cgroup limit pids.max is {most} ({now} processes in it now: {path})")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(f"ulimit -u (RLIMIT_NPROC) is {soft} processes for this user")
+    which = "; ".join(limits) or "a limit on the number of processes was reached"
+    could = f"{rank} of its {world_size} ranks could start" if rank else "none of its ranks could start"
+    return (
+        f"the system refused to start rank {rank} ({type(exc).__name__}: {exc.strerror or exc}): {which}. "
+        f"{could[0].upper()}{could[1:]}. Ask for fewer ranks, or raise the limit."
+    )
+
+
+def _cgroup_pid_files() -> list[str]:
+    """This process's cgroup folders (v2 and v1's pids controller), innermost first."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        root = "/sys/fs/cgroup" if not controllers else f"/sys/fs/cgroup/{controllers}"
+        if controllers and "pids" not in controllers.split(","):
+            continue
+        while True:
+            found.append(os.path.normpath(root + path))
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return found
 
 
 class _StoppedWhileStarting(Exception):
@@ -183,6 +233,8 @@ class Zygote:
                 pass
             except _KernelGone:
                 raise
+            except _CannotFork as exc:  # said in words, without the helper's traceback
+                self._send(StartFailed(request.launch_id, str(exc)))
             except Exception:  # any failure to start is the launch's error, told to the kernel
                 self._send(StartFailed(request.launch_id, traceback.format_exc()))
         elif isinstance(message, Stop):
@@ -239,6 +291,8 @@ class Zygote:
                 pid = os.fork()
                 if pid == 0:  # the rank; child_main never returns
                     _rank.child_main(request, rank, port, self.alive_fd, close_in_child)
+            except BlockingIOError as exc:  # EAGAIN: a limit on processes (pids.max, ulimit -u)
+                raise _CannotFork(fork_refused(rank, request.world_size, exc)) from exc
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
             launch.running[rank] = pid

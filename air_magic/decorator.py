@@ -44,7 +44,10 @@ class DistributedFunction(Generic[R]):
         self.func = func
         self.spec = spec
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
-        self._signature = inspect.signature(func)
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(func)
+        except (ValueError, TypeError):  # a builtin without one (functools.partial(max, 3)):
+            self._signature = None  # the call is checked where it runs, on the ranks
         #: Set on the object a method access returns (``obj.train``): the class attribute.
         self._unbound: DistributedFunction[R] | None = None
         self._last_launch: Launch | None = None
@@ -100,8 +103,10 @@ class DistributedFunction(Generic[R]):
     def _payload(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # A wrong call is a TypeError here, before anything is pickled or started.
         try:
-            self._signature.bind(*args, **kwargs)
+            if self._signature is not None:
+                self._signature.bind(*args, **kwargs)
         except TypeError as exc:
+            assert self._signature is not None
             message = f"{_call_name(self.func)}() takes {_parameters(self._signature)}: {exc}"
             raise _shown_alone(TypeError(message)) from None
         return function_payload(self.func, args, kwargs)

@@ -19,7 +19,7 @@ from traitlets import Bool, CFloat, CInt, Unicode, default, observe
 from . import capture
 from ._protocol import RESULT_NAME
 from .errors import ConfigurationError
-from .options import apply_arguments
+from .options import FLAG_TO_OPTION, apply_arguments
 from .settings import DEFAULT_WARN_MB, settings
 from .spec import DEFAULT_TIMEOUT, LaunchSpec, check_timeout, make_spec, timeout_from_text
 
@@ -103,6 +103,7 @@ class DistributedMagics(Magics):
             Out[2]: [1.0, 1.0]
         """
         options, script_args = _split_line(line)
+        _given_once(options)
         args = self.distributed.parser.parse_args(options)  # type: ignore[attr-defined]
         spec = self._spec(args)
         if not cell.strip():
@@ -121,6 +122,9 @@ class DistributedMagics(Magics):
                 argv=[display, *script_args],
             )
         except SyntaxError as exc:
+            ipython_line = _ipython_syntax(exc)
+            if ipython_line:
+                raise UsageError(ipython_line) from None
             # Shown like any syntax error of a cell: no frames of the magic's machinery.
             lines = traceback.format_exception_only(type(exc), exc)
             exc._render_traceback_ = lambda: "".join(lines).rstrip("\n").splitlines()  # type: ignore[attr-defined]
@@ -148,7 +152,7 @@ class DistributedMagics(Magics):
                 args.accelerator_type or self.accelerator_type,
                 timeout,
                 tracking=self.tracking and not args.no_tracking,
-                experiment=args.experiment or self.experiment,
+                experiment=args.experiment if args.experiment is not None else self.experiment,
                 run_name=args.run_name,
                 backend=args.backend or "local",
             )
@@ -166,6 +170,42 @@ def _split_line(line: str) -> tuple[list[str], list[str]]:
         cut = words.index("--")
         return words[:cut], words[cut + 1 :]
     return words, []
+
+
+def _given_once(words: list[str]) -> None:
+    """Refuse an option given twice (``-n 2 -n 3``): argparse would keep the last silently."""
+    seen: dict[str, list[str]] = {}
+    for word in words:
+        if not word.startswith("-") or word == "-":
+            continue
+        name = word.split("=", 1)[0]
+        if not name.startswith("--") and len(name) > 2:
+            name = name[:2]  # -n3
+        option = FLAG_TO_OPTION.get(name)
+        if option is not None:
+            seen.setdefault("/".join(option.flags), []).append(word)
+    for flags, given in seen.items():
+        if len(given) > 1:
+            raise UsageError(f"%%distributed: {flags} is given {len(given)} times on the line; give it once.")
+
+
+def _ipython_syntax(exc: SyntaxError) -> str:
+    """The error for a cell whose syntax error is a line of IPython's own syntax (a
+    ``%magic`` or a ``!shell`` line), which the ranks cannot run; ``''`` otherwise."""
+    text = (exc.text or "").strip()  # the line as the cell has it
+    number = exc.lineno  # counted as the notebook shows it (the magic's line is line 1)
+    if text.startswith("!"):
+        kind = "a shell command"
+        instead = "run it with subprocess.run([...]) in the cell, or in a cell of its own"
+    elif text.startswith("%"):
+        kind = "an IPython magic"
+        instead = "write it in Python, or run it in a cell of its own"
+    else:
+        return ""
+    return (
+        f"%%distributed: line {number} of the cell, {text!r}, is {kind}: the ranks run the cell as plain "
+        f"Python, without IPython's syntax; {instead}."
+    )
 
 
 def _cell_number(shell: Any) -> int:

@@ -117,10 +117,20 @@ def _say(line: str, stream: Any = None) -> None:
 def unreachable_line(uri: str, reason: str) -> str:
     from ._mlflow_upload import store_name
 
+    if reason.startswith(_UNUSABLE):  # not a store that does not answer: one to fix
+        return (
+            f"[air_magic] {store_name(uri)} cannot be used: {reason[len(_UNUSABLE) :]}. This launch's points "
+            "stay on disk and are sent once it is fixed, at the next launch or %load_ext, or with "
+            "air_magic.tracking.upload_pending()."
+        )
     return (
         f"[air_magic] {store_name(uri)} is unreachable ({reason}): this launch's points stay on disk and "
         "are sent when it is back, at the next launch or %load_ext, or with air_magic.tracking.upload_pending()."
     )
+
+
+#: Put before the reason of a store that is there but not to be used as it is (StoreUnusable).
+_UNUSABLE = "unusable: "
 
 
 # -- the kernel's MLflow state, read without importing MLflow -------------------------------------
@@ -468,7 +478,7 @@ class _Writer:
 
     def _loop(self) -> None:
         from . import _mlflow_logs
-        from ._mlflow_upload import SpoolUploader, Unreachable, make_client
+        from ._mlflow_upload import SpoolUploader, StoreUnusable, Unreachable, make_client
 
         stuck = False  # something unexpected failed: the rest of the lines are not sent
         while True:
@@ -496,8 +506,10 @@ class _Writer:
                     self._end()
                     return
             except Unreachable as exc:
-                self.unreachable = exc.reason
-                self.tell_unreachable(exc.reason)
+                if isinstance(exc, StoreUnusable):  # the fix it names may remove the file: still send
+                    self.spool.update(store_unusable=exc.reason)
+                self.unreachable = (_UNUSABLE if isinstance(exc, StoreUnusable) else "") + exc.reason
+                self.tell_unreachable(self.unreachable)
                 if ended:
                     self._leave()
                     return

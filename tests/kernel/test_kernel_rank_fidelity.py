@@ -267,3 +267,22 @@ def test_a_rank_that_closed_its_stdout_and_stderr_still_reports_its_exception(k:
     shown = strip_ansi("\n".join(res.error["traceback"]))
     assert "raise KeyError('gone quiet')" in shown
     assert k.value("%%distributed -n 2\n1") == [1, 1]
+
+
+def test_a_captured_value_that_cannot_be_rebuilt_on_a_rank_names_the_value(k: Kernel) -> None:
+    k.ok(
+        "class Fragile:\n"
+        "    def __setstate__(self, state):\n"
+        "        raise ValueError('cannot be rebuilt here')\n"
+        "fragile = Fragile()\n"
+        "fragile.size = 3"
+    )
+    res = k.run("%%distributed -n 2\nfragile.size")
+    assert res.error is not None and res.error["ename"] == "ValueError", res.error_text
+    shown = strip_ansi("\n".join(res.error["traceback"]))
+    assert "[air_magic] while loading the captured name 'fragile', sent from the kernel, on this rank" in shown
+
+
+def test_a_partial_of_a_builtin_runs_on_every_rank(k: Kernel) -> None:
+    k.ok("import functools\nbiggest = distributed(num_accelerators=2)(functools.partial(max, 3))")
+    assert k.value("biggest.distributed(5), biggest.distributed(1)") == ([5, 5], [3, 3])

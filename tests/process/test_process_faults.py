@@ -484,3 +484,37 @@ def test_an_interrupt_while_a_launch_starts_leaves_none_of_its_files() -> None:
     assert set(os.listdir(launcher().session_dir)) == before  # no payload, no folder
     assert not launcher().launches
     assert_next_launch_works()
+
+
+PIDS_CGROUPS = "/sys/fs/cgroup/pids"
+
+
+@pytest.mark.skipif(not os.access(PIDS_CGROUPS, os.W_OK), reason="no writable cgroup v1 pids controller here")
+def test_a_process_limit_names_the_limit_and_how_many_ranks_could_start() -> None:
+    @distributed(num_accelerators=4, accelerator_type="CPU", tracking=False)
+    def four() -> int:
+        return 1
+
+    assert four.distributed() == [1] * 4  # the helper runs
+    helper = launcher()._helper.proc.pid
+    group = os.path.join(PIDS_CGROUPS, f"air-magic-test-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "cgroup.procs"), "w") as handle:
+            handle.write(str(helper))
+        with open(os.path.join(group, "pids.max"), "w") as handle:
+            handle.write("3")  # the helper and two ranks
+        with pytest.raises(LaunchError) as info:
+            four.distributed()
+        message = str(info.value)
+        assert message.startswith(
+            f"could not run {four.func.__qualname__}: the system refused to start rank 2 (BlockingIOError: "
+        ), message
+        assert "the cgroup limit pids.max is 3 (" in message and f"{group})" in message
+        assert message.endswith("2 of its 4 ranks could start. Ask for fewer ranks, or raise the limit.")
+        assert "Traceback" not in message
+    finally:
+        with open(os.path.join(PIDS_CGROUPS, "cgroup.procs"), "w") as handle:
+            handle.write(str(helper))
+        os.rmdir(group)
+    assert four.distributed() == [1] * 4

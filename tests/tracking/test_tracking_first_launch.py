@@ -12,10 +12,10 @@ Speed is measured in ``benchmarks/launch``, not here.
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import os
 import shlex
+import sqlite3
 import sys
 import time
 from typing import Any
@@ -143,11 +143,11 @@ def log_then_need_the_run(folder: str) -> tuple[str, str]:
 def test_ranks_log_before_the_run_exists_and_a_call_that_needs_it_gets_it_once_made(
     store: Store, tmp_path: Any
 ) -> None:
-    # Hold the store's first-use lock: the kernel's writer cannot open the store, so the run
-    # cannot be made, until it is let go.
-    path = store.uri[len("sqlite:///") :] + ".air_magic.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    # Hold the store in an exclusive transaction of another connection: the kernel's writer
+    # cannot open it ("database is locked"), so the run cannot be made, until it is let go.
+    store.runs()  # the store exists, with its tables
+    holder = sqlite3.connect(store.uri[len("sqlite:///") :], isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
     try:
         launch = log_then_need_the_run.submit(str(tmp_path))
         logged = [tmp_path / f"logged-{rank}" for rank in (0, 1)]
@@ -156,8 +156,8 @@ def test_ranks_log_before_the_run_exists_and_a_call_that_needs_it_gets_it_once_m
         # The ranks logged their points with no run; now they wait in log_artifacts for it.
         assert launch.run_id is None and not launch.done()
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        holder.execute("ROLLBACK")
+        holder.close()
     values = launch.result(timeout=120)
     run_id = launch.run_id
     assert values == [(run_id, run_id), (run_id, run_id)]

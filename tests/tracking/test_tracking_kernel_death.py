@@ -115,3 +115,31 @@ def test_a_kernel_restarted_mid_launch_leaves_every_point_to_upload_pending(plac
         assert spool_files(env["AIR_MAGIC_STATE_DIR"]) == []
     finally:
         kernel.shutdown()
+
+
+def test_a_kernel_started_at_once_after_a_kill_sends_every_point_by_itself(places: tuple[str, dict[str, str]]) -> None:
+    folder, env = places
+    store = Store(sqlite_uri(folder))
+    first = Kernel(folder, env)
+    try:
+        run_id = start_slow_launch(first)
+        os.kill(first.pid, signal.SIGKILL)
+        first.forget()
+        # At once, with no launch of its own: its %load_ext finds the orphan while the dead
+        # kernel's ranks may still be on their way out.
+        second = Kernel(folder, env)
+    finally:
+        first.shutdown()
+    try:
+        second.ok("%load_ext air_magic")
+        began = time.monotonic()
+        assert wait_until(lambda: store.run(run_id).info.status == "KILLED", timeout=60)
+        took = time.monotonic() - began
+        by_rank = store.by_rank(run_id, "slow", 2)
+        for points in by_rank.values():  # every point each rank logged before it died, in order
+            steps = [step for step, _ in points]
+            assert steps == list(range(len(steps))) and len(steps) > 100, steps[-5:]
+        assert spool_files(env["AIR_MAGIC_STATE_DIR"]) == []
+        assert took < 30, took
+    finally:
+        second.shutdown()

@@ -43,9 +43,7 @@ def state(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     process started in the background is over before the test makes orphans."""
     from air_magic import _tracking_recovery
 
-    running = _tracking_recovery._thread
-    if running is not None:
-        running.join(60)
+    _tracking_recovery.stop_background(60)
     folder = tmp_path / "state"
     monkeypatch.setenv("AIR_MAGIC_STATE_DIR", str(folder))
     yield str(folder)
