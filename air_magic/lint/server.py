@@ -7,6 +7,12 @@ serves the extension has air_magic installed with it, so the fixer runs there::
         migrate.migrate_cells (as `air-magic lint --fix`)  --> 200 {"sources", "changes", "remaining", ...}
         a body that is not that                           --> 400 {"message"}
         fixes that do not settle                          --> 422 {"message"}
+        more than MAX_LINES of code, or MAX_BYTES          --> 413 {"message"}
+        more than MAX_SECONDS of the fixer's time          --> 408 {"message"}
+
+The fixer runs in a child process (``air_magic.lint._migrate_worker``), awaited by the
+handler: the server's event loop serves every other request meanwhile, and a migration
+that takes too long is stopped.
 
 Enabled by ``jupyter-config/jupyter_server_config.d/air_magic.json`` (installed by pip) or
 ``jupyter server extension enable air_magic``.  The handler requires the server's login,
@@ -18,9 +24,71 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["ROUTE", "_load_jupyter_server_extension"]
+__all__ = ["ROUTE", "MAX_LINES", "MAX_BYTES", "MAX_SECONDS", "_load_jupyter_server_extension"]
 
 ROUTE = "air-magic/migrate"
+
+#: The most a request may ask for: lines of code in all its cells, bytes of its body, and
+#: seconds of the fixer's time.  Past them the answer is 413 or 408, naming the terminal
+#: command that migrates a notebook of any size.
+MAX_LINES = 10_000
+MAX_BYTES = 4 << 20
+MAX_SECONDS = 60.0
+
+
+def _refusal(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    return status, {"message": f"air_magic migrate: {message}"}
+
+
+def _terminal(path: str) -> str:
+    return f"run `air-magic lint --fix {path}` in a terminal instead (it has no limit)"
+
+
+async def migrate_reply(body: bytes) -> tuple[int, dict[str, Any]]:
+    """The status and JSON answer to one request's body; the fixer runs in a child process,
+    stopped at :data:`MAX_SECONDS`, so the server's event loop goes on serving meanwhile."""
+    import asyncio
+    import sys
+
+    if len(body) > MAX_BYTES:
+        return _refusal(
+            413,
+            f"the request is {len(body):,} bytes, more than the {MAX_BYTES:,} this command takes; "
+            + _terminal("NOTEBOOK.ipynb"),
+        )
+    try:
+        request = json.loads(body or b"{}")
+        sources = request["sources"]
+        path = str(request.get("path") or "<notebook>")
+        lines = sum(len(str(cell).splitlines()) for cell in sources)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return _refusal(400, f"a bad request ({type(exc).__name__}: {exc})")
+    if lines > MAX_LINES:
+        return _refusal(
+            413,
+            f"the notebook's code is {lines:,} lines, more than the {MAX_LINES:,} this command "
+            f"migrates; {_terminal(path)}",
+        )
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "air_magic.lint._migrate_worker",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(worker.communicate(body), MAX_SECONDS)
+    except asyncio.TimeoutError:
+        worker.kill()
+        await worker.wait()
+        return _refusal(408, f"migrating {path} took longer than {MAX_SECONDS:g} s and was stopped; {_terminal(path)}")
+    try:
+        reply = json.loads(out)
+        return int(reply["status"]), reply["body"]
+    except (ValueError, KeyError, TypeError):
+        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {worker.returncode}"]
+        return _refusal(500, f"the fixer failed ({tail[0]})")
 
 
 def _handler_class() -> Any:
@@ -29,24 +97,10 @@ def _handler_class() -> Any:
 
     class MigrateHandler(APIHandler):  # type: ignore[misc]
         @web.authenticated
-        def post(self) -> None:
-            from .diagnostics import ConvergenceError
-            from .migrate import migrate_cells
-
-            try:
-                body = json.loads(self.request.body or b"{}")
-                sources = body["sources"]
-                path = str(body.get("path") or "<notebook>")
-                result = migrate_cells(sources, path=path, unsafe=bool(body.get("unsafe", False)))
-            except (ValueError, KeyError, TypeError) as exc:
-                self.set_status(400)
-                self.finish(json.dumps({"message": f"air_magic migrate: a bad request ({type(exc).__name__}: {exc})"}))
-                return
-            except ConvergenceError as exc:
-                self.set_status(422)
-                self.finish(json.dumps({"message": str(exc)}))
-                return
-            self.finish(json.dumps(result))
+        async def post(self) -> None:
+            status, reply = await migrate_reply(self.request.body)
+            self.set_status(status)
+            self.finish(json.dumps(reply))
 
     return MigrateHandler
 
