@@ -4,11 +4,14 @@ There a Ray node finds no address but 127.0.0.1 (outside one, Ray 2.60 advertise
 machine's own address whatever ``--node-ip-address`` says), so no test traffic can reach
 another address. ``python -m pytest`` needs nothing more:
 
-- **outside such a namespace** (the usual case) the tests of this folder are deselected, and
-  one test, ``test_ray_namespace.py``, runs them in a pytest session of their own under
-  ``unshare -n`` (``unshare -rn`` for a user who is not root), then reports their counts. It
-  skips, saying why, where no namespace can be made or Ray is not installed; with
-  ``AIR_MAGIC_RAY_REQUIRED=1`` (CI) it fails instead;
+- **outside such a namespace** (the usual case) one test, ``test_ray_namespace.py``, runs
+  the selected tests of this folder in a pytest session of their own under ``unshare -n``
+  (``unshare -rn`` for a user who is not root). Each of them stays an item of this session,
+  run after it, that reports the outcome it had there (its failure's message and output), so
+  the closing counts say what ran and a failed test's id, as printed, runs it again. The
+  wrapper skips, saying why, where no namespace can be made or Ray is not installed; with
+  ``AIR_MAGIC_RAY_REQUIRED=1`` (CI) it fails instead. Selected alone (its own id, as a
+  failure of it prints), it runs every test of this folder;
 - **inside one** (that inner session, or a container started without a network) the tests
   run directly and that one test is deselected.
 
@@ -28,6 +31,7 @@ from ray_support import (
     HERE,
     INNER,
     INSTALL_HINT,
+    RESULTS,
     SUMMARY,
     WRAPPER,
     Node,
@@ -61,16 +65,51 @@ def _select(config: pytest.Config, items: list[pytest.Item]) -> None:
     wrapper = [item for item in ours if item.path.name == WRAPPER]
     inner = [item for item in ours if item.path.name != WRAPPER]
     if IN_NAMESPACE:
-        drop = wrapper
-    else:
-        drop = inner
-        config.stash[INNER] = [item.nodeid for item in inner]
-        if inner and not wrapper:
-            known = config.stash.get(_WRAPPER_ITEM, None)
-            items.append(known if known is not None else _collect_wrapper(inner[0]))
-    if drop:
-        items[:] = [item for item in items if item not in drop]
-        config.hook.pytest_deselected(items=drop)
+        if wrapper:
+            items[:] = [item for item in items if item not in wrapper]
+            config.hook.pytest_deselected(items=wrapper)
+        return
+    if not inner and not wrapper:
+        return
+    if not inner:  # the wrapper alone: every Ray test
+        config.stash[INNER] = [str(HERE.relative_to(config.rootpath))]
+        return
+    config.stash[INNER] = [item.nodeid for item in inner]
+    if not wrapper:
+        known = config.stash.get(_WRAPPER_ITEM, None)
+        wrapper = [known if known is not None else _collect_wrapper(inner[0])]
+    # The wrapper first, then an item per Ray test that tells what it did in the namespace.
+    rest = [item for item in items if item not in ours]
+    items[:] = [*rest, wrapper[0], *(RayOutcome.standing_for(item) for item in inner)]
+
+
+class RayOutcome(pytest.Item):
+    """A Ray test in the outer session: it passes, fails or skips as it did in the namespace
+    (where the wrapper ran it), with the same node id, so ``pytest <its id>`` runs it again."""
+
+    @classmethod
+    def standing_for(cls, item: pytest.Item) -> "RayOutcome":
+        parent = item.parent
+        assert parent is not None
+        outcome: RayOutcome = cls.from_parent(parent, name=item.name)
+        outcome.add_marker(pytest.mark.ray)
+        return outcome
+
+    def runtest(self) -> None:
+        results = self.config.stash.get(RESULTS, None)
+        if results is None:
+            pytest.skip("the Ray tests did not run in a namespace: the outcome of test_ray_namespace.py says why")
+        outcome, said = results.get(self.nodeid, ("missing", ""))
+        if outcome == "passed":
+            return
+        if outcome == "skipped":
+            pytest.skip(said)
+        if outcome == "missing":
+            pytest.fail("it did not run to its end in the namespace: the output of test_ray_namespace.py says why")
+        pytest.fail(f"in the loopback-only network namespace: {said}", pytrace=False)
+
+    def reportinfo(self) -> tuple[Any, int | None, str]:
+        return self.path, None, f"{self.name} (run in a loopback-only network namespace)"
 
 
 def _collect_wrapper(near: pytest.Item) -> pytest.Item:

@@ -44,6 +44,9 @@ WRAPPER = "test_ray_namespace.py"
 #: the lines the wrapper reports for the terminal summary.
 INNER = pytest.StashKey[list[str]]()
 SUMMARY = pytest.StashKey[list[str]]()
+#: What each of them did in the namespace, by node id: (outcome, what it said), set by the
+#: wrapper and read by the items that stand for them in the outer session.
+RESULTS = pytest.StashKey[dict[str, tuple[str, str]]]()
 
 #: Set in the environment of every process of one cluster (its value is the cluster's id).
 CLUSTER_MARK = "AIR_MAGIC_TEST_RAY_CLUSTER"

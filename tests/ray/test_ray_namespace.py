@@ -1,9 +1,13 @@
 """Runs the Ray tests this session selected in a pytest session of their own, inside a new
 network namespace that has only the loopback interface (see ``conftest.py``).
 
-Their output is shown when one fails; their counts, and the reason of every test that did
-not pass, are printed in this session's summary. Whatever the inner session leaves running
-(it is marked, as every process it starts is) is killed and fails this test.
+Each Ray test then reports, as an item of this session, what it did there (a failure with
+its message and the inner session's output for it); their counts, and the reason of every
+test that did not pass, are also printed in this session's summary.  This test itself fails
+for what no Ray test stands for: the inner session ran past its time, ended without a
+report, or left processes running (it is marked, as every process it starts is: they are
+killed).  Each inner test keeps pytest-timeout's limit, enforced from a thread of its own,
+so a test stuck where no signal reaches it (a dead cluster's kernel) still ends.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ray_support import (
     INNER,
     INSTALL_HINT,
     NAMESPACE_RUN,
+    RESULTS,
     SUMMARY,
     describe,
     kill_marked,
@@ -68,6 +73,10 @@ def test_ray_tests_in_a_loopback_only_network_namespace(request: pytest.FixtureR
         "no:cacheprovider",
         f"--basetemp={tmp_path / 'inner'}",
         f"--junitxml={report}",
+        "-o",
+        "junit_logging=all",
+        "-o",
+        "timeout_method=thread",
         "-v",
         *selected,
     ]
@@ -101,13 +110,44 @@ def test_ray_tests_in_a_loopback_only_network_namespace(request: pytest.FixtureR
 
     lines = _summary(report, took, len(selected))
     request.config.stash[SUMMARY] = lines
+    results = _results(report)
+    request.config.stash[RESULTS] = results
     print("\n".join(lines))
     if timed_out:
         pytest.fail(f"the Ray tests did not finish in {INNER_TIMEOUT} s; their output:\n{output}")
-    if proc.returncode != 0:
+    told = any(outcome in ("failed", "error") for outcome, _ in results.values())
+    if proc.returncode != 0 and not told:  # a failure no Ray test's item reports
         pytest.fail(f"the Ray tests failed in their namespace (exit {proc.returncode}); their output:\n{output}")
     if leftovers:
         pytest.fail(f"processes of the Ray tests outlived their session (killed now):\n{left_report}\n\n{output}")
+
+
+def _results(report: Path) -> dict[str, tuple[str, str]]:
+    """Each inner test's outcome and what it said, by node id (the outer session's items
+    for them report it)."""
+    try:
+        root = ElementTree.parse(report).getroot()
+    except (OSError, ElementTree.ParseError):
+        return {}
+    results = {}
+    for case in root.iter("testcase"):
+        nodeid = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        outcome, said = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                said = child.get("message") or ""
+                if child.tag != "skipped" and child.text:
+                    said += "\n" + child.text[-6000:]
+                break
+        if outcome in ("failed", "error"):
+            output = "".join(c.text or "" for c in case if c.tag in ("system-out", "system-err"))
+            if output.strip():
+                said += "\n--- its output ---\n" + output[-6000:]
+        if outcome != "passed" and results.get(nodeid, ("passed",))[0] in ("failed", "error"):
+            continue  # an error at teardown after a failure: the failure is the one to tell
+        results[nodeid] = (outcome, said)
+    return results
 
 
 def _summary(report: Path, took: float, selected: int) -> list[str]:
