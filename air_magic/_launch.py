@@ -41,6 +41,7 @@ from ._protocol import (
     left_path,
     log_dir,
     log_path,
+    printable,
 )
 from ._rank_output import (
     OutputPump,
@@ -440,7 +441,7 @@ class Launch:
         except OSError:
             told = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
         self._internal_error = LaunchError(
-            f"air_magic failed while {during} of {self.label} ({type(exc).__name__}: {_safe_text(exc)}); "
+            f"air_magic failed while {during} of {self.label} ({type(exc).__name__}: {printable(exc)}); "
             f"its ranks were stopped. This is a bug of air_magic, not of your code; the next launch "
             f"works. {told}"
         )
@@ -616,14 +617,6 @@ class Launch:
                         pass
         if self.shm_dir:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
-
-
-def _safe_text(exc: BaseException) -> str:
-    """``str(exc)``, or ``<unprintable ValueError>`` when its ``__str__`` raises."""
-    try:
-        return str(exc)
-    except BaseException:
-        return f"<unprintable {type(exc).__name__}>"
 
 
 def _is_terminal(stream: Any) -> bool:

@@ -108,6 +108,14 @@ def end_carriers(launch_id: str, rounds: int = 5) -> list[int]:
     return killed
 
 
+def printable(exc: BaseException) -> str:
+    """``str(exc)``, or ``<unprintable ValueError>`` when its ``__str__`` raises."""
+    try:
+        return str(exc)
+    except BaseException:
+        return f"<unprintable {type(exc).__name__}>"
+
+
 #: Name the cell's last expression is stored under in the rank's namespace.
 RESULT_NAME = "__air_magic_result__"
 #: Line written to a rank's log before the traceback of its failure: the cell shows

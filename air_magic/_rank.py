@@ -54,6 +54,7 @@ from ._protocol import (
     ValueRecord,
     elastic_error_path,
     joined_path,
+    printable,
     rendezvous_path,
     result_path,
     stack_path,
@@ -458,7 +459,7 @@ def _run(request: LaunchRequest, rank: int) -> int:
         prefix = _results.rank_prefix(rank)
         _results.write_record(path, record, shm_dir if code == 0 else None, prefix, fallback_dir=request.work_dir)
     except BaseException as exc:  # the return value cannot be pickled (any error a __reduce__ raises)
-        reason = f"{type(exc).__name__}: {_text(exc)}"
+        reason = f"{type(exc).__name__}: {printable(exc)}"
         value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
         _results.write_record(path, UnpicklableRecord(value_type, reason), None, _results.rank_prefix(rank))
         code = 0
@@ -485,14 +486,6 @@ def _to_log(text: str) -> None:
             data = data[os.write(2, data) :]
     except OSError:
         pass
-
-
-def _text(exc: BaseException) -> str:
-    """``str(exc)``, or ``<unprintable ValueError>`` when its ``__str__`` raises."""
-    try:
-        return str(exc)
-    except BaseException:
-        return f"<unprintable {type(exc).__name__}>"
 
 
 def _load(blob: bytes, what: str) -> Any:
@@ -535,7 +528,7 @@ def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> Er
         if exc_type.__module__ in ("builtins", "__main__")
         else (f"{exc_type.__module__}.{exc_type.__qualname__}")
     )
-    return ErrorRecord(blob, name, _text(exc), text, failed_at)
+    return ErrorRecord(blob, name, printable(exc), text, failed_at)
 
 
 def format_user_traceback(exc: BaseException, sources: dict[str, tuple[str, str]]) -> str:
@@ -544,8 +537,8 @@ def format_user_traceback(exc: BaseException, sources: dict[str, tuple[str, str]
     while tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == _PACKAGE_DIR:
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    if _text(exc).startswith("<unprintable "):  # Python's own words for it, made to say what it is
-        text = text.replace("<exception str() failed>", _text(exc))
+    if printable(exc).startswith("<unprintable "):  # Python's own words for it, made to say what it is
+        text = text.replace("<exception str() failed>", printable(exc))
     for filename, (display, _) in sources.items():
         text = text.replace(f'File "{filename}"', display)
     return text
