@@ -229,8 +229,6 @@ def make_client(uri: str) -> Any:
         with _creation_lock(path):  # this process's threads (the warm-up, a writer) make it once
             if not os.path.lexists(path):
                 _create_sqlite_store(path)
-    # Read before MLflow opens it: a failed migration of a half-made store touches it.
-    recent = path is not None and _changed_within(path, _BEING_MADE)
     try:
         client = MlflowClient(uri)
         client._tracking_client.store  # noqa: B018 - opens the store (checks its tables)
@@ -239,7 +237,7 @@ def make_client(uri: str) -> Any:
         reason = unreachable_reason(exc)
         if reason is not None:
             raise Unreachable(reason) from exc
-        if path is not None and _half_made(exc) and recent and _open_elsewhere(path):
+        if path is not None and _half_made(exc) and _being_written(path):
             # Another process (a plain MLflow client) is making it in place right now.
             raise Unreachable("it is being made by another process") from exc
         if path is not None and _half_made(exc):
@@ -250,37 +248,24 @@ def make_client(uri: str) -> Any:
         raise
 
 
-#: A store whose tables MLflow cannot make and that changed less than this long ago (s) is
-#: taken to be in the making by another process (tried again later), not half-made.
-_BEING_MADE = 60.0
+def _being_written(path: str) -> bool:
+    """Whether another connection holds a write transaction on the sqlite file ``path`` now:
+    MLflow makes (and migrates) a store in one transaction, so a store in the making is
+    locked for writing, and a half-made one left by a stopped process is not."""
+    import sqlite3
 
-
-def _changed_within(path: str, seconds: float) -> bool:
     try:
-        return time.time() - os.stat(path).st_mtime < seconds
-    except OSError:
+        db = sqlite3.connect(path, timeout=0.2, isolation_level=None)
+    except sqlite3.Error:
         return False
-
-
-def _open_elsewhere(path: str) -> bool:
-    """Whether another process has ``path`` open (of those whose descriptors this user may
-    read): one that makes the store in place holds it open while it does."""
-    me = str(os.getpid())
-    target = os.path.realpath(path)
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or pid == me:
-            continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    return True
-            except OSError:
-                continue
-    return False
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError as exc:
+        return "locked" in str(exc) or "busy" in str(exc)
+    finally:
+        db.close()
 
 
 def _check_owner(path: str) -> None:

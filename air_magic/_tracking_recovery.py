@@ -95,12 +95,11 @@ def recover_pending(later: list[str] | None = None) -> list[Recovered]:
             continue  # not a spool of ours, or half-written: leave it alone
         if spool is None:
             continue  # its kernel (or another recovery) holds it
-        if spool.ranks_alive():
-            spool.release()
-            if later is not None:
-                later.append(folder)
-            continue
         try:
+            if spool.ranks_alive():  # (released below) its kernel is gone, a rank not yet
+                if later is not None:
+                    later.append(folder)
+                continue
             result = _recover(spool)
         except OSError as exc:  # a file in it is not what it should be
             journal = spool.journal

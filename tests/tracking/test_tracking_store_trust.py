@@ -95,10 +95,11 @@ def test_a_link_another_user_planted_at_the_store_path_is_refused(tmp_path: Path
 
 
 def _half_made(path: Path) -> None:
-    """A store as MLflow leaves it when stopped during its first migration, some time ago."""
-    with sqlite3.connect(path) as db:
+    """A store as MLflow leaves it when stopped during its first migration."""
+    db = sqlite3.connect(path)
+    with db:
         db.execute("CREATE TABLE _alembic_tmp_experiments (experiment_id INTEGER)")
-    os.utime(path, (time.time() - 3600, time.time() - 3600))
+    db.close()
 
 
 CELL = "%%distributed -n 1\nimport mlflow\nmlflow.log_metric('loss', 0.5)\n42"
@@ -212,13 +213,17 @@ def test_a_store_another_process_is_making_right_now_is_waited_for_not_called_ha
     from air_magic._mlflow_upload import Unreachable
 
     path = tmp_path / "mlflow.db"
-    with sqlite3.connect(path) as db:  # as a plain MLflow client leaves it mid-way, a moment ago
-        db.execute("CREATE TABLE _alembic_tmp_experiments (experiment_id INTEGER)")
+    _half_made(path)  # as a plain MLflow client has it mid-way, in its write transaction:
     maker = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time\nf = open(sys.argv[1], 'rb')\nprint('open', flush=True)\ntime.sleep(60)",
+            "import sqlite3, sys, time\n"
+            "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "db.execute('BEGIN IMMEDIATE')\n"
+            "db.execute('CREATE TABLE experiments (experiment_id INTEGER)')\n"
+            "print('open', flush=True)\n"
+            "time.sleep(60)",
             str(path),
         ],
         stdout=subprocess.PIPE,
@@ -229,7 +234,8 @@ def test_a_store_another_process_is_making_right_now_is_waited_for_not_called_ha
         with pytest.raises(Unreachable) as info:
             make_client(f"sqlite:///{path}")
         assert not isinstance(info.value, StoreUnusable)
-        assert info.value.reason == "it is being made by another process"
+        # sqlite's own word while the maker's transaction holds it, or ours once MLflow saw half of it
+        assert info.value.reason in ("database is locked", "it is being made by another process")
     finally:
         maker.kill()
         maker.wait()
