@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .._protocol import FINAL_STACK_SIGNAL
 from ._format import (
     _CELL,
     _FONT,
@@ -165,7 +166,7 @@ def _table_html(state: LaunchState) -> str:
                 'style="width:80px;height:10px;vertical-align:middle"></progress> '
             )
         returncode = launch.ranks[rank].returncode
-        exit_note = f" (exit {returncode})" if returncode not in (None, 0) else ""
+        exit_note = _exit_note(returncode)
         running = rank_state == "running"
         line = _clip(log.last_line)
         rows.append(
@@ -298,6 +299,16 @@ def _fix_advice(items: list[_Finding]) -> str:
     return "<div>" + "; ".join(advice) + ".</div>"
 
 
+def _exit_note(returncode: int | None) -> str:
+    """`` (exit -9)`` after a rank's state; `` (timeout)`` for the end a timeout gives it
+    (its stacks written, by the timeout's own signal); nothing for a clean exit."""
+    if returncode in (None, 0):
+        return ""
+    if returncode == -FINAL_STACK_SIGNAL:
+        return " (timeout)"
+    return f" (exit {returncode})"
+
+
 def text_status(state: LaunchState) -> str:
     """One compact line: ``[air_magic] train 0:12 running · r0 45% 450/1000 loss=0.32 · r1 ... · all 40% eta 0:05 ...``."""
     launch = state.launch
@@ -357,8 +368,7 @@ class LaunchSummary:
         for rank, log in enumerate(state.logs):
             bits = [state.rank_state(rank)]
             returncode = launch.ranks[rank].returncode
-            if returncode not in (None, 0):
-                bits[0] += f" (exit {returncode})"
+            bits[0] += _exit_note(returncode)
             progress = _progress_text(log.progress, state.metrics[rank].max_step, bits[0] == "running")
             if progress:
                 bits.append(progress)

@@ -630,3 +630,12 @@ def test_chart_captions_and_legend_name_the_ranks(tmp_path: Path) -> None:
     assert "<figcaption" in chart and "loss — rank 0: 0.125, rank 1: 0.125 (step 3)" in chart
     assert 'data-air-magic-legend="0"' in chart and 'data-air-magic-legend="1"' in chart
     assert "last " not in chart  # the old caption is gone
+
+
+def test_a_rank_a_timeout_ended_reads_as_a_timeout_not_a_signal_number() -> None:
+    from air_magic._protocol import FINAL_STACK_SIGNAL
+    from air_magic.panel._render import _exit_note
+
+    assert _exit_note(-FINAL_STACK_SIGNAL) == " (timeout)"
+    assert _exit_note(-9) == " (exit -9)"
+    assert _exit_note(0) == _exit_note(None) == ""
