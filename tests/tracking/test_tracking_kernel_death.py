@@ -53,6 +53,19 @@ def start_slow_launch(kernel: Kernel) -> str:
     return run_id
 
 
+def killed_mid_launch(folder: str, env: dict[str, str]) -> tuple[Kernel, str]:
+    """A kernel SIGKILLed (what the out-of-memory killer sends) while its ranks log; its run."""
+    first = Kernel(folder, env)
+    try:
+        run_id = start_slow_launch(first)
+    except BaseException:
+        first.shutdown()
+        raise
+    os.kill(first.pid, signal.SIGKILL)
+    first.forget()
+    return first, run_id
+
+
 def died_with_points_unsent(store: Store, run_id: str, state: str) -> int:
     """After the kernel died: its ranks went with it, and some points are on disk only."""
     assert wait_until(lambda: not rank_processes(), timeout=30), "ranks outlived their kernel"
@@ -68,11 +81,8 @@ def died_with_points_unsent(store: Store, run_id: str, state: str) -> int:
 def test_a_kernel_killed_mid_launch_leaves_every_point_to_the_next_kernel(places: tuple[str, dict[str, str]]) -> None:
     folder, env = places
     store = Store(sqlite_uri(folder))
-    first = Kernel(folder, env)
+    first, run_id = killed_mid_launch(folder, env)
     try:
-        run_id = start_slow_launch(first)
-        os.kill(first.pid, signal.SIGKILL)  # what the out-of-memory killer sends
-        first.forget()
         spooled = died_with_points_unsent(store, run_id, env["AIR_MAGIC_STATE_DIR"])
     finally:
         first.shutdown()
@@ -120,11 +130,8 @@ def test_a_kernel_restarted_mid_launch_leaves_every_point_to_upload_pending(plac
 def test_a_kernel_started_at_once_after_a_kill_sends_every_point_by_itself(places: tuple[str, dict[str, str]]) -> None:
     folder, env = places
     store = Store(sqlite_uri(folder))
-    first = Kernel(folder, env)
+    first, run_id = killed_mid_launch(folder, env)
     try:
-        run_id = start_slow_launch(first)
-        os.kill(first.pid, signal.SIGKILL)
-        first.forget()
         # At once, with no launch of its own: its %load_ext finds the orphan while the dead
         # kernel's ranks may still be on their way out.
         second = Kernel(folder, env)
