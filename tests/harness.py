@@ -61,6 +61,14 @@ def _is_ours(proc: psutil.Process) -> bool:
         return False
 
 
+def alive(process: psutil.Process) -> bool:
+    """Whether a process still runs: a zombie, or one that ends while it is being asked, does not."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _is_helper_command(cmdline: list[str]) -> bool:
     return any(a == "-m" and b == "air_magic._zygote" for a, b in zip(cmdline, cmdline[1:]))
 

@@ -17,7 +17,7 @@ from typing import Any
 import nbformat
 import psutil
 import pytest
-from harness import wait_until
+from harness import alive, wait_until
 
 import air_magic
 from air_magic import cli
@@ -66,13 +66,6 @@ def rank_log(done: subprocess.CompletedProcess[str], rank: int) -> str:
 def program_lines(text: str) -> list[str]:
     """The lines of the launched code and of the command, air_magic's status lines left out."""
     return [line for line in text.splitlines() if not line.startswith("[air_magic]")]
-
-
-def alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.fixture

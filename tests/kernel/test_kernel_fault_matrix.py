@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import psutil
 import pytest
-from harness import Kernel, helper_processes, rank_processes, wait_until
+from harness import Kernel, alive, helper_processes, rank_processes, wait_until
 
 pytestmark = pytest.mark.kernel
 
@@ -289,7 +289,7 @@ def test_the_kernel_going_away_takes_every_rank_within_seconds(kernel_factory: A
             kernel.km.shutdown_kernel(now=True)
 
         def gone() -> bool:
-            return not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            return not [p for p in processes if alive(p)]
 
         assert wait_until(gone, timeout=5), f"{how}: still running after 5 s"
         assert time.monotonic() - start < 5
@@ -314,7 +314,7 @@ def _forking(kernel: Kernel) -> list[psutil.Process]:
 
 
 def _all_gone(processes: list[psutil.Process]) -> bool:
-    return not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return not [p for p in processes if alive(p)]
 
 
 def test_an_interrupt_while_many_ranks_start_answers_at_once_and_leaves_none(kernel_factory: Any) -> None:
