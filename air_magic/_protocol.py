@@ -156,6 +156,70 @@ def stack_path(work_dir: str, rank: int) -> str:
     return os.path.join(work_dir, f"stack-{rank}.txt")
 
 
+def stack_request_path(work_dir: str, rank: int) -> str:
+    """The named pipe on which ``rank`` takes stack requests: a thread of the rank waits
+    on it and answers without touching the thread that runs the user's code."""
+    return os.path.join(work_dir, f"stack-{rank}.ask")
+
+
+#: How long a rank's answering thread has to write its stacks before the request is made
+#: again by signal (the thread waits for the GIL, which a C call may hold).
+THREAD_ANSWER_SECONDS = 0.3
+
+
+def ask_for_stacks(work_dir: str, rank: int, pid: int, *, by_signal: bool = False) -> bool:
+    """Ask ``rank`` (process ``pid``) to write its threads' stacks to its stack file,
+    emptied first.  Through its stack pipe when its answering thread is listening (the
+    user's code is not interrupted: a C call such as ``sleep()`` computes what it would
+    have); else, or with ``by_signal``, by ``STACK_SIGNAL`` (works while a C call holds
+    the GIL, but cuts a system call such as ``nanosleep`` short).  True when asked."""
+    try:
+        os.truncate(stack_path(work_dir, rank), 0)
+    except OSError:
+        return False  # the rank has not made it yet, or its launch is gone
+    if not by_signal:
+        try:
+            fd = os.open(stack_request_path(work_dir, rank), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no pipe, or nobody reading it (ENXIO): the signal then
+            pass
+        else:
+            try:
+                os.write(fd, b"?")
+                return True
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    try:
+        os.kill(pid, STACK_SIGNAL)
+        return True
+    except OSError:  # ended meanwhile
+        return False
+
+
+def format_thread_stacks(skip: int | None = None) -> str:
+    """Every Python thread's stack but ``skip``'s, in faulthandler's layout (the main
+    thread first, most recent call first), as the stack file holds them."""
+    import sys
+    import threading
+
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    order = sorted(frames, key=lambda ident: ident != main)
+    lines = []
+    for ident in order:
+        if ident == skip:
+            continue
+        lines.append(f"Thread 0x{ident:016x} (most recent call first):")
+        frame: Any = frames[ident]
+        while frame is not None:
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}')
+            frame = frame.f_back
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 def joined_path(work_dir: str, rank: int) -> str:
     """Made when ``rank`` enters init_process_group(): the kernel tells a rank that ended
     without joining (the others would wait for it until the timeout) by its absence."""

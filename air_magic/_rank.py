@@ -53,11 +53,13 @@ from ._protocol import (
     UnpicklableRecord,
     ValueRecord,
     elastic_error_path,
+    format_thread_stacks,
     joined_path,
     printable,
     rendezvous_path,
     result_path,
     stack_path,
+    stack_request_path,
 )
 
 # Where they were defined before the protocol had a module of its own.
@@ -84,7 +86,7 @@ def child_main(request: LaunchRequest, rank: int, port: int, alive_fd: int, clos
         _register_process_exit_hooks()
         _fresh_random_state()
         _redirect_output(request.log_paths[rank])
-        _dump_stacks_on_signal(stack_path(request.work_dir, rank))
+        _dump_stacks_on_request(request.work_dir, rank)
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
         if request.private_rendezvous:
@@ -208,22 +210,55 @@ def _redirect_output(log_path: str) -> None:
 _stack_file: Any = None  # kept open for faulthandler, which writes to its descriptor
 
 
-def _dump_stacks_on_signal(path: str) -> None:
-    """``STACK_SIGNAL`` writes every thread's Python stack to ``path`` (by faulthandler,
-    from the signal handler itself: it works while the rank is blocked in C++ code, a
-    collective, or holds the GIL in a loop).  Python's own handler table is untouched.
+def _dump_stacks_on_request(work_dir: str, rank: int) -> None:
+    """Make the rank answer stack requests: its stack file (``stack_path``), a thread
+    that answers on its stack pipe without interrupting the user's code, and two
+    signals for what the thread cannot answer.
 
-    ``FINAL_STACK_SIGNAL`` (a timeout) writes them too, then ends the rank by the signal's
-    default action: no line of the user's code runs once the launch's time is up.  A
-    stack request interrupts a system call such as ``nanosleep`` that is never restarted,
-    and the user's code must not go on with what that call returned."""
+    ``STACK_SIGNAL`` writes every thread's Python stack (by faulthandler, from the
+    signal handler itself: it works while a C call holds the GIL).  It can cut a system
+    call such as ``nanosleep`` short, so the kernel side sends it only when the thread
+    did not answer.  ``FINAL_STACK_SIGNAL`` (a timeout) writes them too, then ends the
+    rank by the signal's default action: no line of the user's code runs once the
+    launch's time is up.  Python's own handler table is untouched."""
     import faulthandler
 
     global _stack_file
     # O_APPEND: the kernel empties the file before each request; writes start at its end.
+    path = stack_path(work_dir, rank)
     _stack_file = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600), "w")
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     faulthandler.register(FINAL_STACK_SIGNAL, file=_stack_file, all_threads=True, chain=True)
+    _answer_stack_requests(stack_request_path(work_dir, rank), _stack_file.fileno())
+
+
+def _answer_stack_requests(ask: str, out: int) -> None:
+    """A thread that waits on the rank's stack pipe and writes the stacks asked for: a
+    request the thread answers leaves the user's code alone (no signal interrupts its
+    system calls).  It costs nothing while idle (blocked in ``open``/``read``) and is not
+    one of ``threading``'s threads.  Without the pipe, requests come by signal."""
+    import _thread
+
+    try:
+        os.mkfifo(ask, 0o600)
+    except OSError:
+        return
+
+    def answer() -> None:
+        me = _thread.get_ident()
+        while True:
+            try:
+                fd = os.open(ask, os.O_RDONLY)  # until the kernel side opens it to ask
+                try:
+                    asked = os.read(fd, 64)
+                finally:
+                    os.close(fd)
+                if asked:
+                    os.write(out, format_thread_stacks(skip=me).encode("utf-8", "replace"))
+            except BaseException:  # the rank is ending (its files gone): requests come by signal
+                return
+
+    _thread.start_new_thread(answer, ())
 
 
 def _text_stream(fd: int, like: Any) -> io.TextIOWrapper:

@@ -5,7 +5,7 @@ Files the ranks write (names from :mod:`air_magic._protocol`) -> what the launch
     rank-0.log    --OutputPump (TailReader: whole new lines)--> the cell's stdout, up to a
                     limit, until the failure marker (the traceback is the cell's error)
     rank-<r>.log  --StallWatch (sizes, once a second)--> no line for a while: stacks
-    STACK_SIGNAL  --request_stacks--> stack-<r>.txt (each rank writes its threads' stacks)
+    request_stacks --stack-<r>.ask (or STACK_SIGNAL)--> stack-<r>.txt (each rank writes its threads' stacks)
     stack-<r>.txt --read_stacks, describe_stacks--> "where each rank was", the rank the
                     others wait for
     rank-<r>.log  --bound_log--> at the end, its first sixteenth and its end are kept
@@ -23,7 +23,15 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from . import _outcome, _results
-from ._protocol import STACK_SIGNAL, STOP_MARK, TRACEBACK_MARK, TailReader, ValueRecord, stack_path
+from ._protocol import (
+    STOP_MARK,
+    THREAD_ANSWER_SECONDS,
+    TRACEBACK_MARK,
+    TailReader,
+    ValueRecord,
+    ask_for_stacks,
+    stack_path,
+)
 
 if TYPE_CHECKING:
     from .launcher import Launch
@@ -80,21 +88,24 @@ def log_end(path: str) -> str:
 
 
 def request_stacks(work_dir: str, running: dict[int, int], timeout: float) -> None:
-    """Signal every running rank (``{rank: pid}``) to write its stacks; wait (at most
-    ``timeout`` s) until each stack file has stopped growing."""
-    for rank, pid in running.items():
-        try:
-            os.truncate(stack_path(work_dir, rank), 0)
-            os.kill(pid, STACK_SIGNAL)
-        except OSError:  # ended meanwhile, or not yet listening
-            pass
-    deadline = time.monotonic() + timeout
+    """Ask every running rank (``{rank: pid}``) for its stacks (see
+    :func:`~air_magic._protocol.ask_for_stacks`); wait (at most ``timeout`` s) until each
+    stack file has stopped growing.  A rank whose thread has not answered in
+    ``THREAD_ANSWER_SECONDS`` is asked by signal."""
+    asked = {rank: pid for rank, pid in running.items() if ask_for_stacks(work_dir, rank, pid)}
+    begin = time.monotonic()
+    deadline = begin + timeout
+    resignalled = False
     sizes: dict[int, int] = {}
     while time.monotonic() < deadline:
         time.sleep(0.02)
-        now = {rank: file_size(stack_path(work_dir, rank)) for rank in running}
-        if all(now[r] > 0 and now[r] == sizes.get(r) for r in running):
+        now = {rank: file_size(stack_path(work_dir, rank)) for rank in asked}
+        if all(now[r] > 0 and now[r] == sizes.get(r) for r in asked):
             break
+        if not resignalled and time.monotonic() - begin >= min(THREAD_ANSWER_SECONDS, timeout / 2):
+            resignalled = True
+            for rank in [r for r in asked if now[r] == 0]:
+                ask_for_stacks(work_dir, rank, asked[rank], by_signal=True)
         sizes = now
 
 

@@ -52,8 +52,9 @@ from typing import Any
 
 from . import _results
 from ._protocol import (
-    STACK_SIGNAL,
+    THREAD_ANSWER_SECONDS,
     LaunchRequest,
+    ask_for_stacks,
     log_path,
     payload_path,
     result_path,
@@ -284,12 +285,14 @@ class RankAgent:
         if self.proc is None or self.returncode is not None or self.folder is None:
             return ""
         path = stack_path(self.folder, self.rank)
-        try:
-            os.truncate(path, 0)
-            os.kill(self.proc.pid, STACK_SIGNAL)
-        except OSError:
+        if not ask_for_stacks(self.folder, self.rank, self.proc.pid):
             return ""
-        time.sleep(grace)
+        time.sleep(min(grace, THREAD_ANSWER_SECONDS))
+        if not os.path.exists(path) or not os.path.getsize(
+            path
+        ):  # the rank's thread did not answer (a C call holds the GIL)
+            ask_for_stacks(self.folder, self.rank, self.proc.pid, by_signal=True)
+            time.sleep(max(0.0, grace - THREAD_ANSWER_SECONDS))
         try:
             with open(path, encoding="utf-8", errors="replace") as handle:
                 return handle.read()

@@ -408,6 +408,46 @@ def test_stacks_on_demand_show_every_rank_and_name_the_one_behind() -> None:
         handle.result(timeout=30)
 
 
+@distributed(num_accelerators=2, accelerator_type="CPU", tracking=False)
+def in_c_sleep(library: str) -> tuple[int, float]:
+    import ctypes
+
+    begin = time.monotonic()
+    left = getattr(ctypes, library)(None).sleep(3)  # libc: the seconds left if a signal cut it short
+    while library == "PyDLL" and time.monotonic() - begin < 3:
+        ctypes.PyDLL(None).sleep(1)  # holds the GIL (a signal may have cut the first one short)
+    return left, time.monotonic() - begin
+
+
+def _stacks_while_in_c(library: str) -> tuple[dict[int, str], list[tuple[int, float]]]:
+    handle = in_c_sleep.submit(library)
+    try:
+        assert wait_until(lambda: _running(handle), timeout=20)
+        time.sleep(1.0)  # into the sleep
+        stacks = handle.stacks()
+        return stacks, handle.result(timeout=30)
+    finally:
+        handle.cancel()
+
+
+def test_asking_where_the_ranks_are_does_not_change_what_a_c_call_computes() -> None:
+    # The ranks' answering thread writes the stacks: libc's sleep() (which gives up on a
+    # signal and returns the seconds left) sleeps its 3 s and returns 0.
+    stacks, results = _stacks_while_in_c("CDLL")
+    assert sorted(stacks) == [0, 1]
+    assert all("in in_c_sleep" in text for text in stacks.values()), stacks
+    assert [left for left, _ in results] == [0, 0]
+    assert all(took >= 2.9 for _, took in results), results
+
+
+def test_stacks_of_a_rank_whose_c_call_holds_the_gil_still_come() -> None:
+    # No thread can run while a C call holds the GIL: the request comes again by signal.
+    stacks, results = _stacks_while_in_c("PyDLL")
+    assert sorted(stacks) == [0, 1]
+    assert all("in in_c_sleep" in text for text in stacks.values()), stacks
+    assert len(results) == 2
+
+
 def test_a_timeout_says_where_each_rank_was() -> None:
     with pytest.raises(LaunchTimeoutError) as info:
         one_rank_lags.with_overrides(timeout=4).distributed()

@@ -48,6 +48,9 @@ ALLOWED = {
     "env ACCELERATE_USE_CPU": "CPU launches: the Hugging Face Trainer joins CPU ranks with "
     "gloo only with it (what `accelerate launch --cpu` sets)",
     "env AIR_MAGIC_LAUNCH_ID": "names the launch (logs, MLflow)",
+    "os_threads": "one more OS thread, blocked in open() on the rank's stack pipe: it answers "
+    "'where is each rank?' without a signal that would cut the user's system calls short "
+    "(not one of threading's threads: threading.active_count() is the same)",
 }
 
 
