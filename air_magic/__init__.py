@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import _plugins
-from ._version import __version__
-from .accelerators import AcceleratorType, GPUType
-from .decorator import DistributedFunction, distributed
-from .errors import (
+from air_magic import plugins as _plugins
+from air_magic._version import __version__
+from air_magic.accelerators import AcceleratorType, GPUType
+from air_magic.backends.ray.ray_init import ray_init
+from air_magic.decorator import DistributedFunction, distributed
+from air_magic.errors import (
     AcceleratorMismatchError,
     AirMagicError,
     CaptureError,
@@ -32,10 +33,9 @@ from .errors import (
     ResultError,
     TooManyCPURanksError,
 )
-from .ray_cluster import ray_init
 
 if TYPE_CHECKING:
-    from .launcher import Launch
+    from air_magic.kernel.launcher import Launch
 
 __all__ = [
     "__version__",
@@ -68,7 +68,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # ``Launch`` (what ``.submit()`` returns) comes from the launcher, imported when first used.
     if name == "Launch":
-        from .launcher import Launch
+        from air_magic.kernel.launcher import Launch
 
         return Launch
     raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
@@ -76,16 +76,16 @@ def __getattr__(name: str) -> Any:
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext air_magic``: register ``%%distributed`` and ``%air_lint``, start the helper process."""
-    from .lint.magic import LintMagics
-    from .magics import DistributedMagics
+    from air_magic.lint.magic import LintMagics
+    from air_magic.magics import DistributedMagics
 
     ipython.register_magics(DistributedMagics, LintMagics)
-    from ._plugins import get_launcher, lab_target
+    from air_magic.plugins import get_launcher, lab_target
 
     launcher = get_launcher()
     launcher.warm()
     lab_target(ipython)  # the JupyterLab extension's comm target (import air_magic registered it too)
-    from .tracking import recover_in_background, warm_in_background
+    from air_magic.tracking import recover_in_background, warm_in_background
 
     recover_in_background()  # what launches of a kernel that died left unsent (in the background)
     magics = getattr(getattr(ipython, "magics_manager", None), "registry", {}).get("DistributedMagics")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import ClassVar
 
-from .errors import ConfigurationError
+from air_magic.errors import ConfigurationError
 
 __all__ = [
     "AcceleratorType",

@@ -35,9 +35,9 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
-from . import settings as _settings_module
-from ._protocol import RESULT_NAME
-from .errors import CaptureError
+from air_magic import settings as _settings_module
+from air_magic.errors import CaptureError
+from air_magic.protocol import RESULT_NAME
 
 __all__ = [
     "Payload",
@@ -336,7 +336,7 @@ def _warn_cuda(values: Iterable[tuple[str, Any]]) -> None:
 def _user_stacklevel() -> int:
     # ``level()`` counts this frame as 1; ``warnings.warn`` counts its caller (one frame
     # further down) as 1.
-    from .spec import _user_stacklevel as level
+    from air_magic.spec import _user_stacklevel as level
 
     return level() - 1
 

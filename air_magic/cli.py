@@ -40,10 +40,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from ._version import __version__
-from .errors import CaptureError, ConfigurationError, render_lines
-from .options import add_launch_arguments
-from .spec import LaunchSpec, make_spec, timeout_from_text
+from air_magic._version import __version__
+from air_magic.errors import CaptureError, ConfigurationError, render_lines
+from air_magic.options import add_launch_arguments
+from air_magic.spec import LaunchSpec, make_spec, timeout_from_text
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED"]
 
@@ -107,7 +107,7 @@ class _Refused(Exception):
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """``air-magic``'s parser, and its ``run`` verb's."""
-    from .lint import cli as lint_cli
+    from air_magic.lint import cli as lint_cli
 
     parser = argparse.ArgumentParser(
         prog="air-magic",
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help / --version exit 0, a usage error 2
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.verb == "lint":
-        from .lint import cli as lint_cli
+        from air_magic.lint import cli as lint_cli
 
         return lint_cli.run(args)
     return run(args, script_args)
@@ -239,13 +239,13 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace, script_args: list[str]) -> int:
     options = _options(args)
     target = _target(args.target)
-    from ._plugins import get_launcher
+    from air_magic.plugins import get_launcher
 
     launcher = get_launcher()
     launcher.warm()  # the helper imports torch while the target is read
     spec, payload, path_first = target.load(options, script_args)
     if spec.tracking:
-        from .tracking import warm_in_background
+        from air_magic.tracking import warm_in_background
 
         warm_in_background(launcher.session_dir)
     if args.address is not None:
@@ -299,7 +299,7 @@ class _Target:
 
     def load(self, options: dict[str, Any], script_args: list[str]) -> tuple[LaunchSpec, Any, str | None]:
         """The launch's spec and payload, and the folder its ranks put first on ``sys.path``."""
-        from .capture import script_payload
+        from air_magic.capture import script_payload
 
         if self.kind == "script":
             try:
@@ -424,8 +424,8 @@ def _functions(namespace: dict[str, Any], module: str) -> list[str]:
 def _function_launch(value: Any, text: str, options: dict[str, Any], script_args: list[str]) -> tuple[LaunchSpec, Any]:
     """The spec and payload of ``value()`` on every rank (a ``@distributed`` function keeps
     its own settings under the options given)."""
-    from .capture import function_payload
-    from .decorator import DistributedFunction
+    from air_magic.capture import function_payload
+    from air_magic.decorator import DistributedFunction
 
     if isinstance(value, DistributedFunction):
         spec = value.with_overrides(**options).spec

@@ -12,13 +12,13 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar, overload
 
-from .accelerators import AcceleratorType, GPUType
-from .capture import function_payload
-from .errors import DirectCallError, render_lines
-from .spec import DEFAULT_TIMEOUT, UNSET, AcceleratorArg, LaunchSpec, make_spec
+from air_magic.accelerators import AcceleratorType, GPUType
+from air_magic.capture import function_payload
+from air_magic.errors import DirectCallError, render_lines
+from air_magic.spec import DEFAULT_TIMEOUT, UNSET, AcceleratorArg, LaunchSpec, make_spec
 
 if TYPE_CHECKING:
-    from .launcher import Launch
+    from air_magic.kernel.launcher import Launch
 
 __all__ = ["distributed", "DistributedFunction"]
 
@@ -30,7 +30,7 @@ class DistributedFunction(Generic[R]):
 
     Launch it with ``.distributed(*args, **kwargs)`` (blocks, returns one value per
     rank in rank order) or ``.submit(*args, **kwargs)`` (returns a
-    :class:`~air_magic.launcher.Launch` at once).  ``.func`` is the original function.
+    :class:`~air_magic.kernel.launcher.Launch` at once).  ``.func`` is the original function.
     """
 
     def __init__(self, func: Callable[..., R], spec: LaunchSpec) -> None:
@@ -54,7 +54,7 @@ class DistributedFunction(Generic[R]):
 
     @property
     def last_launch(self) -> "Launch | None":
-        """The most recent :class:`~air_magic.launcher.Launch` of this function (its
+        """The most recent :class:`~air_magic.kernel.launcher.Launch` of this function (its
         ``run_id``, ``log_paths``, ``status``), or ``None``."""
         return (self._unbound or self)._last_launch
 
@@ -112,8 +112,8 @@ class DistributedFunction(Generic[R]):
         return function_payload(self.func, args, kwargs)
 
     def submit(self, *args: Any, **kwargs: Any) -> "Launch":
-        """Start the launch and return its :class:`~air_magic.launcher.Launch` handle at once."""
-        from ._plugins import get_launcher
+        """Start the launch and return its :class:`~air_magic.kernel.launcher.Launch` handle at once."""
+        from air_magic.plugins import get_launcher
 
         payload = self._payload(args, kwargs)
         launch = get_launcher().start(self.spec, payload)
@@ -315,7 +315,7 @@ def _warm_launcher(tracking: bool = True) -> None:
     # Start the helper (which imports torch) as early as possible, and MLflow with its
     # store: by the time the user calls .distributed(), the first launch is warm.
     try:
-        from ._plugins import get_launcher
+        from air_magic.plugins import get_launcher
 
         launcher = get_launcher()
         launcher.warm()
@@ -323,7 +323,7 @@ def _warm_launcher(tracking: bool = True) -> None:
         if tracking and ipython is not None and ipython.get_ipython() is not None:
             # In a notebook the store is wanted anyway; a script importing a module does not
             # get an mlflow.db in its folder before it launches anything.
-            from .tracking import warm_in_background
+            from air_magic.tracking import warm_in_background
 
             warm_in_background(launcher.session_dir)
     except Exception:  # warming is an optimisation; the launch reports real problems

@@ -16,12 +16,12 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from traitlets import Bool, CFloat, CInt, Unicode, default, observe
 
-from . import capture
-from ._protocol import RESULT_NAME
-from .errors import ConfigurationError
-from .options import FLAG_TO_OPTION, apply_arguments
-from .settings import DEFAULT_WARN_MB, settings
-from .spec import DEFAULT_TIMEOUT, LaunchSpec, check_timeout, make_spec, timeout_from_text
+from air_magic import capture
+from air_magic.errors import ConfigurationError
+from air_magic.options import FLAG_TO_OPTION, apply_arguments
+from air_magic.protocol import RESULT_NAME
+from air_magic.settings import DEFAULT_WARN_MB, settings
+from air_magic.spec import DEFAULT_TIMEOUT, LaunchSpec, check_timeout, make_spec, timeout_from_text
 
 __all__ = ["DistributedMagics"]
 
@@ -129,7 +129,7 @@ class DistributedMagics(Magics):
             lines = traceback.format_exception_only(type(exc), exc)
             exc._render_traceback_ = lambda: "".join(lines).rstrip("\n").splitlines()  # type: ignore[attr-defined]
             raise exc.with_traceback(None) from None
-        from ._plugins import get_launcher
+        from air_magic.plugins import get_launcher
 
         try:
             launch = get_launcher().start(spec, payload)

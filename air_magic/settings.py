@@ -60,7 +60,8 @@ import math
 import os
 from typing import Callable, Mapping
 
-from .errors import ConfigurationError
+from air_magic.errors import ConfigurationError
+from air_magic.protocol.spool import STATE_DIR_ENV
 
 __all__ = [
     "Settings",
@@ -89,7 +90,6 @@ MAX_CPU_RANKS_ENV = "AIR_MAGIC_MAX_CPU_RANKS"
 CPU_RANKS_PER_CORE = 4
 PRELOAD_ENV = "AIR_MAGIC_PRELOAD"
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
-STATE_DIR_ENV = "AIR_MAGIC_STATE_DIR"
 LOG_DIR_ENV = "AIR_MAGIC_LOG_DIR"
 LOG_KEEP_DAYS_ENV = "AIR_MAGIC_LOG_KEEP_DAYS"
 LOG_KEEP_MB_ENV = "AIR_MAGIC_LOG_KEEP_MB"

@@ -19,15 +19,15 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Union
 
-from .accelerators import AcceleratorType, GPUType, Hardware
-from .errors import (
+from air_magic.accelerators import AcceleratorType, GPUType, Hardware
+from air_magic.errors import (
     AcceleratorMismatchError,
     ConfigurationError,
     CPUOversubscriptionWarning,
     TooManyCPURanksError,
 )
-from .options import DEFAULT_TIMEOUT
-from .settings import CPU_RANKS_PER_CORE, MAX_CPU_RANKS_ENV, settings
+from air_magic.options import DEFAULT_TIMEOUT
+from air_magic.settings import CPU_RANKS_PER_CORE, MAX_CPU_RANKS_ENV, settings
 
 __all__ = [
     "LaunchSpec",

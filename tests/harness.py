@@ -1,6 +1,6 @@
 """Test harness: real IPython kernels driven like a notebook, and process accounting.
 
-Every process air_magic starts (the helper ``python -m air_magic._zygote`` and the
+Every process air_magic starts (the helper ``python -m air_magic.rank.zygote`` and the
 ranks forked from it, with their DataLoader workers) carries ``AIR_MAGIC_TEST_MARK``
 in the environment it was started with, so the checks below only ever look at the
 processes of this test session, not at those of another session on the machine.
@@ -46,7 +46,7 @@ def user_lines(text: str) -> list[str]:
 
 
 def _is_ours(proc: psutil.Process) -> bool:
-    """A helper of this session (``python -m air_magic._zygote``), a rank or a process a
+    """A helper of this session (``python -m air_magic.rank.zygote``), a rank or a process a
     rank started.  Recognised by what they are, never by path text: a clone of the
     project in a folder named ``air_magic`` puts that name in every command line (an
     MLflow server started from its virtual environment included)."""
@@ -70,7 +70,7 @@ def alive(process: psutil.Process) -> bool:
 
 
 def _is_helper_command(cmdline: list[str]) -> bool:
-    return any(a == "-m" and b == "air_magic._zygote" for a, b in zip(cmdline, cmdline[1:]))
+    return any(a == "-m" and b == "air_magic.rank.zygote" for a, b in zip(cmdline, cmdline[1:]))
 
 
 def air_magic_processes() -> list[psutil.Process]:

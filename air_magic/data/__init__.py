@@ -1,4 +1,7 @@
-"""Data loading and checkpoints for ranks, on any storage fsspec can reach.
+"""data/: data loading and checkpoints for ranks, on any storage fsspec can reach.
+Stands alone: imports errors and protocol/'s private folders only, nothing of the engine.
+
+Data loading and checkpoints for ranks, on any storage fsspec can reach.
 
 ``StreamingDataset`` streams the files of a folder evenly across ranks and workers,
 ``DataLoader`` is torchdata's ``StatefulDataLoader`` (resumable mid-epoch) where
@@ -12,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .checkpoint import (
+from air_magic.data.checkpoint import (
     async_save_checkpoint,
     checkpoint_reader,
     checkpoint_writer,
@@ -21,7 +24,7 @@ from .checkpoint import (
     save_checkpoint,
     save_training_state,
 )
-from .dataset import DataError, StreamingDataset
+from air_magic.data.dataset import DataError, StreamingDataset
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader

@@ -16,7 +16,7 @@ from typing import Any
 import fsspec
 import torch.distributed.checkpoint as dcp
 
-from .dataset import DataError
+from air_magic.data.dataset import DataError
 
 __all__ = [
     "checkpoint_writer",

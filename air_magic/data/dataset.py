@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import fsspec
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import AirMagicError
+from air_magic.errors import AirMagicError
 
 __all__ = ["StreamingDataset", "DataError"]
 
@@ -247,7 +247,7 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
     def _cache_root(self) -> str:
         # The user's own cache folder, created 0700 and checked on every use: a folder another
         # user made (or a symlink to elsewhere) is refused, never read from or evicted into.
-        from .._private import private_dir, user_cache_dir
+        from air_magic.protocol.private import private_dir, user_cache_dir
 
         if self._cache_dir is None:
             digest = hashlib.sha1(self.url.encode()).hexdigest()[:12]

@@ -1,4 +1,7 @@
-"""Migration linter: move ``serverless_gpu`` / ``databricks.air`` / TorchDistributor code to air_magic,
+"""lint/: the migration linter and its fixes, on files, cells and notebooks (libcst).
+Imports nothing of the engine, nor torch or MLflow: it runs where neither is installed.
+
+Migration linter: move ``serverless_gpu`` / ``databricks.air`` / TorchDistributor code to air_magic,
 and make GPU-only code (NCCL, ``cuda:N`` devices) run on CPU ranks too.
 
 >>> from air_magic.lint import lint_source, fix_source
@@ -24,8 +27,8 @@ import os
 import textwrap
 from typing import Any, Callable
 
-from .diagnostics import ConvergenceError, Diagnostic, Edit, Fix
-from .rules import RULES, RULES_BY_CODE, Applicability, Rule
+from air_magic.lint.diagnostics import ConvergenceError, Diagnostic, Edit, Fix
+from air_magic.lint.rules import RULES, RULES_BY_CODE, Applicability, Rule
 
 __all__ = [
     "Applicability",
@@ -61,7 +64,7 @@ def lint_source(source: str, *, filename: str = "<string>") -> list[Diagnostic]:
     list of Diagnostic
         ``AM001`` alone when the code does not parse.
     """
-    from .engine import check
+    from air_magic.lint.engine import check
 
     return check(source, path=filename)
 
@@ -76,7 +79,7 @@ def lint_cell(source: str, *, filename: str = "<cell>") -> list[Diagnostic]:
     """
     from dataclasses import replace
 
-    from .notebook import lint_cells
+    from air_magic.lint.notebook import lint_cells
 
     return [replace(d, cell=None) for d in lint_cells([source], path=filename)]
 
@@ -87,15 +90,15 @@ def fix_source(source: str, *, unsafe: bool = False, filename: str = "<string>")
     Fixes are applied until nothing changes, so ``fix_source(fix_source(s)) == fix_source(s)``.
     Raises :class:`ConvergenceError` (with the codes involved) if they never settle.
     """
-    from .engine import check
-    from .fixes import fix_until_stable
+    from air_magic.lint.engine import check
+    from air_magic.lint.fixes import fix_until_stable
 
     return fix_until_stable(source, lambda s: check(s, path=filename), unsafe=unsafe, path=filename).source
 
 
 def lint_notebook(path: str | os.PathLike[str]) -> list[Diagnostic]:
     """The findings in a ``.ipynb`` file; ``cell`` and ``line`` point into the notebook."""
-    from .notebook import lint_notebook_file
+    from air_magic.lint.notebook import lint_notebook_file
 
     return lint_notebook_file(path)
 
@@ -103,7 +106,7 @@ def lint_notebook(path: str | os.PathLike[str]) -> list[Diagnostic]:
 def fix_notebook(path: str | os.PathLike[str], *, unsafe: bool = False, write: bool = True) -> list[Diagnostic]:
     """Fix a notebook's code cells in place (outputs and metadata untouched); returns what
     is left to fix by hand.  With ``write=False`` nothing is written."""
-    from .notebook import fix_notebook_file
+    from air_magic.lint.notebook import fix_notebook_file
 
     return fix_notebook_file(path, unsafe=unsafe, write=write).remaining_diagnostics
 
@@ -126,8 +129,8 @@ def lint_function(func: Callable[..., Any]) -> list[Diagnostic]:
     hide findings as in a file.  Returns ``[]`` when the source is not available (a
     function built with ``exec``, a builtin).
     """
-    from ._noqa import noqa_lines, unsuppressed
-    from .engine import check
+    from air_magic.lint._noqa import noqa_lines, unsuppressed
+    from air_magic.lint.engine import check
 
     target = getattr(func, "func", func)
     target = inspect.unwrap(target)

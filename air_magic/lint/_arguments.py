@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..accelerators import GPUType
-from ._source import (
+from air_magic.accelerators import GPUType
+from air_magic.lint._source import (
     Source,
     accelerator_replacement,
     bool_value,

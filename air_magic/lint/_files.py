@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..errors import AirMagicError
-from .diagnostics import ConvergenceError, Diagnostic
-from .rules import Applicability
+from air_magic.errors import AirMagicError
+from air_magic.lint.diagnostics import ConvergenceError, Diagnostic
+from air_magic.lint.rules import Applicability
 
 __all__ = ["UnreadableFile", "FileResult", "lint_file", "lines", "finding_text", "summary", "plural"]
 
@@ -43,8 +43,8 @@ def lint_file(path: str, *, fix: bool = False, unsafe: bool = False, write: bool
             source = fh.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise UnreadableFile(f"{path}: cannot read it ({exc})") from None
-    from .engine import check
-    from .fixes import fix_until_stable
+    from air_magic.lint.engine import check
+    from air_magic.lint.fixes import fix_until_stable
 
     if not fix:
         found = check(source, path=path)
@@ -60,7 +60,7 @@ def lint_file(path: str, *, fix: bool = False, unsafe: bool = False, write: bool
 
 
 def _notebook(path: str, fix: bool, unsafe: bool, write: bool) -> FileResult:
-    from .notebook import fix_notebook_file, lint_notebook_file
+    from air_magic.lint.notebook import fix_notebook_file, lint_notebook_file
 
     try:
         if not fix:

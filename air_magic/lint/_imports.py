@@ -14,7 +14,7 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import ImportAssignment
 
-from ._source import (
+from air_magic.lint._source import (
     EMPTY,
     LEGACY_MODULES,
     Source,
@@ -24,8 +24,8 @@ from ._source import (
     no_equivalent_hint,
     string_value,
 )
-from .diagnostics import Edit
-from .rules import (
+from air_magic.lint.diagnostics import Edit
+from air_magic.lint.rules import (
     DEEPSPEED_DISTRIBUTOR_NAMES,
     LEGACY_ENV_VARS,
     MOVES,

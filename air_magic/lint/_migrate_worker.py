@@ -11,8 +11,8 @@ from typing import Any
 
 
 def answer(request: dict[str, Any]) -> dict[str, Any]:
-    from .diagnostics import ConvergenceError
-    from .migrate import migrate_cells
+    from air_magic.lint.diagnostics import ConvergenceError
+    from air_magic.lint.migrate import migrate_cells
 
     try:
         sources = request["sources"]

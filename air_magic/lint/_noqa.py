@@ -14,7 +14,7 @@ import re
 import tokenize
 from typing import Iterable, Mapping
 
-from .diagnostics import Diagnostic
+from air_magic.lint.diagnostics import Diagnostic
 
 __all__ = ["noqa_lines", "unsuppressed"]
 

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 import libcst as cst
 from libcst.metadata import Assignment, BaseAssignment, Scope
 
-from ._source import EMPTY, Region, Source, bool_value, is_distributed, string_value
-from .diagnostics import Edit
-from .rules import DEEPSPEED_DISTRIBUTOR_MATCHES, TORCH_DISTRIBUTOR_MATCHES
+from air_magic.lint._source import EMPTY, Region, Source, bool_value, is_distributed, string_value
+from air_magic.lint.diagnostics import Edit
+from air_magic.lint.rules import DEEPSPEED_DISTRIBUTOR_MATCHES, TORCH_DISTRIBUTOR_MATCHES
 
 __all__ = ["check_torch_distributor", "check_launched_code", "check_rendezvous", "check_direct_calls"]
 

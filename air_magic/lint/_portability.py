@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ._source import Source, quoted, string_value
-from .diagnostics import Edit
+from air_magic.lint._source import Source, quoted, string_value
+from air_magic.lint.diagnostics import Edit
 
 __all__ = ["check_portability"]
 

@@ -33,9 +33,9 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
-from ..accelerators import GPUType
-from .diagnostics import Diagnostic, Edit, Fix
-from .rules import DISTRIBUTED_MATCHES, LEGACY_PACKAGES, MOVES, NO_EQUIVALENT, Applicability, rule
+from air_magic.accelerators import GPUType
+from air_magic.lint.diagnostics import Diagnostic, Edit, Fix
+from air_magic.lint.rules import DISTRIBUTED_MATCHES, LEGACY_PACKAGES, MOVES, NO_EQUIVALENT, Applicability, rule
 
 __all__ = [
     "EMPTY",

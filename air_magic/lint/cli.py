@@ -16,9 +16,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence, TextIO
 
-from .._version import __version__
-from ._files import UnreadableFile, finding_text, lines, lint_file, plural, summary
-from .diagnostics import ConvergenceError, Diagnostic
+from air_magic._version import __version__
+from air_magic.lint._files import UnreadableFile, finding_text, lines, lint_file, plural, summary
+from air_magic.lint.diagnostics import ConvergenceError, Diagnostic
 
 __all__ = ["main", "add_parser", "run"]
 

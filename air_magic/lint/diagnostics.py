@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from ..errors import AirMagicError
-from .rules import Applicability, rule
+from air_magic.errors import AirMagicError
+from air_magic.lint.rules import Applicability, rule
 
 __all__ = ["Edit", "Fix", "Diagnostic", "ConvergenceError"]
 

@@ -19,10 +19,10 @@ from typing import Callable, Sequence
 
 import libcst as cst
 
-from . import _arguments, _imports, _patterns, _portability
-from ._noqa import noqa_lines, unsuppressed
-from ._source import Region, Source, accelerator_replacement
-from .diagnostics import Diagnostic
+from air_magic.lint import _arguments, _imports, _patterns, _portability
+from air_magic.lint._noqa import noqa_lines, unsuppressed
+from air_magic.lint._source import Region, Source, accelerator_replacement
+from air_magic.lint.diagnostics import Diagnostic
 
 __all__ = ["Region", "check", "accelerator_replacement", "syntax_error"]
 

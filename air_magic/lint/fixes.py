@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .diagnostics import ConvergenceError, Diagnostic, Edit, Fix
-from .rules import Applicability
+from air_magic.lint.diagnostics import ConvergenceError, Diagnostic, Edit, Fix
+from air_magic.lint.rules import Applicability
 
 __all__ = ["MAX_PASSES", "FixResult", "apply_fixes", "fix_until_stable", "allowed"]
 

@@ -10,8 +10,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ._files import UnreadableFile, finding_text, lines, lint_file, summary
-from .diagnostics import Diagnostic
+from air_magic.lint._files import UnreadableFile, finding_text, lines, lint_file, summary
+from air_magic.lint.diagnostics import Diagnostic
 
 __all__ = ["LintMagics"]
 
@@ -114,7 +114,7 @@ class LintMagics(Magics):
         return [raw[n] for n in numbers], numbers
 
     def _lint_function(self, name: str) -> None:
-        from . import lint_function
+        from air_magic.lint import lint_function
 
         ns = self.shell.user_ns if self.shell is not None else {}
         if name not in ns:
@@ -136,7 +136,7 @@ class LintMagics(Magics):
 
     def _lint_cells(self, sources: list[str | None], numbers: list[int], fix: bool, args: Any) -> None:
         """Cells of this session's history, named ``In [N]``."""
-        from .notebook import fix_cells, lint_cells
+        from air_magic.lint.notebook import fix_cells, lint_cells
 
         if not fix:
             self._report(lint_cells(sources, path="In", numbers=numbers), label="In")

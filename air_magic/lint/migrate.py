@@ -19,9 +19,9 @@ from __future__ import annotations
 import difflib
 from typing import Any, Sequence
 
-from ._files import finding_text, lines, summary
-from .diagnostics import Diagnostic
-from .notebook import fix_cells
+from air_magic.lint._files import finding_text, lines, summary
+from air_magic.lint.diagnostics import Diagnostic
+from air_magic.lint.notebook import fix_cells
 
 __all__ = ["migrate_cells"]
 

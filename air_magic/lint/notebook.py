@@ -36,10 +36,10 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from ..options import OPTIONS_BY_KEYWORD, OptionError, line_parser, unquoted
-from .diagnostics import ConvergenceError, Diagnostic, Edit, Fix
-from .fixes import MAX_PASSES, allowed, apply_fixes
-from .rules import Applicability
+from air_magic.lint.diagnostics import ConvergenceError, Diagnostic, Edit, Fix
+from air_magic.lint.fixes import MAX_PASSES, allowed, apply_fixes
+from air_magic.lint.rules import Applicability
+from air_magic.options import OPTIONS_BY_KEYWORD, OptionError, line_parser, unquoted
 
 __all__ = [
     "CellsResult",
@@ -119,7 +119,7 @@ class _Joined:
         self.cells: list[_Cell] = []
         self.early: list[Diagnostic] = []  # findings made before joining (syntax, headers)
         self.header_fixes: dict[int, list[tuple[Diagnostic, Edit]]] = {}
-        from .engine import Region
+        from air_magic.lint.engine import Region
 
         self.regions: list[Region] = []
         chunks: list[str] = []
@@ -161,7 +161,7 @@ class _Joined:
 
             cst.parse_module(masked)
         except Exception as exc:  # broad: libcst.ParserSyntaxError, or whatever a grammar libcst lacks raises
-            from .engine import syntax_error
+            from air_magic.lint.engine import syntax_error
 
             found = syntax_error(masked, exc, self.path, what="this cell")
             self.early.append(replace(found, cell=self.numbers[cell.index]))
@@ -188,8 +188,8 @@ class _Joined:
                 )
             )
             return
-        from ..accelerators import GPUType
-        from .engine import accelerator_replacement
+        from air_magic.accelerators import GPUType
+        from air_magic.lint.engine import accelerator_replacement
 
         value = unquoted(_ACCEL, args.accelerator_type)
         legacy = GPUType.parse(value) if isinstance(value, str) else None
@@ -247,7 +247,7 @@ class _Joined:
         return f"cell {self.numbers[cell.index]}, line {inner}"
 
     def lint(self) -> list[Diagnostic]:
-        from .engine import check
+        from air_magic.lint.engine import check
 
         found = list(self.early)
         if self.text:

@@ -1,6 +1,10 @@
-"""The live panel of a launch: widgets in Jupyter, compact text elsewhere, a static summary at the end.
+"""panel/: the live panel, as an observer of launches -- widgets, text, the HTML summary, the
+JupyterLab side (sidebar, lint endpoint).
+Imports kernel/ (types), protocol/, settings, accelerators and lint/; nothing imports it but plugins.py.
 
-Plugs into the launcher as a :class:`~air_magic.launcher.LaunchObserver`.  Everything
+The live panel of a launch: widgets in Jupyter, compact text elsewhere, a static summary at the end.
+
+Plugs into the launcher as a :class:`~air_magic.kernel.launcher.LaunchObserver`.  Everything
 it shows is read by the kernel from what the ranks already produce, so the ranks pay
 nothing for it and user code does not change::
 
@@ -68,15 +72,15 @@ while the kernel has a subshell; otherwise the panel says to interrupt the kerne
 
 from __future__ import annotations
 
-from ..accelerators import NvmlDevices
-from ._format import _fmt_bytes, _fmt_clock, _fmt_elapsed, _fmt_value
-from ._frontend import panel_mode, widget_front_end
-from ._observer import PanelObserver, launch_mimebundle, panel_observer
-from ._render import LaunchSummary, _chart_html, _lint_html, _log_html, _top_html, text_status
-from ._sources import LogTail, MetricsReader, Series, UsageSampler, parse_tqdm
-from ._state import LaunchState
-from ._svg import chart_svg
-from ._widgets import STOP_NOTE_BLOCKING, STOP_NOTE_SUBSHELL, WidgetPanel
+from air_magic.accelerators import NvmlDevices
+from air_magic.panel._format import _fmt_bytes, _fmt_clock, _fmt_elapsed, _fmt_value
+from air_magic.panel._frontend import panel_mode, widget_front_end
+from air_magic.panel._observer import PanelObserver, launch_mimebundle, panel_observer
+from air_magic.panel._render import LaunchSummary, _chart_html, _lint_html, _log_html, _top_html, text_status
+from air_magic.panel._sources import LogTail, MetricsReader, Series, UsageSampler, parse_tqdm
+from air_magic.panel._state import LaunchState
+from air_magic.panel._svg import chart_svg
+from air_magic.panel._widgets import STOP_NOTE_BLOCKING, STOP_NOTE_SUBSHELL, WidgetPanel
 
 __all__ = ["PanelObserver", "LaunchSummary", "panel_observer", "launch_mimebundle", "parse_tqdm", "chart_svg"]
 

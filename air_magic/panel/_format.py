@@ -18,7 +18,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..launcher import Launch
+    from air_magic.kernel.launcher import Launch
 
 _LINE_CHARS = 160  # the "last line" column
 

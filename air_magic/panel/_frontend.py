@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from ..settings import settings
+from air_magic.settings import settings
 
 
 def _shell() -> Any:

@@ -6,7 +6,7 @@ opens (the kernel only registers the target: a front end without the extension w
 nothing to receive a comm the kernel opened), and the kernel speaks only when something
 changed: no front end polls it::
 
-    front end (labextension/src/channel.ts)          kernel (air_magic._plugins, this module)
+    front end (labextension/src/channel.ts)          kernel (air_magic.plugins, this module)
     ---------------------------------------          ----------------------------------------
                                                      import air_magic: target "air_magic"
                                                      registered (nothing sent)
@@ -47,12 +47,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._format import _where
-from ._ipykernel import messages_where_sent, release_iopub
-from ._state import outcome_text, rank_state
+from air_magic.panel._format import _where
+from air_magic.panel._ipykernel import messages_where_sent, release_iopub
+from air_magic.panel._state import outcome_text, rank_state
 
 if TYPE_CHECKING:
-    from ..launcher import Launch
+    from air_magic.kernel.launcher import Launch
 
 __all__ = ["LabChannel", "channel", "opened", "lab_observer", "describe"]
 
@@ -269,7 +269,7 @@ def _kernel(shell: Any) -> Any:
 
 def opened(comm: Any, msg: dict[str, Any] | None = None) -> None:
     """A front end opened its comm (target ``air_magic``, registered by
-    :func:`air_magic._plugins.lab_target`): adopted, and the list sent on it."""
+    :func:`air_magic.plugins.lab_target`): adopted, and the list sent on it."""
     lab = channel()
     lab.adopt(comm)
     lab._send(comm, lab.message())

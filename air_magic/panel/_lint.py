@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..launcher import Launch
-    from ..lint.diagnostics import Diagnostic
+    from air_magic.kernel.launcher import Launch
+    from air_magic.lint.diagnostics import Diagnostic
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def _lint_texts(launch: "Launch") -> _Lint:
     define the launched function), each once per kernel: a relaunch costs a lookup.
     """
     try:
-        from .. import lint
+        from air_magic import lint
     except ImportError:
         return _Lint()
     sources = getattr(launch, "sources", {}) or {}

@@ -19,10 +19,10 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from ._format import _clip, _progress_text, _where
+from air_magic.panel._format import _clip, _progress_text, _where
 
 if TYPE_CHECKING:
-    from ._state import LaunchState
+    from air_magic.panel._state import LaunchState
 
 __all__ = ["SUMMARY_MIME", "SUMMARY_VERSION", "summary_data"]
 

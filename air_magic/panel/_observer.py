@@ -25,15 +25,15 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._format import _status_text, _where
-from ._frontend import _shell, panel_mode
-from ._ipykernel import keep_busy, release_iopub
-from ._render import LaunchSummary, text_status
-from ._state import LaunchState
-from ._widgets import WidgetPanel
+from air_magic.panel._format import _status_text, _where
+from air_magic.panel._frontend import _shell, panel_mode
+from air_magic.panel._ipykernel import keep_busy, release_iopub
+from air_magic.panel._render import LaunchSummary, text_status
+from air_magic.panel._state import LaunchState
+from air_magic.panel._widgets import WidgetPanel
 
 if TYPE_CHECKING:
-    from ..launcher import Launch
+    from air_magic.kernel.launcher import Launch
 
 _TICK = 0.5  # seconds between refreshes
 _FIRST_TICK = 0.2

@@ -19,8 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._protocol import FINAL_STACK_SIGNAL
-from ._format import (
+from air_magic.panel._format import (
     _CELL,
     _FONT,
     _MONO,
@@ -35,10 +34,11 @@ from ._format import (
     _status_text,
     _where,
 )
-from ._lint import _Finding
-from ._mime import SUMMARY_MIME, summary_data
-from ._state import LaunchState
-from ._svg import chart_caption, chart_svg, line_sample
+from air_magic.panel._lint import _Finding
+from air_magic.panel._mime import SUMMARY_MIME, summary_data
+from air_magic.panel._state import LaunchState
+from air_magic.panel._svg import chart_caption, chart_svg, line_sample
+from air_magic.protocol import FINAL_STACK_SIGNAL
 
 _SUMMARY_LOG_LINES = 30
 

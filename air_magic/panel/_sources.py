@@ -19,9 +19,9 @@ import os
 import re
 from typing import Any, Iterable
 
-from .._protocol import METRIC, TailReader, parse_line
-from ..accelerators import NvmlDevices
-from ._format import _fmt_bytes
+from air_magic.accelerators import NvmlDevices
+from air_magic.panel._format import _fmt_bytes
+from air_magic.protocol import METRIC, TailReader, parse_line
 
 _TAIL_BYTES = 64 * 1024  # read from the end of a rank's log per refresh
 _LOG_LINES = 100  # lines of a rank's log in its tab

@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._protocol import spool_file
-from ._format import _clip, _fmt_bytes, _fmt_elapsed, _fmt_rate, _number, _rate_per_second
-from ._lint import _Lint, _lint_texts
-from ._sources import LogTail, MetricsReader, UsageSampler
+from air_magic.panel._format import _clip, _fmt_bytes, _fmt_elapsed, _fmt_rate, _number, _rate_per_second
+from air_magic.panel._lint import _Lint, _lint_texts
+from air_magic.panel._sources import LogTail, MetricsReader, UsageSampler
+from air_magic.protocol import spool_file
 
 if TYPE_CHECKING:
-    from ..launcher import Launch
+    from air_magic.kernel.launcher import Launch
 
 _USAGE_EVERY = 2  # ticks
 _CHART_KEYS = 6  # metrics charted

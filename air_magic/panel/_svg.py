@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ._format import _RANK_COLORS, _esc, _fmt_value
+from air_magic.panel._format import _RANK_COLORS, _esc, _fmt_value
 
 _CHART_POINTS = 150  # points drawn per line
 _LABEL_SIZE = 10  # px, the axis labels

@@ -19,13 +19,13 @@ import collections
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._format import _FONT, _MUTED, _esc
-from ._ipykernel import clicks_where_sent, subshells_active
-from ._render import _chart_html, _lint_html, _log_html, _top_html, text_status
-from ._state import LaunchState
+from air_magic.panel._format import _FONT, _MUTED, _esc
+from air_magic.panel._ipykernel import clicks_where_sent, subshells_active
+from air_magic.panel._render import _chart_html, _lint_html, _log_html, _top_html, text_status
+from air_magic.panel._state import LaunchState
 
 if TYPE_CHECKING:
-    from ..launcher import Launch
+    from air_magic.kernel.launcher import Launch
 
 _CHART_EVERY = 4  # ticks
 _KEEP_FINISHED = 20  # finished background panels whose widgets stay open

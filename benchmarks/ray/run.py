@@ -695,7 +695,7 @@ RAY_PARTS = [
     ("placement", "placement group made and ready"),
     ("agents", "2 agent actors placed, each in a Ray worker process, asked where they run"),
     ("start", "free port, payload to the object store, agents write the request and start the ranks"),
-    ("rank_start", "rank start-up: `python -m air_magic._ray_rank` until the user's first line"),
+    ("rank_start", "rank start-up: `python -m air_magic.backends.ray.rank_entry` until the user's first line"),
     ("import_torch", "user code: `import torch`"),
     ("rendezvous", "user code: `init_process_group` (torch's TCP store on rank 0's node)"),
     ("collective", "user code: `all_reduce`"),

@@ -134,7 +134,7 @@ class Kernel:
         seconds = {"kernel": sum(kernel.cpu_times()[:2]), "helper": 0.0}
         for child in kernel.children():
             try:
-                if "air_magic._zygote" in " ".join(child.cmdline()):
+                if "air_magic.rank.zygote" in " ".join(child.cmdline()):
                     seconds["helper"] += sum(child.cpu_times()[:2])
             except psutil.Error:
                 pass

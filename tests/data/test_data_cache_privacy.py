@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from air_magic._private import PrivateFolderError
 from air_magic.data import StreamingDataset
+from air_magic.protocol.private import PrivateFolderError
 
 ROOT = os.geteuid() == 0
 

@@ -48,7 +48,7 @@ def _bad_inputs_machine(gpus, cores):
 
 def _bad_inputs_launches():
     import os, re
-    from air_magic.launcher import get_launcher
+    from air_magic.kernel.launcher import get_launcher
     return len([n for n in os.listdir(get_launcher().session_dir) if re.match(r"\\d{{4}}-", n)])
 
 def _bad_inputs_cell_file(number):

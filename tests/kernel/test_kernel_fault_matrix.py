@@ -104,7 +104,7 @@ def ended_at():
     return LAST.last_launch.ended_at
 
 def folders():
-    from air_magic.launcher import get_launcher
+    from air_magic.kernel.launcher import get_launcher
     return get_launcher().session_dir, get_launcher().shm_root
 
 def log_folder():

@@ -174,8 +174,8 @@ def test_rank_traceback_points_at_the_cells_own_lines(k: Kernel) -> None:
     assert "ValueError: bad value on rank 1" in text
     assert "[air_magic] raised on rank 1 of 2; rank 0 finished." in text  # rank 0 returned at once
     # none of air_magic's own frames
-    assert "air_magic/_rank.py" not in text and "air_magic/launcher.py" not in text
-    assert "air_magic/_launch.py" not in text
+    assert "air_magic/rank/main.py" not in text and "air_magic/kernel/launcher.py" not in text
+    assert "air_magic/kernel/launch.py" not in text
 
 
 def test_traceback_through_a_notebook_function_names_its_cell(k: Kernel) -> None:

@@ -110,7 +110,7 @@ def test_output_is_bounded(kernel_factory: Any) -> None:
     limit = 20_000
     big = kernel_factory(load=False)
     try:
-        # read when air_magic.launcher is imported: set before %load_ext
+        # read when air_magic.kernel.launcher is imported: set before %load_ext
         big.ok(f'import os\nos.environ["AIR_MAGIC_OUTPUT_LIMIT"] = "{limit}"')
         big.ok("%load_ext air_magic")
         big.ok("%config DistributedMagics.tracking = False")

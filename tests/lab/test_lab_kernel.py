@@ -118,7 +118,7 @@ def front(kernel_factory: Any) -> Iterator[Front]:
 
 
 def test_outside_a_kernel_no_target_is_registered() -> None:
-    from air_magic import _plugins
+    from air_magic import plugins as _plugins
 
     assert _plugins.lab_target() is False  # this process: no kernel
     assert _plugins.lab_target(object()) is False  # a shell without one (terminal IPython)

@@ -193,7 +193,7 @@ def test_an_interrupt_in_a_tqdm_loop_leaves_one_line_and_a_clean_screen(term: Te
         said[0],
     ), said[0]
     assert [row for row in rows if row.strip()][-1] == said[0], text
-    for frame in ("Traceback", "magics.py", "launcher.py", "_launch.py", 'File "'):
+    for frame in ("Traceback", "magics.py", "launcher.py", "launch.py", 'File "'):
         assert frame not in raw, text
     summary = [
         row

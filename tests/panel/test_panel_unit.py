@@ -16,7 +16,7 @@ import pytest
 from harness import wait_until
 
 from air_magic import panel
-from air_magic.launcher import RankState
+from air_magic.kernel.launcher import RankState
 from air_magic.panel import LaunchState, LaunchSummary, LogTail, MetricsReader, Series, chart_svg, parse_tqdm
 from air_magic.settings import settings
 
@@ -314,7 +314,7 @@ def test_vscode_is_recognised_by_its_notebook_variable(monkeypatch: pytest.Monke
 
 
 def test_importing_the_panel_imports_no_widgets() -> None:
-    code = "import sys, air_magic.launcher, air_magic.panel; print('ipywidgets' in sys.modules)"
+    code = "import sys, air_magic.kernel.launcher, air_magic.panel; print('ipywidgets' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -633,8 +633,8 @@ def test_chart_captions_and_legend_name_the_ranks(tmp_path: Path) -> None:
 
 
 def test_a_rank_a_timeout_ended_reads_as_a_timeout_not_a_signal_number() -> None:
-    from air_magic._protocol import FINAL_STACK_SIGNAL
     from air_magic.panel._render import _exit_note
+    from air_magic.protocol import FINAL_STACK_SIGNAL
 
     assert _exit_note(-FINAL_STACK_SIGNAL) == " (timeout)"
     assert _exit_note(-9) == " (exit -9)"

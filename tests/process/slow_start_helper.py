@@ -1,4 +1,4 @@
-"""The real helper (``air_magic._zygote.main``) whose ranks start late, as the scheduler of
+"""The real helper (``air_magic.rank.zygote.main``) whose ranks start late, as the scheduler of
 a loaded machine may run a freshly forked process: each rank sleeps before it begins
 (``python slow_start_helper.py DELAY CTRL_FD ALIVE_FD SESSION_DIR SHM_DIR``).
 
@@ -11,7 +11,8 @@ import sys
 import time
 from typing import Any
 
-from air_magic import _rank, _zygote
+from air_magic.rank import main as _rank
+from air_magic.rank import zygote as _zygote
 
 
 def main(argv: list[str]) -> int:

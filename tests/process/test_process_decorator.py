@@ -42,7 +42,7 @@ def private_tracking_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def launcher() -> Any:
-    from air_magic.launcher import get_launcher
+    from air_magic.kernel.launcher import get_launcher
 
     return get_launcher()
 
@@ -446,7 +446,7 @@ def test_cancel_stops_a_submitted_launch() -> None:
 def test_cancel_is_refused_once_the_outcome_is_known_while_observers_are_told_of_the_end() -> None:
     """A front end (the lab's list, the panel) may show the outcome before the launch is
     done: a Stop then does nothing and says so, and the outcome stays."""
-    from air_magic.launcher import Launcher
+    from air_magic.kernel.launcher import Launcher
 
     seen: dict[str, Any] = {}
 
@@ -598,7 +598,7 @@ def test_launcher_shutdown_takes_the_helper_and_its_files() -> None:
     assert shm_root is None or not os.path.exists(shm_root)
     # a new launcher (and helper) comes up for the next launch
     assert rank_info.distributed(1) == [(0, 2, 1), (1, 2, 1)]
-    air_magic.launcher.get_launcher().shutdown()
+    air_magic.kernel.launcher.get_launcher().shutdown()
     assert wait_until(lambda: not air_magic_processes(), timeout=5)
 
 

@@ -22,7 +22,7 @@ def ranks_and_pid() -> tuple[int, int]:
 
 
 def launcher() -> Any:
-    from air_magic.launcher import get_launcher
+    from air_magic.kernel.launcher import get_launcher
 
     return get_launcher()
 

@@ -13,7 +13,7 @@ import cloudpickle
 import pytest
 
 from air_magic import ConfigurationError, LaunchError, distributed
-from air_magic.launcher import Launcher
+from air_magic.kernel.launcher import Launcher
 
 pytestmark = pytest.mark.process
 

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import cloudpickle
 import pytest
 
-from air_magic._protocol import (
+from air_magic.protocol import (
     STOP_MARK,
     Done,
     Exited,
@@ -35,7 +35,7 @@ from air_magic._protocol import (
     encode,
     result_path,
 )
-from air_magic._results import read_record
+from air_magic.rank.results import read_record
 
 pytestmark = pytest.mark.process
 

@@ -147,7 +147,7 @@ def test_a_seed_set_in_the_launched_code_still_makes_ranks_reproducible() -> Non
 
 
 def test_numpy_preloaded_in_the_helper_still_differs_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    from air_magic.launcher import Launcher
+    from air_magic.kernel.launcher import Launcher
 
     monkeypatch.setenv("AIR_MAGIC_PRELOAD", "torch,numpy")
     launcher = Launcher()  # a helper of its own, started with numpy preloaded

@@ -34,7 +34,7 @@ def ray_processes(ranks_only: bool = False) -> list[str]:
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue
         text = " ".join(proc.info["cmdline"] or [])
-        if "air_magic._ray_rank" in text or (not ranks_only and "RankAgent" in text):
+        if "air_magic.backends.ray.rank_entry" in text or (not ranks_only and "RankAgent" in text):
             found.append(text)
     return found
 
@@ -131,7 +131,7 @@ def tensors():
     return big, halves.requires_grad_()
 
 import os, torch
-from air_magic.launcher import get_launcher
+from air_magic.kernel.launcher import get_launcher
 
 values = tensors.distributed()
 launch = tensors.last_launch

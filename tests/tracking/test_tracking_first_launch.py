@@ -103,7 +103,7 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         }
         # MLflow's lines (the new store's tables) went to a log file: the session's, when the
         # warm-up at %load_ext made the store, else the launch's, when its writer did.
-        session = kernel.value("__import__('air_magic.launcher').launcher.get_launcher().session_dir")
+        session = kernel.value("__import__('air_magic.kernel.launcher').launcher.get_launcher().session_dir")
         logs = glob.glob(os.path.join(session, "mlflow.log")) + glob.glob(
             os.path.join(str(tmp_path / "logs"), "*", "mlflow.log")
         )
@@ -199,8 +199,8 @@ def test_when_no_run_can_be_made_a_call_that_needs_it_says_why(store: Store, cap
 def test_the_default_uri_is_mlflows_own(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking._tracking_service import utils
 
-    from air_magic._mlflow_upload import absolute_uri
-    from air_magic.tracking import _default_uri
+    from air_magic.tracking.observer import _default_uri
+    from air_magic.tracking.upload import absolute_uri
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

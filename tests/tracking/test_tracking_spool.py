@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import pytest
 from tracking_support import Store, sqlite_uri
 
-from air_magic import _spool
-from air_magic._private import PrivateFolderError
-from air_magic._spool import Spool, parse_line, spool_file, text_field
+from air_magic.protocol import spool as _spool
+from air_magic.protocol.private import PrivateFolderError
+from air_magic.protocol.spool import Spool, parse_line, spool_file, text_field
 
 NASTY = [
     "plain",
@@ -41,7 +41,7 @@ NASTY = [
 def state(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A state folder of the test's own; a recovery pass that an earlier launch of this
     process started in the background is over before the test makes orphans."""
-    from air_magic import _tracking_recovery
+    from air_magic.tracking import recovery as _tracking_recovery
 
     _tracking_recovery.stop_background(60)
     folder = tmp_path / "state"
@@ -167,7 +167,7 @@ def test_a_state_folder_of_another_user_is_refused(state: str) -> None:
 
 
 def test_symlinks_inside_a_spool_are_not_followed(state: str, tmp_path: Any) -> None:
-    from air_magic._tracking_recovery import recover_pending
+    from air_magic.tracking.recovery import recover_pending
 
     victim = tmp_path / "victim.txt"
     victim.write_text("m\tloss\t1.0\t0\t0\n")
@@ -184,7 +184,7 @@ def test_symlinks_inside_a_spool_are_not_followed(state: str, tmp_path: Any) -> 
 
 
 def test_a_spool_whose_journal_is_not_a_file_is_left_alone(state: str, tmp_path: Any) -> None:
-    from air_magic._tracking_recovery import recover_pending
+    from air_magic.tracking.recovery import recover_pending
 
     spool = orphan(sqlite_uri(tmp_path), {0: metric_lines("loss", 3)})
     journal = os.path.join(spool.folder, "journal.json")
@@ -280,7 +280,7 @@ def tag_line(key: str, value: str) -> str:
 
 
 def test_the_names_of_several_ranks_items() -> None:
-    from air_magic._mlflow_upload import metric_name, place
+    from air_magic.tracking.upload import metric_name, place
 
     assert [metric_name(rank, "loss") for rank in range(3)] == ["loss", "rank1/loss", "rank2/loss"]
     # A key already named for the rank that logs it is kept; one named for another rank is not.
@@ -321,7 +321,7 @@ def test_the_names_of_several_ranks_items() -> None:
 def test_each_rank_keeps_its_own_name_and_rank_0s_curve_is_alone_under_the_key(
     state: str, tmp_path: Any, ranks: int
 ) -> None:
-    from air_magic._tracking_recovery import recover_pending
+    from air_magic.tracking.recovery import recover_pending
 
     store = Store(sqlite_uri(tmp_path))
     store.client.search_experiments()
@@ -361,7 +361,7 @@ def test_each_rank_keeps_its_own_name_and_rank_0s_curve_is_alone_under_the_key(
 
 
 def test_recovery_names_params_as_the_dead_kernel_did(state: str, tmp_path: Any) -> None:
-    from air_magic._tracking_recovery import recover_pending
+    from air_magic.tracking.recovery import recover_pending
 
     store = Store(sqlite_uri(tmp_path))
     client = store.client
@@ -377,7 +377,7 @@ def test_recovery_names_params_as_the_dead_kernel_did(state: str, tmp_path: Any)
 
 
 def test_a_rank_that_changes_its_own_param_is_refused_as_in_mlflow(state: str, tmp_path: Any) -> None:
-    from air_magic._tracking_recovery import recover_pending
+    from air_magic.tracking.recovery import recover_pending
 
     store = Store(sqlite_uri(tmp_path))
     store.client.search_experiments()
@@ -394,7 +394,7 @@ def test_a_rank_that_changes_its_own_param_is_refused_as_in_mlflow(state: str, t
 
 
 def test_recovery_sends_only_what_was_not_sent_and_keeps_the_launchs_status(state: str, tmp_path: Any) -> None:
-    from air_magic._tracking_recovery import recover_pending
+    from air_magic.tracking.recovery import recover_pending
 
     store = Store(sqlite_uri(tmp_path))
     client = store.client
@@ -425,7 +425,7 @@ def test_an_orphan_whose_local_store_is_gone_is_dropped_and_said_so(state: str, 
 
 
 def test_one_refused_point_in_a_thousand_costs_only_itself(state: str, tmp_path: Any) -> None:
-    from air_magic._tracking_recovery import recover_pending
+    from air_magic.tracking.recovery import recover_pending
 
     store = Store(sqlite_uri(tmp_path))
     store.client.search_experiments()
@@ -441,8 +441,8 @@ def test_one_refused_point_in_a_thousand_costs_only_itself(state: str, tmp_path:
 
 
 def test_recover_in_background_sends_orphans_without_waiting(state: str, tmp_path: Any) -> None:
-    from air_magic import _tracking_recovery
     from air_magic.tracking import recover_in_background
+    from air_magic.tracking import recovery as _tracking_recovery
 
     store = Store(sqlite_uri(tmp_path))
     store.client.search_experiments()

@@ -1,10 +1,31 @@
-"""The package's import graph has no cycle, not even through imports inside functions
-(only imports for type annotations, under ``TYPE_CHECKING``, are left out); the layers
-themselves are import-linter's contracts in ``pyproject.toml``, run by ``.ci/run``."""
+"""The package's import graph has no cycle: not between modules, not between packages, not
+through imports inside functions, and not through imports for type annotations only (under
+``TYPE_CHECKING``: one that closes a loop says two modules are one thing).  The layers
+themselves are import-linter's contracts in ``pyproject.toml``, run by ``.ci/run``; the
+folders show them (``air_magic/`` holds the public surface, the fronts and the description
+of a launch; each role has a package)."""
 
 from __future__ import annotations
 
+import ast
+import os
+
 import grimp
+
+import air_magic
+
+PACKAGE = os.path.dirname(air_magic.__file__)
+#: The roles, a package each (``labextension`` holds built JupyterLab assets, no Python).
+PACKAGES = {"protocol", "kernel", "rank", "backends", "tracking", "panel", "lint", "data"}
+
+
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph("air_magic", exclude_type_checking_imports=False)
+
+
+def room(module: str) -> str:
+    """The package a module belongs to (``air_magic.kernel``), or the root module itself."""
+    return ".".join(module.split(".")[:2])
 
 
 def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -43,9 +64,47 @@ def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_of_the_package_imports_itself_through_others() -> None:
-    graph = grimp.build_graph("air_magic", exclude_type_checking_imports=True)
-    edges = {m: set(graph.find_modules_directly_imported_by(m)) & graph.modules for m in graph.modules}
+    imports = graph()
+    edges = {m: set(imports.find_modules_directly_imported_by(m)) & imports.modules for m in imports.modules}
     assert strongly_connected(edges) == []
+
+
+def test_no_package_imports_itself_through_others() -> None:
+    imports = graph()
+    edges: dict[str, set[str]] = {}
+    for module in imports.modules:
+        edges.setdefault(room(module), set())
+        for other in imports.find_modules_directly_imported_by(module):
+            if other in imports.modules and room(other) != room(module):
+                edges[room(module)].add(room(other))
+    assert strongly_connected(edges) == []
+
+
+def test_a_type_only_import_that_closes_a_loop_is_found() -> None:
+    # The graph the tests read counts TYPE_CHECKING imports: kernel.launch's owner type
+    # would close a loop with kernel.launcher if it were imported from there.
+    imports = graph()
+    assert "air_magic.kernel.launch" in imports.find_modules_directly_imported_by("air_magic.kernel.request")
+    quiet = grimp.build_graph("air_magic", exclude_type_checking_imports=True)
+    assert "air_magic.kernel.launch" not in quiet.find_modules_directly_imported_by("air_magic.kernel.request")
+
+
+def test_the_root_holds_the_public_surface_and_each_role_is_a_package() -> None:
+    root_files = sorted(n for n in os.listdir(PACKAGE) if n.endswith(".py"))
+    assert len(root_files) <= 14, root_files
+    folders = {n for n in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, n, "__init__.py"))}
+    assert folders == PACKAGES
+
+
+def test_each_package_says_what_lives_there_and_what_it_may_import() -> None:
+    for folder, _, files in os.walk(PACKAGE):
+        if "__init__.py" not in files or folder == PACKAGE:
+            continue
+        with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as handle:
+            doc = ast.get_docstring(ast.parse(handle.read())) or ""
+        name = os.path.relpath(folder, PACKAGE)
+        assert doc.startswith(f"{name}/: "), (name, doc[:80])
+        assert "import" in doc.split("\n\n")[0].lower(), (name, doc[:300])
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

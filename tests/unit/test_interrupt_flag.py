@@ -1,4 +1,4 @@
-"""Ctrl-C during a blocking wait: read as a flag (``air_magic._launch._interrupt_flag``).
+"""Ctrl-C during a blocking wait: read as a flag (``air_magic.kernel.launch._interrupt_flag``).
 
 Python's own SIGINT handler raises KeyboardInterrupt wherever the main thread is; raised
 inside a finalizer it is printed as "Exception ignored" and lost, and a blocking launch
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from air_magic._launch import _interrupt_flag
+from air_magic.kernel.launch import _interrupt_flag
 
 
 def _sigint() -> None:

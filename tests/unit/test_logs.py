@@ -1,4 +1,4 @@
-"""Where launch logs are kept and how old ones are pruned (air_magic._logs), on real folders."""
+"""Where launch logs are kept and how old ones are pruned (air_magic.kernel.logs), on real folders."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from air_magic import _logs
 from air_magic.errors import ConfigurationError
+from air_magic.kernel import logs as _logs
 from air_magic.settings import Settings
 
 DAY = 86400.0

@@ -96,7 +96,7 @@ def test_the_linter_does_not_import_ipython_or_the_magic() -> None:
         "import sys, air_magic.lint.cli\n"
         "from air_magic.lint.notebook import lint_cells\n"
         "lint_cells(['%%distributed -n $N --accelerator-type H100\\nprint(1)', '%%distributed -n x\\n1'])\n"
-        "print(sorted(m for m in ('IPython', 'air_magic.magics', 'air_magic.launcher') if m in sys.modules))"
+        "print(sorted(m for m in ('IPython', 'air_magic.magics', 'air_magic.kernel.launcher') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,4 +1,4 @@
-"""How a launch's end becomes its values or its one exception (air_magic._outcome, pure)."""
+"""How a launch's end becomes its values or its one exception (air_magic.kernel.outcome, pure)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from air_magic import _outcome
-from air_magic._outcome import MISSING, Ending, RankState, decide, describe_exit, failed_ranks, needs_records
-from air_magic._protocol import TRACEBACK_MARK, ErrorRecord, UnpicklableRecord, ValueRecord
 from air_magic.errors import (
     LaunchCancelledError,
     LaunchError,
@@ -20,6 +17,9 @@ from air_magic.errors import (
     RankTraceback,
     ResultError,
 )
+from air_magic.kernel import outcome as _outcome
+from air_magic.kernel.outcome import MISSING, Ending, RankState, decide, describe_exit, failed_ranks, needs_records
+from air_magic.protocol import TRACEBACK_MARK, ErrorRecord, UnpicklableRecord, ValueRecord
 
 
 def _ranks(*codes: int | None, stopped: tuple[int, ...] = (), left: tuple[int, ...] = ()) -> tuple[RankState, ...]:

@@ -1,4 +1,4 @@
-"""The kernel <-> helper <-> rank protocol (air_magic._protocol): messages, requests, lines, tails."""
+"""The kernel <-> helper <-> rank protocol (air_magic.protocol): messages, requests, lines, tails."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from air_magic import _protocol as p
+from air_magic import protocol as p
 
 
 def _request() -> p.LaunchRequest:
@@ -109,10 +109,16 @@ def test_tail_reader_lines_and_catching_up(tmp_path: Any) -> None:
 
 
 def test_the_protocol_imports_only_the_standard_library() -> None:
-    tree = ast.parse(open(p.__file__).read())
-    names = {
-        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
-    }
-    names |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))  # nothing of air_magic
-    assert names <= set(sys.stdlib_module_names) | {"__future__"}, names
+    folder = os.path.dirname(p.__file__)
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(folder, name)).read())
+        names = {
+            alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        }
+        modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree)), name
+        # of air_magic, only protocol/'s own modules
+        names |= {m.split(".")[0] for m in modules if not m.startswith("air_magic.protocol")}
+        assert names <= set(sys.stdlib_module_names) | {"__future__"}, (name, names)

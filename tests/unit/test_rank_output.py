@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from screen import screen_lines
 
-from air_magic._rank_output import OutputPump
+from air_magic.kernel.rank_output import OutputPump
 
 
 class Log:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from air_magic._protocol import StartFailed
-from air_magic._ray_backend import _RayLaunch
+from air_magic.backends.ray.backend import _RayLaunch
+from air_magic.protocol import StartFailed
 
 #: What the launch used of Ray after its process left Ray.
 USED: list[str] = []

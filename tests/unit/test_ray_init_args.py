@@ -13,7 +13,7 @@ import pytest
 
 import air_magic
 from air_magic import ConfigurationError, RayClusterError, RayNotInstalledError
-from air_magic.ray_cluster import ClusterSummary, cluster_summary
+from air_magic.backends.ray.ray_init import ClusterSummary, cluster_summary
 
 HOW = (
     "Pass the head node's address as `ray start --head` prints it (host:port, port 6379 by default), "

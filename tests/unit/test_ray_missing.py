@@ -36,7 +36,7 @@ def test_backend_ray_without_ray_says_how_to_install_it() -> None:
 def test_the_local_backend_never_imports_ray() -> None:
     program = (
         "import sys\nfrom air_magic import distributed\ndistributed(num_accelerators=2)\n"
-        "import air_magic.launcher\nprint('ray' in sys.modules)\n"
+        "import air_magic.kernel.launcher\nprint('ray' in sys.modules)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60)

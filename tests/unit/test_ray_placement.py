@@ -3,8 +3,8 @@ keeps of the kernel's environment (pure functions; no Ray needed)."""
 
 from __future__ import annotations
 
-from air_magic._ray_agent import node_environment
-from air_magic._ray_backend import placement_environment
+from air_magic.backends.ray.agent import node_environment
+from air_magic.backends.ray.backend import placement_environment
 
 
 def _node(node_id: str, address: str, gpus: list[str] | None = None) -> dict:

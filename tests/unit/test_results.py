@@ -1,4 +1,4 @@
-"""Result records whose large tensors travel beside the pickle, not in it (air_magic._results),
+"""Result records whose large tensors travel beside the pickle, not in it (air_magic.rank.results),
 on one machine and the way a Ray rank's come back: files on its node, raw buffers through
 the object store (pickle protocol 5, out of band), files of the kernel (no processes, no Ray)."""
 
@@ -15,9 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from air_magic import _ray_agent, _results  # noqa: E402
-from air_magic._protocol import UnpicklableRecord, ValueRecord  # noqa: E402
-from air_magic._ray_backend import _RayLaunch  # noqa: E402
+from air_magic.backends.ray import agent as _ray_agent  # noqa: E402
+from air_magic.backends.ray.backend import _RayLaunch  # noqa: E402
+from air_magic.protocol import UnpicklableRecord, ValueRecord  # noqa: E402
+from air_magic.rank import results as _results  # noqa: E402
 
 BIG = _results.SHM_THRESHOLD  # bytes: the smallest tensor that travels beside the record
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from air_magic import _teardown
+from air_magic.kernel import teardown as _teardown
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from air_magic import _zygote
+from air_magic.rank import zygote as _zygote
 
 
 class _Conn:

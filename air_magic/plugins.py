@@ -1,6 +1,6 @@
 """Wires the optional pieces (MLflow tracking, the live panel) into the launcher.
 
-The launcher knows only :class:`~air_magic.launcher.LaunchObserver`; the fronts
+The launcher knows only :class:`~air_magic.kernel.launcher.LaunchObserver`; the fronts
 (``@distributed``, ``%%distributed``, ``%load_ext``) get their launcher here, and the
 first call registers the plug-ins' factories with ``Launcher.add_observer``::
 
@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .launcher import Launch, Launcher, LaunchObserver
+    from air_magic.kernel.launcher import Launch, Launcher, LaunchObserver
 
 #: The comm target the JupyterLab extension (labextension/src/channel.ts) opens its comm to.
 LAB_TARGET = "air_magic"
@@ -34,21 +34,21 @@ def tracking(launch: "Launch") -> "LaunchObserver | None":
     """MLflow tracking (imported only when a launch has tracking on)."""
     if not launch.spec.tracking:
         return None
-    from .tracking import tracking_observer
+    from air_magic.tracking import tracking_observer
 
     return tracking_observer(launch)
 
 
 def panel(launch: "Launch") -> "LaunchObserver | None":
     """The live panel (ipywidgets imported only where widgets are shown)."""
-    from .panel import panel_observer
+    from air_magic.panel import panel_observer
 
     return panel_observer(launch)
 
 
 def panel_mimebundle(launch: "Launch") -> dict[str, Any]:
     """A launch shown in a notebook: its live panel, a summary once it has ended."""
-    from .panel import launch_mimebundle
+    from air_magic.panel import launch_mimebundle
 
     return launch_mimebundle(launch)
 
@@ -56,7 +56,7 @@ def panel_mimebundle(launch: "Launch") -> dict[str, Any]:
 def tracking_off(launch: "Launch") -> None:
     """Says so in the cell when a launch has tracking off (after the other plug-ins started)."""
     if not launch.spec.tracking:
-        from .tracking import tracking_off_notice
+        from air_magic.tracking import tracking_off_notice
 
         tracking_off_notice(launch)
     return None
@@ -65,7 +65,7 @@ def tracking_off(launch: "Launch") -> None:
 def lab(launch: "Launch") -> "LaunchObserver | None":
     """The JupyterLab extension's list of launches (only in a kernel: panel._lab; the
     comm target was registered when air_magic was imported)."""
-    from .panel._lab import lab_observer
+    from air_magic.panel._lab import lab_observer
 
     return lab_observer(launch)
 
@@ -98,7 +98,7 @@ def lab_target(shell: Any = None) -> bool:
 
 def lab_opened(comm: Any, msg: dict[str, Any]) -> None:
     """A front end opened its comm to the target: the lab extension's channel adopts it."""
-    from .panel._lab import opened
+    from air_magic.panel._lab import opened
 
     opened(comm, msg)
 
@@ -109,7 +109,7 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        from .launcher import Launch, Launcher
+        from air_magic.kernel.launcher import Launch, Launcher
 
         Launch.render = panel_mimebundle
         Launcher.add_observer(tracking)
@@ -122,6 +122,6 @@ def register() -> None:
 def get_launcher() -> "Launcher":
     """The kernel's launcher, with the plug-ins registered."""
     register()
-    from . import launcher
+    from air_magic.kernel import launcher
 
     return launcher.get_launcher()

@@ -1,7 +1,7 @@
 """What runs a launch's ranks: the interface every backend implements.
 
-The :class:`~air_magic.launcher.Launcher` and the :class:`~air_magic._launch.Launch` handle
-talk to a backend in the messages of :mod:`air_magic._protocol` only::
+The :class:`~air_magic.kernel.launcher.Launcher` and the :class:`~air_magic.kernel.launch.Launch` handle
+talk to a backend in the messages of :mod:`air_magic.protocol` only::
 
     launcher --send(StartLaunch(request) | Stop(launch_id, reason) | Shutdown())--> backend
     launcher <--on_message(backend, Started | Exited | Stopping | Done | StartFailed)-- backend
@@ -12,8 +12,8 @@ and a backend leaves in the launch's folder what a local rank leaves there: each
 its MLflow spool lines in the spool folder the request's environment names.  Fronts,
 tracking and the panel read those files and see every backend alike.
 
-Two backends exist: the local helper process (:class:`air_magic._helper.Helper`, ranks
-forked on this machine) and Ray (:class:`air_magic._ray_backend.RayBackend`, ranks as
+Two backends exist: the local helper process (:class:`air_magic.backends.local.Helper`, ranks
+forked on this machine) and Ray (:class:`air_magic.backends.ray.backend.RayBackend`, ranks as
 actors on a cluster's nodes).  Another engine (Slurm, Kubernetes) is a third class with
 these members, chosen by ``LaunchSpec.backend`` in :meth:`Launcher.backend_for`.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from ._protocol import ToHelper
-from .accelerators import Hardware
+from air_magic.accelerators import Hardware
+from air_magic.protocol import ToHelper
 
 
 class Backend(Protocol):

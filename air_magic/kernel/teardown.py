@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ._protocol import LAUNCH_ID_ENV
+from air_magic.protocol import LAUNCH_ID_ENV
 
 __all__ = ["gpu_holders", "describe_holders", "wait_for_release"]
 

@@ -1,6 +1,6 @@
 """How a launch ended, said as the values it returns or the one exception it raises.
 
-Pure functions, no files and no processes: the launch (:mod:`air_magic.launcher`) reads
+Pure functions, no files and no processes: the launch (:mod:`air_magic.kernel.launcher`) reads
 what they need and hands it over::
 
     Ending (label, world size, stop reason, every rank's RankState)
@@ -21,8 +21,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ._protocol import FINAL_STACK_SIGNAL, TRACEBACK_MARK, ErrorRecord, UnpicklableRecord
-from .errors import (
+from air_magic.errors import (
     LaunchCancelledError,
     LaunchError,
     LaunchTimeoutError,
@@ -32,7 +31,8 @@ from .errors import (
     ResultError,
     attach_rank_rendering,
 )
-from .hints import hints_for
+from air_magic.hints import hints_for
+from air_magic.protocol import FINAL_STACK_SIGNAL, TRACEBACK_MARK, ErrorRecord, UnpicklableRecord
 
 #: A rank's entry in ``records`` when it left no result file.
 MISSING = object()

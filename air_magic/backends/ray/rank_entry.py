@@ -1,8 +1,8 @@
-"""A rank of a Ray launch: ``python -m air_magic._ray_rank REQUEST RANK PORT ALIVE_FD``.
+"""A rank of a Ray launch: ``python -m air_magic.backends.ray.rank_entry REQUEST RANK PORT ALIVE_FD``.
 
-Started by the rank's agent (:mod:`air_magic._ray_agent`) on the node Ray placed it on, as a
+Started by the rank's agent (:mod:`air_magic.backends.ray.agent`) on the node Ray placed it on, as a
 fresh Python process -- what ``torchrun`` starts on each node -- and then exactly a local rank
-(:func:`air_magic._rank.child_main`): its own session, its log file, the environment and
+(:func:`air_magic.rank.main.child_main`): its own session, its log file, the environment and
 ``sys.path`` of the request (with the placement's ``NODE_RANK``, ``LOCAL_RANK``,
 ``MASTER_ADDR``...), the user's code, a result record, ``os._exit``.  It dies with its agent:
 the agent holds the only write end of the pipe ``ALIVE_FD`` reads.
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> None:
     request_file, rank, port, alive_fd = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     with open(request_file, "rb") as handle:
         request = pickle.load(handle)  # written by this rank's agent in its private folder
-    from . import _rank
+    from air_magic.rank import main as _rank
 
     _rank.child_main(request, rank, port, alive_fd, [])  # never returns
 

@@ -1,7 +1,7 @@
 """Sending what launches left on disk: a kernel that died mid-launch, a store that was down.
 
 Every launch keeps its ranks' MLflow calls in a spool folder with a journal
-(:mod:`air_magic._spool`).  While its kernel lives, the folder is locked.  A folder
+(:mod:`air_magic.protocol.spool`).  While its kernel lives, the folder is locked.  A folder
 whose lock is free is an orphan: its kernel died (killed, restarted), or its launch
 ended while the store did not answer.  Recovery takes the lock, waits for no rank (a
 rank still alive holds its file), makes the run if it was never made, sends the lines
@@ -16,7 +16,7 @@ status (KILLED when the kernel died first) and deletes the folder::
           v                                       v
     one line: what was recovered (run, points); a store still down: said once per store
 
-The lines are sent by the same :class:`~air_magic._mlflow_upload.SpoolUploader` as a live
+The lines are sent by the same :class:`~air_magic.tracking.upload.SpoolUploader` as a live
 launch's, so the ranks' items get the same names (rank 0's metrics under their keys, rank
 r's under ``rank<r>/<key>``); which rank holds which param or tag key is in the journal,
 saved with the offsets sent, so a recovery goes on where the dead kernel stopped.
@@ -31,7 +31,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from ._spool import Spool
+from air_magic.protocol.spool import Spool
 
 __all__ = ["Recovered", "recover_in_background", "recover_pending", "upload_pending"]
 
@@ -57,7 +57,7 @@ class Recovered:
 
     def line(self) -> str:
         """The one line a user sees about it."""
-        from ._mlflow_upload import store_name
+        from air_magic.tracking.upload import store_name
 
         if self.outcome == "sent":
             text = f"MLflow run {self.run_id} ({_points(self.points)} sent, marked {self.status})"
@@ -119,7 +119,7 @@ def recover_pending(later: list[str] | None = None) -> list[Recovered]:
 
 
 def _recover(spool: Spool) -> Recovered | None:
-    from ._mlflow_upload import (
+    from air_magic.tracking.upload import (
         SpoolUploader,
         StoreUnusable,
         Unreachable,
@@ -224,9 +224,9 @@ def _first_time_told(uri: str, reason: str) -> bool:
     it is now (a mark in the user's private state folder; a changed file is told again)."""
     import hashlib
 
-    from ._mlflow_upload import local_store_path
-    from ._private import private_dir
-    from ._spool import state_dir
+    from air_magic.protocol.private import private_dir
+    from air_magic.protocol.spool import state_dir
+    from air_magic.tracking.upload import local_store_path
 
     path = local_store_path(uri)
     try:

@@ -1,7 +1,7 @@
 """The Ray backend: a launch's ranks as Ray actors on the nodes of a cluster.
 
-It speaks the same messages as the local helper process (:mod:`air_magic._helper`), so the
-:class:`~air_magic._launch.Launch`, tracking and the panel see a Ray launch as a local one::
+It speaks the same messages as the local helper process (:mod:`air_magic.backends.local`), so the
+:class:`~air_magic.kernel.launch.Launch`, tracking and the panel see a Ray launch as a local one::
 
     Launcher --send(StartLaunch | Stop | Shutdown)--> RayBackend
     Launcher <--on_message(backend, Started | Exited | Stopping | Done | StartFailed)-- a thread per launch
@@ -11,7 +11,7 @@ For each launch, a thread of this module:
 1. checks the cluster has room (CPUs or GPUs) and makes a placement group, one bundle per
    rank (``{"CPU": 1}``, or ``{"CPU": 1, "GPU": 1}`` for GPU ranks; strategy
    ``AIR_MAGIC_RAY_STRATEGY``, PACK by default);
-2. places one :class:`~air_magic._ray_agent.RankAgent` per bundle, asks each where it runs,
+2. places one :class:`~air_magic.backends.ray.agent.RankAgent` per bundle, asks each where it runs,
    and derives torchrun's variables from the placement: ``NODE_RANK`` (nodes in the order of
    their lowest rank), ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (rank 0's node),
    ``MASTER_PORT`` (free there), ``CUDA_VISIBLE_DEVICES`` (the GPUs Ray gave the node's
@@ -54,8 +54,10 @@ import traceback
 import weakref
 from typing import Any, Callable
 
-from . import _ray_agent, _results
-from ._protocol import (
+from air_magic.accelerators import Hardware
+from air_magic.backends.ray import agent as _ray_agent
+from air_magic.errors import LaunchError
+from air_magic.protocol import (
     STOP_ESCALATION,
     Done,
     Exited,
@@ -73,10 +75,9 @@ from ._protocol import (
     spool_file,
     stack_path,
 )
-from ._spool import SPOOL_DIR_ENV, artifact_dir, read_run
-from .accelerators import Hardware
-from .errors import LaunchError
-from .settings import settings
+from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run
+from air_magic.rank import results as _results
+from air_magic.settings import settings
 
 #: How often the agents are asked for new output and exits.
 _POLL = 0.1
@@ -452,7 +453,7 @@ class _RayLaunch:
 
     def stacks(self, timeout: float) -> dict[int, str]:
         """The running ranks' stacks, by rank, also written where a local rank writes its own
-        (the launch's folder), for :func:`air_magic._rank_output.read_stacks`."""
+        (the launch's folder), for :func:`air_magic.kernel.rank_output.read_stacks`."""
         ranks = sorted(self.running) if self.ray.is_initialized() else []
         refs = {rank: self.agents[rank].stacks.remote(min(timeout, _STACK_GRACE)) for rank in ranks}
         found = {}
@@ -508,7 +509,7 @@ def _leave_first(ray: Any) -> None:
 def connect() -> Any:
     """The ``ray`` module, connected: to the cluster ``ray_init()`` joined, else as
     ``ray_init()`` with no address joins one (``RAY_ADDRESS``, else a new one here)."""
-    from .ray_cluster import _import_ray, ray_init
+    from air_magic.backends.ray.ray_init import _import_ray, ray_init
 
     ray = _import_ray()  # RayNotInstalledError says how to install it
     if not ray.is_initialized():

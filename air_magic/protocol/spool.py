@@ -1,9 +1,9 @@
 """The tracking spool: the ranks' MLflow calls wait on disk until the kernel has sent them.
 
-Both sides read this module: a rank appends lines (:mod:`air_magic._rank_tracking`), the
+Both sides read this module: a rank appends lines (:mod:`air_magic.rank.tracking_shim`), the
 kernel sends them (:mod:`air_magic.tracking`), and a later kernel sends what a dead one
-left (:mod:`air_magic._tracking_recovery`).  It imports only the standard library and
-:mod:`air_magic._private`, so a rank pays nothing for it.
+left (:mod:`air_magic.tracking.recovery`).  It imports only the standard library and
+:mod:`air_magic.protocol.private`, so a rank pays nothing for it.
 
 Where the files live (per user, private, outliving the kernel)::
 
@@ -21,10 +21,10 @@ Where the files live (per user, private, outliving the kernel)::
 A free ``lock`` means the kernel is gone (or its launch ended without reaching the store):
 whoever takes the lock may send the rest and delete the folder.  Files are created 0600
 with ``O_NOFOLLOW`` and every folder is checked (not a symlink, owned by this user, no
-group or other access; :mod:`air_magic._private`) before use.
+group or other access; :mod:`air_magic.protocol.private`) before use.
 
 The line format of ``tracking-<rank>.tsv`` (its ``format``/``parse``) lives in
-:mod:`air_magic._protocol`, with the file's name: ranks write it, the panel reads it too.
+:mod:`air_magic.protocol`, with the file's name: ranks write it, the panel reads it too.
 
 Journal (``journal.json``, rewritten whole with ``os.replace``)::
 
@@ -55,9 +55,8 @@ import threading
 import time
 from typing import Any, Iterator
 
-from ._private import PrivateFolderError, check_private, private_dir
-from ._protocol import METRIC, TailReader, parse_line, spool_file, spool_file_rank, text_field
-from .settings import settings
+from air_magic.protocol import METRIC, TailReader, parse_line, spool_file, spool_file_rank, text_field
+from air_magic.protocol.private import PrivateFolderError, check_private, private_dir
 
 __all__ = ["SPOOL_DIR_ENV", "STATE_DIR_ENV", "Spool", "PrivateFolderError", "spool_file", "artifact_dir"]
 __all__ += ["parse_line", "text_field", "iter_lines"]  # the line format, from _protocol
@@ -111,7 +110,7 @@ def read_run(folder: str) -> str | None:
 
 def state_dir() -> str:
     """``$AIR_MAGIC_STATE_DIR``, else ``$XDG_STATE_HOME/air_magic``, else ``~/.local/state/air_magic``."""
-    chosen = settings.state_dir
+    chosen = os.environ.get(STATE_DIR_ENV)  # (settings.state_dir reads the same variable)
     if chosen:
         return os.path.abspath(os.path.expanduser(chosen))
     xdg = os.environ.get("XDG_STATE_HOME")

@@ -4,11 +4,11 @@ Each rank writes one record to ``result-<rank>.pkl`` in the launch's work folder
 (written to a temporary name, then renamed into place, so the kernel never reads a
 half-written file):
 
-* :class:`~air_magic._protocol.ValueRecord`: the function's return value / the cell's
+* :class:`~air_magic.protocol.ValueRecord`: the function's return value / the cell's
   last expression;
-* :class:`~air_magic._protocol.ErrorRecord`: the exception (pickled when it can be),
+* :class:`~air_magic.protocol.ErrorRecord`: the exception (pickled when it can be),
   its type's name, message and traceback, and when it was caught;
-* :class:`~air_magic._protocol.UnpicklableRecord`: a value that cannot travel.
+* :class:`~air_magic.protocol.UnpicklableRecord`: a value that cannot travel.
 
 Large CPU tensors in a return value do not travel inside the pickle: their bytes
 are copied once into a file of their own (named ``r<rank>-<n>``) under ``/dev/shm``,
@@ -43,7 +43,7 @@ from typing import IO, Any, Iterable
 
 import cloudpickle
 
-from ._protocol import Record, result_path
+from air_magic.protocol import Record, result_path
 
 __all__ = ["SHM_THRESHOLD", "result_path", "write_record", "read_record", "rebuild_shared_tensor"]
 __all__ += ["rank_prefix", "tensor_files", "place_tensor_file"]

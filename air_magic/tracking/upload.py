@@ -1,7 +1,7 @@
 """Sending a spool to MLflow: bounded requests, refused items skipped one by one.
 
 Used by the kernel's writer thread during a launch (:mod:`air_magic.tracking`) and by
-the recovery of launches a kernel left behind (:mod:`air_magic._tracking_recovery`)::
+the recovery of launches a kernel left behind (:mod:`air_magic.tracking.recovery`)::
 
     spool folder ──read_new──> lines ──parse──> Metric/Param/RunTag/artifact
         │                                          │ log_batch (1000 a call), log_artifact
@@ -52,7 +52,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from ._spool import Spool, iter_lines
+from air_magic.protocol.spool import Spool, iter_lines
 
 __all__ = [
     "Unreachable",

@@ -1,5 +1,5 @@
 """The handle of one launch (:class:`Launch`): its state, the blocking wait from the
-cell, what the helper tells of its ranks, and its outcome.  :mod:`air_magic.launcher`
+cell, what the helper tells of its ranks, and its outcome.  :mod:`air_magic.kernel.launcher`
 starts launches and re-exports this class.
 
 Messages from the helper (read by the helper's reader thread) -> ``Launch.handle`` ->
@@ -23,12 +23,26 @@ import threading
 import time
 import traceback
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Protocol
 
-from . import _logs, _outcome, _results
-from ._backend import Backend
-from ._outcome import RankState, describe_exit
-from ._protocol import (
+from air_magic.backends.base import Backend
+from air_magic.capture import Payload
+from air_magic.errors import LaunchCancelledError, LaunchError, interrupted
+from air_magic.kernel import logs as _logs
+from air_magic.kernel import outcome as _outcome
+from air_magic.kernel.outcome import RankState, describe_exit
+from air_magic.kernel.rank_output import (
+    OutputPump,
+    StallWatch,
+    bound_log,
+    collapse_log,
+    describe_stacks,
+    log_end,
+    read_records,
+    read_stacks,
+    request_stacks,
+)
+from air_magic.protocol import (
     Exited,
     LaunchRequest,
     Started,
@@ -43,24 +57,9 @@ from ._protocol import (
     log_path,
     printable,
 )
-from ._rank_output import (
-    OutputPump,
-    StallWatch,
-    bound_log,
-    collapse_log,
-    describe_stacks,
-    log_end,
-    read_records,
-    read_stacks,
-    request_stacks,
-)
-from .capture import Payload
-from .errors import LaunchCancelledError, LaunchError, interrupted
-from .settings import settings
-from .spec import LaunchSpec, Placement
-
-if TYPE_CHECKING:
-    from .launcher import Launcher
+from air_magic.rank import results as _results
+from air_magic.settings import settings
+from air_magic.spec import LaunchSpec, Placement
 
 __all__ = ["Launch", "LaunchObserver", "ObserverFactory"]
 
@@ -74,6 +73,23 @@ class _Limits:
     output: int  # bytes of rank 0's output copied into the cell (AIR_MAGIC_OUTPUT_LIMIT)
     stall_seconds: float  # quiet seconds before the ranks' stacks are looked at
     log: int  # bytes of each rank's log kept (AIR_MAGIC_LOG_LIMIT)
+
+
+class LaunchOwner(Protocol):
+    """What a launch uses of the launcher that started it (:class:`~air_magic.kernel.launcher.Launcher`)."""
+
+    session_dir: str  # each launch's private work folder is made in it
+    shm_root: str | None  # the same in /dev/shm, for large tensors (None: no room there)
+    log_folder: _logs.LogFolder  # where the ranks' logs are kept
+
+    def next_number(self) -> int:
+        """The next launch's number in this kernel."""
+
+    def send(self, message: Stop) -> None:
+        """Send a stop to the launch's backend."""
+
+    def is_active(self, launch: Launch) -> bool:
+        """Whether ``launch`` has not yet ended (nor been given up)."""
 
 
 class LaunchObserver(Protocol):
@@ -98,10 +114,10 @@ class Launch:
     stops it, ``done()`` and ``status`` tell where it is.
     """
 
-    #: How a launch shows in a notebook: set by the panel's plug-in (``air_magic._plugins``).
+    #: How a launch shows in a notebook: set by the panel's plug-in (``air_magic.plugins``).
     render: ClassVar[Callable[["Launch"], dict[str, Any]] | None] = None
 
-    def __init__(self, launcher: "Launcher", spec: LaunchSpec, placement: Placement, payload: Payload) -> None:
+    def __init__(self, launcher: LaunchOwner, spec: LaunchSpec, placement: Placement, payload: Payload) -> None:
         self.launcher = launcher
         self.spec = spec
         #: The settings it runs with, read as it starts (a change of ``AIR_MAGIC_*`` while it
@@ -135,7 +151,7 @@ class Launch:
         self._failures: list[int] = []
         self._stop_at: float | None = None  # time.monotonic() when the helper began to stop it
         #: What runs its ranks: the helper process they are forked from, or another backend
-        #: (:class:`air_magic._ray_backend.RayBackend`) that speaks the same messages.
+        #: (:class:`air_magic.backends.ray.backend.RayBackend`) that speaks the same messages.
         self.helper: Backend | None = None
         self.request: LaunchRequest | None = None  # what the helper was sent
         self.sent_again = False  # to a new helper, the first having gone before starting it
@@ -482,7 +498,7 @@ class Launch:
         for state in self.ranks:  # before the observers: MLflow keeps the bounded log too
             bound_log(state.log_path, self.limits.log)
         try:
-            from ._teardown import check
+            from air_magic.kernel.teardown import check
 
             held = check(self)
         except Exception:  # pragma: no cover - a check must never hide the outcome

@@ -1,13 +1,13 @@
 """One rank's agent on a Ray node: a Ray actor that starts the rank and reports on it.
 
-The kernel's Ray backend (:mod:`air_magic._ray_backend`) places one :class:`RankAgent` per
+The kernel's Ray backend (:mod:`air_magic.backends.ray.backend`) places one :class:`RankAgent` per
 rank in a placement group; each agent, on the node Ray chose::
 
     node()        where it runs: node id, address, pid, the GPUs Ray gave it
     free_port()   a free port on its node (rank 0's: MASTER_PORT)
     start(...)    a private folder (and one in the node's ``/dev/shm``), the payload, the
                   request with this node's paths; the rank as a fresh
-                  ``python -m air_magic._ray_rank`` (what torchrun starts)
+                  ``python -m air_magic.backends.ray.rank_entry`` (what torchrun starts)
     poll(run)     new bytes of the rank's log and of its MLflow spool file, and its exit code
                   once it has ended (the kernel copies them into its own files: the kernel
                   stays the only MLflow writer, the panel reads them as for local ranks)
@@ -17,7 +17,7 @@ rank in a placement group; each agent, on the node Ray chose::
     stacks()      the rank's Python stacks (faulthandler, as for local ranks)
 
 A rank writes the large tensors of its return value as a local rank does
-(:mod:`air_magic._results`): each to a file of its own, in the agent's folder in the node's
+(:mod:`air_magic.rank.results`): each to a file of its own, in the agent's folder in the node's
 ``/dev/shm`` (in its private folder where that has no room), the record holding their names.
 ``finish()`` returns each file as a NumPy array of bytes mapped from it (the file is
 unlinked at once), so Ray stores it as a raw buffer beside the small record (pickle
@@ -50,8 +50,7 @@ import tempfile
 import time
 from typing import Any
 
-from . import _results
-from ._protocol import (
+from air_magic.protocol import (
     THREAD_ANSWER_SECONDS,
     LaunchRequest,
     ask_for_stacks,
@@ -62,8 +61,9 @@ from ._protocol import (
     spool_file,
     stack_path,
 )
-from ._spool import SPOOL_DIR_ENV, artifact_dir, publish_run
-from .settings import settings
+from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, publish_run
+from air_magic.rank import results as _results
+from air_magic.settings import settings
 
 #: The most bytes of a log one poll returns (the rest comes with the next).
 CHUNK = 1 << 20
@@ -200,7 +200,15 @@ class RankAgent:
         alive_r, self.alive_w = os.pipe()
         early = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            command = [sys.executable, "-m", "air_magic._ray_rank", request_file, str(rank), str(port), str(alive_r)]
+            command = [
+                sys.executable,
+                "-m",
+                "air_magic.backends.ray.rank_entry",
+                request_file,
+                str(rank),
+                str(port),
+                str(alive_r),
+            ]
             self.proc = subprocess.Popen(
                 command,
                 pass_fds=(alive_r,),
@@ -317,7 +325,7 @@ class RankAgent:
 
 
 def take_tensor_files(folders: tuple[str | None, ...], prefix: str) -> dict[str, Any]:
-    """The tensor files a rank wrote (:func:`air_magic._results.tensor_files`), each as a
+    """The tensor files a rank wrote (:func:`air_magic.rank.results.tensor_files`), each as a
     read-only NumPy array of bytes mapped from it; the files are unlinked (the mappings
     stay valid until the arrays are gone).  Pickled with protocol 5, such an array is a
     buffer of its own, out of the pickle's bytes: what Ray keeps as a raw buffer."""

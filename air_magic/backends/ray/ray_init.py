@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .errors import AcceleratorMismatchError, ConfigurationError, RayClusterError, RayNotInstalledError
+from air_magic.errors import AcceleratorMismatchError, ConfigurationError, RayClusterError, RayNotInstalledError
 
 __all__ = ["ClusterSummary", "cluster_summary", "ray_init"]
 
@@ -193,7 +193,7 @@ def cluster_summary(ray: Any, address: str, context: Any = None) -> ClusterSumma
 
 
 def _start_here(ray: Any, kwargs: dict[str, Any]) -> Any:
-    from .accelerators import detect_hardware
+    from air_magic.accelerators import detect_hardware
 
     options = dict(kwargs)
     options.setdefault("num_gpus", detect_hardware().gpu_count)
@@ -393,7 +393,7 @@ def _join_error(exc: Exception, where: str, wants_token: bool) -> Exception:
 
 
 def _check_local_gpus(min_gpus: int) -> None:
-    from .accelerators import detect_hardware
+    from air_magic.accelerators import detect_hardware
 
     hardware = detect_hardware()
     if hardware.gpu_count < min_gpus:

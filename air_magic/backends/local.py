@@ -1,7 +1,7 @@
 """The kernel's end of the helper process: starting it, sending to it, reading from it.
 
-One :class:`Helper` per running helper (``python -m air_magic._zygote``), owned by the
-:class:`~air_magic.launcher.Launcher`::
+One :class:`Helper` per running helper (``python -m air_magic.rank.zygote``), owned by the
+:class:`~air_magic.kernel.launcher.Launcher`::
 
     Launcher --send(StartLaunch | Stop | Shutdown)--> socketpair --> helper
     Launcher <--on_message(helper, message)-- reader thread <-- (Ready, Started, Exited, ...)
@@ -21,15 +21,16 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from ._protocol import Shutdown, ToHelper, ToKernel, decode, encode
-from .accelerators import Hardware, detect_hardware
+from air_magic.accelerators import Hardware, detect_hardware
+from air_magic.protocol import Shutdown, ToHelper, ToKernel, decode, encode
 
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The folder air_magic is imported from (the helper imports it from there too).
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Helper:
     """The running helper process and the reader thread of its control channel: the
-    local backend (:class:`air_magic._backend.Backend`)."""
+    local backend (:class:`air_magic.backends.base.Backend`)."""
 
     name = "local"
     local_processes = True
@@ -52,7 +53,7 @@ class Helper:
                 [
                     sys.executable,
                     "-m",
-                    "air_magic._zygote",
+                    "air_magic.rank.zygote",
                     str(child_sock.fileno()),
                     str(alive_r),
                     session_dir,

@@ -2,7 +2,7 @@
 
 The kernel's environment, working directory, ``sys.path``, umask and soft resource
 limits as they are now (not as they were when the helper started) go into the
-:class:`~air_magic._protocol.LaunchRequest` the helper forks the ranks with::
+:class:`~air_magic.protocol.LaunchRequest` the helper forks the ranks with::
 
     Launch + Payload + the kernel's state now --request()--> LaunchRequest --> helper --> ranks
 """
@@ -13,12 +13,12 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from ._protocol import LAUNCH_ID_ENV, LaunchRequest
-from .errors import LaunchError
+from air_magic.errors import LaunchError
+from air_magic.protocol import LAUNCH_ID_ENV, LaunchRequest
 
 if TYPE_CHECKING:
-    from .capture import Payload
-    from .launcher import Launch
+    from air_magic.capture import Payload
+    from air_magic.kernel.launch import Launch
 
 
 def request(launch: "Launch", payload: "Payload", env: dict[str, str], cwd: str, payload_file: str) -> LaunchRequest:

@@ -1,9 +1,9 @@
-"""The helper process that ranks are forked from (``python -m air_magic._zygote``).
+"""The helper process that ranks are forked from (``python -m air_magic.rank.zygote``).
 
-One per kernel, started by :mod:`air_magic.launcher` with ``start_new_session=True``.
+One per kernel, started by :mod:`air_magic.kernel.launcher` with ``start_new_session=True``.
 It imports torch once, then waits.  For each launch it reserves a loopback port
 (bound, never listening: ``MASTER_PORT``, unique on the machine) and forks one child
-per rank (each child calls :func:`air_magic._rank.child_main` and never returns here).
+per rank (each child calls :func:`air_magic.rank.main.child_main` and never returns here).
 The ranks' ``init_process_group()`` meets in a ``FileStore`` in the launch's private
 folder (see ``_rank._private_rendezvous``): no socket another local user could
 connect to, read or write.
@@ -27,9 +27,9 @@ It is a child subreaper: a process a rank started in a session of its own
 (``start_new_session=True``), which the rank's group kill cannot reach, becomes the
 helper's child when the rank ends, and is killed with the rank (``_reap_orphans``).
 
-Messages (the types of :mod:`air_magic._protocol`, as tuples on the wire): to the
+Messages (the types of :mod:`air_magic.protocol`, as tuples on the wire): to the
 kernel ``Ready``, ``Started``, ``Exited``, ``Stopping``, ``Done``, ``StartFailed``; from
-it ``StartLaunch`` (a :class:`~air_magic._protocol.LaunchRequest`), ``Stop``, ``Shutdown``.
+it ``StartLaunch`` (a :class:`~air_magic.protocol.LaunchRequest`), ``Stop``, ``Shutdown``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from ._protocol import (
+from air_magic.protocol import (
     FINAL_STACK_SIGNAL,
     STOP_ESCALATION,
     Done,
@@ -70,7 +70,7 @@ from ._protocol import (
     end_carriers,
     signal_rank,
 )
-from .settings import settings
+from air_magic.settings import settings
 
 #: The longest single wait of the main loop: selectors refuse waits of ~25 days or more
 #: (OverflowError), and a timer further away is simply waited for in several steps.
@@ -183,7 +183,7 @@ class Zygote:
                     flush=True,
                 )
         # Import what every rank needs before it runs user code.
-        from . import _rank, _results  # noqa: F401
+        from air_magic.rank import main as _rank  # noqa: F401
 
     # -- main loop --------------------------------------------------------------------
 
@@ -278,7 +278,7 @@ class Zygote:
             close_in_child.extend(other.pidfds.values())
             if other.port is not None:
                 close_in_child.append(other.port.fileno())
-        from . import _rank
+        from air_magic.rank import main as _rank
 
         for rank in range(request.world_size):
             if rank:

@@ -1,52 +1,5 @@
-"""MLflow tracking of launches: one run per launch, the kernel as the single writer.
-
-Plugs into the launcher as a :class:`~air_magic.launcher.LaunchObserver`.  MLflow is never
-on the launch's path: the ranks start at once and the run is made beside them::
-
-    kernel, before_start (no MLflow)        writer thread                          ranks
-    --------------------------------        -------------                          -----
-    spool folder: lock + journal  ------->  (MLflow imported and the store opened
-      (air_magic._spool)                    at %load_ext, in the background)
-    env: AIR_MAGIC_TRACKING_DIR  ------------------------------------------------>  start at once
-                                            client, experiment, create_run,        mlflow.log_*: a
-                                            the launch's configuration as params   line each in
-                                            run id -> <spool>/run  ---------------> tracking-<r>.tsv
-                                            "MLflow run ..." for the cell          (a call that needs
-                                            every 0.5 s: new lines -> log_batch <--  the run's id
-                                            (air_magic._mlflow_upload)               reads <spool>/run)
-    after_end: the launch's status  ------> last lines, system metrics, rank logs,
-    waits while the store takes things <--  status; the spool folder is deleted
-
-MLflow's own log lines from these threads go to the launch's log folder
-(:mod:`air_magic._mlflow_logs`), never into a cell.
-
-Several ranks, one run: rank 0's metrics are stored under the keys as written, rank ``r``'s
-under ``rank<r>/<key>`` (so the chart of ``loss`` is rank 0's curve, and ``rank1/loss`` is
-rank 1's); a param or tag key holds the first value sent, and another rank's other value is
-kept under ``rank<r>/<key>``.  The uploader names them (:mod:`air_magic._mlflow_upload` has
-the rules), for a live launch and a recovered one alike; the spool keeps the keys as written.
-
-The run is announced with its name and id, then, on a line of its own, the link to it on a
-tracking server, or the command that opens a local store in MLflow's UI with the kernel's
-own Python (:func:`open_command`); ``Launch.run_name``/``run_url``/``run_command`` hold them::
-
-    [air_magic] MLflow run 'bright-owl-123' (id 5e6f..., experiment 1, in /home/me/mlflow.db). To see it, ...
-        /home/me/.venv/bin/python -m mlflow ui --backend-store-uri 'sqlite:////home/me/mlflow.db'
-
-Nothing is lost when something fails half-way:
-
-* the store does not answer (a server down or dying): requests are cut short (seconds,
-  MLflow's own ``MLFLOW_HTTP_REQUEST_*`` settings, in air_magic's threads only), the user
-  is told once, the launch goes on and ends on time; the lines stay in the spool;
-* the kernel dies (out-of-memory killer, restart): the spool is in a private folder that
-  outlives it (not the kernel's session folder), and its journal says where the points go;
-* later, the next launch or ``%load_ext air_magic`` in any kernel of this user (or ``upload_pending()``) finds the
-  spools whose kernel let go of them and sends the rest (:mod:`air_magic._tracking_recovery`);
-* the store refuses an item: only that item is skipped, and named.
-
-Only MLflow's own APIs are used (``MlflowClient``, entities, ``log_batch``, the
-system-metrics monitor); there is no parallel tracking store.
-"""
+"""The kernel's MLflow observer of launches: one run per launch, made beside the ranks, and
+the writer thread that sends the ranks' spool lines to it (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -58,23 +11,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._spool import SPOOL_DIR_ENV, STATE_DIR_ENV, PrivateFolderError, Spool, publish_run, state_dir
-from ._tracking_recovery import Recovered, recover_in_background, upload_pending
-from .errors import ConfigurationError
-from .settings import settings
+from air_magic.errors import ConfigurationError
+from air_magic.protocol.spool import SPOOL_DIR_ENV, STATE_DIR_ENV, PrivateFolderError, Spool, publish_run, state_dir
+from air_magic.settings import settings
+from air_magic.tracking.recovery import recover_in_background
 
 if TYPE_CHECKING:
-    from ._mlflow_upload import SpoolUploader
-    from .launcher import Launch
+    from air_magic.kernel.launcher import Launch
+    from air_magic.tracking.upload import SpoolUploader
 
-__all__ = [
-    "TrackingObserver",
-    "tracking_observer",
-    "tracking_off_notice",
-    "upload_pending",
-    "recover_in_background",
-    "Recovered",
-]
 
 _INTERVAL = 0.5  # seconds between two reads of the ranks' files
 _RETRY = 5.0  # seconds between two tries while the store does not answer
@@ -115,7 +60,7 @@ def _say(line: str, stream: Any = None) -> None:
 
 
 def unreachable_line(uri: str, reason: str) -> str:
-    from ._mlflow_upload import store_name
+    from air_magic.tracking.upload import store_name
 
     if reason.startswith(_UNUSABLE):  # not a store that does not answer: one to fix
         return (
@@ -167,7 +112,7 @@ def _default_uri() -> str:
 
 def current_uri() -> str:
     """The tracking URI a launch uses now (absolute), MLflow imported or not."""
-    from ._mlflow_upload import absolute_uri
+    from air_magic.tracking.upload import absolute_uri
 
     mlflow = _loaded_mlflow()
     if mlflow is not None:
@@ -197,7 +142,7 @@ def warm_in_background(log_dir: str | None = None) -> None:
 
 
 def _warm(uri: str, log_path: str | None) -> None:
-    from . import _mlflow_logs
+    from air_magic.tracking import mlflow_logs as _mlflow_logs
 
     with _mlflow_logs.log_to(log_path):
         try:
@@ -206,7 +151,7 @@ def _warm(uri: str, log_path: str | None) -> None:
             _mlflow_logs.divert()
             if uri.startswith(("http://", "https://")):
                 return  # a server: nothing to open ahead, and no request before a launch
-            from ._mlflow_upload import bounded_requests, make_client
+            from air_magic.tracking.upload import bounded_requests, make_client
 
             with bounded_requests():
                 make_client(uri)._tracking_client.store  # noqa: B018 - creates a new store's tables
@@ -341,7 +286,7 @@ class TrackingObserver:
         head = f"[air_magic] MLflow run {named}(id {launch.run_id}, experiment {experiment_id}"
         if launch.run_url:
             return f"{head}), open it at:\n    {launch.run_url}"
-        from ._mlflow_upload import local_store_path
+        from air_magic.tracking.upload import local_store_path
 
         path = local_store_path(self.uri)
         head += f", in {path})" if path else ")"
@@ -373,7 +318,7 @@ def _link_for_the_panel(launch: "Launch", spool: Spool) -> None:
     # The live panel reads the ranks' metrics from tracking-<rank>.tsv in the launch's
     # work folder; the files live in the spool now.  The links are the panel's only: the
     # ranks write to the spool folder they are given, and never follow a link.
-    from ._protocol import spool_file
+    from air_magic.protocol import spool_file
 
     for rank in range(launch.world_size):
         try:
@@ -438,7 +383,7 @@ class _Writer:
         if self.spool.durable:
             line = unreachable_line(self.observer.store_uri, reason)
         else:
-            from ._mlflow_upload import store_name
+            from air_magic.tracking.upload import store_name
 
             line = (
                 f"[air_magic] {store_name(self.observer.store_uri)} is unreachable ({reason}): this launch's "
@@ -464,8 +409,8 @@ class _Writer:
     # -- the thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        from . import _mlflow_logs
-        from ._mlflow_upload import bounded_requests
+        from air_magic.tracking import mlflow_logs as _mlflow_logs
+        from air_magic.tracking.upload import bounded_requests
 
         try:
             with _mlflow_logs.log_to(self.log_path), bounded_requests():
@@ -477,8 +422,8 @@ class _Writer:
             self.finished.set()
 
     def _loop(self) -> None:
-        from . import _mlflow_logs
-        from ._mlflow_upload import SpoolUploader, StoreUnusable, Unreachable, make_client
+        from air_magic.tracking import mlflow_logs as _mlflow_logs
+        from air_magic.tracking.upload import SpoolUploader, StoreUnusable, Unreachable, make_client
 
         stuck = False  # something unexpected failed: the rest of the lines are not sent
         while True:
@@ -548,7 +493,7 @@ class _Writer:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            from ._mlflow_upload import bounded
+            from air_magic.tracking.upload import bounded
 
             # Its start/stop INFO lines would land in every launch's cell.
             logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
@@ -565,7 +510,7 @@ class _Writer:
         monitor, self._monitor = self._monitor, None
         if monitor is None:
             return
-        from ._mlflow_upload import bounded
+        from air_magic.tracking.upload import bounded
 
         if wait:
             try:

@@ -39,8 +39,7 @@ from typing import Any
 
 import cloudpickle
 
-from . import _rank_tracking, _results
-from ._protocol import (
+from air_magic.protocol import (
     FINAL_STACK_SIGNAL,
     LEFT_PREFIX,
     RESULT_NAME,
@@ -61,12 +60,15 @@ from ._protocol import (
     stack_path,
     stack_request_path,
 )
+from air_magic.rank import results as _results
+from air_magic.rank import tracking_shim as _rank_tracking
 
 # Where they were defined before the protocol had a module of its own.
 __all__ = ["child_main", "format_user_traceback", "RESULT_NAME", "STACK_SIGNAL", "TRACEBACK_MARK"]
 __all__ += ["joined_path", "stack_path"]
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: air_magic's own folder: frames of files under it are not the user's.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _PR_SET_PDEATHSIG = 1
 _MAX_THREADS_PER_CPU = 4
 
@@ -258,7 +260,10 @@ def _answer_stack_requests(ask: str, out: int) -> None:
             except BaseException:  # the rank is ending (its files gone): requests come by signal
                 return
 
-    _thread.start_new_thread(answer, ())
+    try:
+        _thread.start_new_thread(answer, ())
+    except RuntimeError:  # no thread to be had (a process limit): requests come by signal
+        os.unlink(ask)
 
 
 def _text_stream(fd: int, like: Any) -> io.TextIOWrapper:
@@ -569,7 +574,7 @@ def _error_record(exc: BaseException, sources: dict[str, tuple[str, str]]) -> Er
 def format_user_traceback(exc: BaseException, sources: dict[str, tuple[str, str]]) -> str:
     """The exception's traceback without air_magic's own frames, with cell names."""
     tb = exc.__traceback__
-    while tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == _PACKAGE_DIR:
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE_ROOT):
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     if printable(exc).startswith("<unprintable "):  # Python's own words for it, made to say what it is

@@ -1,6 +1,6 @@
 """What the kernel reads of the ranks' output, while they run and once they have ended.
 
-Files the ranks write (names from :mod:`air_magic._protocol`) -> what the launch does::
+Files the ranks write (names from :mod:`air_magic.protocol`) -> what the launch does::
 
     rank-0.log    --OutputPump (TailReader: whole new lines)--> the cell's stdout, up to a
                     limit, until the failure marker (the traceback is the cell's error)
@@ -10,7 +10,7 @@ Files the ranks write (names from :mod:`air_magic._protocol`) -> what the launch
                     others wait for
     rank-<r>.log  --bound_log--> at the end, its first sixteenth and its end are kept
     rank-<r>.log  --log_end--> its last 16 KiB, for the message of a rank that failed
-    result-<r>.pkl --read_records--> the records :func:`air_magic._outcome.decide` needs
+    result-<r>.pkl --read_records--> the records :func:`air_magic.kernel.outcome.decide` needs
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import re
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Protocol, Sequence
 
-from . import _outcome, _results
-from ._protocol import (
+from air_magic.kernel import outcome as _outcome
+from air_magic.protocol import (
     STOP_MARK,
     THREAD_ANSWER_SECONDS,
     TRACEBACK_MARK,
@@ -32,9 +32,7 @@ from ._protocol import (
     ask_for_stacks,
     stack_path,
 )
-
-if TYPE_CHECKING:
-    from .launcher import Launch
+from air_magic.rank import results as _results
 
 
 def bound_log(path: str, limit: int) -> None:
@@ -89,7 +87,7 @@ def log_end(path: str) -> str:
 
 def request_stacks(work_dir: str, running: dict[int, int], timeout: float) -> None:
     """Ask every running rank (``{rank: pid}``) for its stacks (see
-    :func:`~air_magic._protocol.ask_for_stacks`); wait (at most ``timeout`` s) until each
+    :func:`~air_magic.protocol.ask_for_stacks`); wait (at most ``timeout`` s) until each
     stack file has stopped growing.  A rank whose thread has not answered in
     ``THREAD_ANSWER_SECONDS`` is asked by signal."""
     asked = {rank: pid for rank, pid in running.items() if ask_for_stacks(work_dir, rank, pid)}
@@ -189,7 +187,7 @@ def _main_thread_frames(text: str) -> list[dict[str, str]]:
             threads[-1].append(frame)
     threads = [t for t in threads if t]
     for frames in threads:
-        if any(f["file"].endswith("air_magic/_rank.py") and f["func"] == "_run" for f in frames):
+        if any(f["file"].endswith("air_magic/rank/main.py") and f["func"] == "_run" for f in frames):
             return frames
     return threads[0] if threads else []
 
@@ -202,12 +200,29 @@ def _is_user_frame(filename: str) -> bool:
         "/site-packages/" in parts
         or "/lib/python" in parts
         or parts.startswith("<frozen")
-        or "/air_magic/" in parts
-        and os.path.dirname(filename) == _PACKAGE_DIR
+        or os.path.abspath(filename).startswith(_PACKAGE_ROOT)
     )
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: air_magic's own folder: frames of files under it are not the user's.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class Watched(Protocol):
+    """What the stall watch uses of a launch (:class:`~air_magic.kernel.launch.Launch`)."""
+
+    @property
+    def ranks(self) -> Sequence[Any]:
+        """Each rank's state: ``log_path`` is read."""
+
+    def stacks(self, timeout: float = 2.0) -> dict[int, str]:
+        """Every running rank's stacks, by rank."""
+
+    def where(self, stacks: dict[int, str]) -> str:
+        """Where each rank was, from its stacks."""
+
+    def notify(self, line: str, stream: str = "stdout") -> None:
+        """Print a line with the launch's other lines."""
 
 
 class StallWatch:
@@ -215,7 +230,7 @@ class StallWatch:
     rank's stack; if some wait in a collective and others do not, say where each one is
     (once per quiet spell).  Silence alone is not a stall: a long step prints nothing."""
 
-    def __init__(self, launch: "Launch", seconds: float) -> None:
+    def __init__(self, launch: Watched, seconds: float) -> None:
         self.launch = launch
         self.seconds = seconds
         self.sizes: list[int] = []

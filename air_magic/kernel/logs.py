@@ -23,9 +23,9 @@ import sys
 import threading
 import time
 
-from ._private import private_dir
-from .errors import ConfigurationError
-from .settings import LOG_DIR_ENV, settings
+from air_magic.errors import ConfigurationError
+from air_magic.protocol.private import private_dir
+from air_magic.settings import LOG_DIR_ENV, settings
 
 __all__ = ["LogFolder", "logs_root", "launch_log_dir", "prune", "prune_in_background"]
 

@@ -6,8 +6,8 @@ the kernel is the single writer: when a rank imports ``mlflow``, the fluent
 logging functions are replaced by ones that append a line to the rank's own
 ``tracking-<rank>.tsv`` (one ``write`` system call, a few microseconds; the bytes
 survive even a SIGKILL of the rank).  The file lives in the launch's spool folder,
-which outlives the kernel too (:mod:`air_magic._spool` has the layout,
-:mod:`air_magic._protocol` the line format).  The kernel reads those files and writes them with MLflow's batch API into
+which outlives the kernel too (:mod:`air_magic.protocol.spool` has the layout,
+:mod:`air_magic.protocol` the line format).  The kernel reads those files and writes them with MLflow's batch API into
 the launch's run (:mod:`air_magic.tracking`).
 
 The ranks start before the launch's run exists (the kernel makes it beside them).  The
@@ -31,8 +31,8 @@ import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from ._protocol import ARTIFACT, METRIC, PARAM, TAG, metric_line, spool_file, text_field, text_line
-from ._spool import SPOOL_DIR_ENV, artifact_dir, read_run
+from air_magic.protocol import ARTIFACT, METRIC, PARAM, TAG, metric_line, spool_file, text_field, text_line
+from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run
 
 _FD: int | None = None
 _RUN_ID: str | None = None

@@ -1,8 +1,8 @@
 """The kernel-side launcher: the :class:`Launcher` that starts launches (one per kernel,
 shared by ``@distributed`` and ``%%distributed``), and the :class:`Launch` handle it returns
-(defined in :mod:`air_magic._launch`, re-exported here).
+(defined in :mod:`air_magic.kernel.launch`, re-exported here).
 
-Data flow (messages and records: :mod:`air_magic._protocol`)::
+Data flow (messages and records: :mod:`air_magic.protocol`)::
 
     kernel (this module)                    helper process (_zygote)          ranks (_rank)
     --------------------                    ------------------------          -------------
@@ -18,7 +18,7 @@ Data flow (messages and records: :mod:`air_magic._protocol`)::
       |  read result-<r>.pkl -> _outcome.decide() -> list, or one exception naming the rank
       v
     observers (MLflow run, panel) see start and end through LaunchObserver; they are
-    registered from outside with Launcher.add_observer (air_magic._plugins)
+    registered from outside with Launcher.add_observer (air_magic.plugins)
 
 Rank 0's log is copied into the cell while a blocking launch waits (from the main
 thread, in short slices, so an interrupt is handled at once); every rank's full log
@@ -38,12 +38,15 @@ import tempfile
 import threading
 import time
 
-from . import _logs, _request
-from ._backend import Backend
-from ._helper import Helper
-from ._launch import Launch, LaunchObserver, ObserverFactory
-from ._outcome import RankState, describe_exit
-from ._protocol import (
+from air_magic.backends.base import Backend
+from air_magic.backends.local import Helper
+from air_magic.capture import Payload
+from air_magic.errors import ConfigurationError, LaunchError
+from air_magic.kernel import logs as _logs
+from air_magic.kernel import request as _request
+from air_magic.kernel.launch import Launch, LaunchObserver, ObserverFactory
+from air_magic.kernel.outcome import RankState, describe_exit
+from air_magic.protocol import (
     Done,
     LaunchRequest,
     Ready,
@@ -53,10 +56,8 @@ from ._protocol import (
     ToKernel,
     payload_path,
 )
-from .capture import Payload
-from .errors import ConfigurationError, LaunchError
-from .settings import settings
-from .spec import LaunchSpec
+from air_magic.settings import settings
+from air_magic.spec import LaunchSpec
 
 __all__ = ["Launcher", "Launch", "LaunchObserver", "RankState", "get_launcher", "describe_exit"]
 
@@ -134,7 +135,7 @@ class Launcher:
             if backend is None or not backend.alive:
                 if name != "ray":
                     raise LaunchError(f"no backend called {name!r}")
-                from ._ray_backend import RayBackend
+                from air_magic.backends.ray.backend import RayBackend
 
                 backend = self._backends[name] = RayBackend(self._dispatch, self._helper_gone)
             return backend
