@@ -36,12 +36,15 @@ from air_magic.errors import (
 
 if TYPE_CHECKING:
     from air_magic.kernel.launcher import Launch
+    from air_magic.pool import Pool, PoolBrokenError
 
 __all__ = [
     "__version__",
     "distributed",
     "DistributedFunction",
     "Launch",
+    "Pool",
+    "PoolBrokenError",
     "AcceleratorType",
     "GPUType",
     "ray_init",
@@ -71,6 +74,10 @@ def __getattr__(name: str) -> Any:
         from air_magic.kernel.launcher import Launch
 
         return Launch
+    if name in ("Pool", "PoolBrokenError"):  # the pool's engine is the launcher's too
+        from air_magic import pool
+
+        return getattr(pool, name)
     raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
 
 

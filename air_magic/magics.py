@@ -12,13 +12,13 @@ import uuid
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from traitlets import Bool, CFloat, CInt, Unicode, default, observe
 
 from air_magic import capture
 from air_magic.errors import ConfigurationError
-from air_magic.options import FLAG_TO_OPTION, apply_arguments
+from air_magic.options import FLAG_TO_OPTION, POOL_KEYWORDS, apply_arguments
 from air_magic.protocol import RESULT_NAME
 from air_magic.settings import DEFAULT_WARN_MB, settings
 from air_magic.spec import DEFAULT_TIMEOUT, LaunchSpec, check_timeout, make_spec, timeout_from_text
@@ -112,6 +112,8 @@ class DistributedMagics(Magics):
         display = f"Cell In[{number}]"
         filename = f"<air_magic cell {number} {uuid.uuid4().hex[:8]}>"
         namespace = self.shell.user_ns if self.shell is not None else {}
+        if args.pool:
+            return self._pool_cell(args, line, cell, script_args, namespace, display, filename)
         try:
             payload = capture.cell_payload(
                 cell,
@@ -122,13 +124,7 @@ class DistributedMagics(Magics):
                 argv=[display, *script_args],
             )
         except SyntaxError as exc:
-            ipython_line = _ipython_syntax(exc)
-            if ipython_line:
-                raise UsageError(ipython_line) from None
-            # Shown like any syntax error of a cell: no frames of the magic's machinery.
-            lines = traceback.format_exception_only(type(exc), exc)
-            exc._render_traceback_ = lambda: "".join(lines).rstrip("\n").splitlines()  # type: ignore[attr-defined]
-            raise exc.with_traceback(None) from None
+            raise _cell_syntax_error(exc) from None
         from air_magic.plugins import get_launcher
 
         try:
@@ -140,6 +136,126 @@ class DistributedMagics(Magics):
         values = launch.wait_streaming()
         # compile_cell stored a last expression's value under RESULT_NAME.
         return values if RESULT_NAME in payload.data["code"].co_names else None
+
+    def _pool_cell(
+        self,
+        args: Any,
+        line: str,
+        cell: str,
+        script_args: list[str],
+        namespace: dict[str, Any],
+        display: str,
+        filename: str,
+    ) -> Any:
+        """``%%distributed --pool``: the cell on the kernel's pool (started by the first such cell)."""
+        for flag, given in (
+            ("--async", args.run_async),
+            ("--experiment", args.experiment),
+            ("--run-name", args.run_name),
+        ):
+            if given:
+                raise UsageError(
+                    f"%%distributed --pool: {flag} is for a launch, not for a pool's cell "
+                    "(a pool cell waits for its ranks; a pool has one MLflow run for its life)."
+                )
+        if args.backend not in (None, "local"):
+            raise UsageError(
+                f"%%distributed --pool --backend {args.backend}: a pool runs on this machine's ranks in this version; "
+                "leave out --backend, or launch on Ray without --pool."
+            )
+        from air_magic.pool import Pool, current_pool
+
+        engine = current_pool()
+        timeout = _timeout_arg(args.timeout) if args.timeout is not None else None
+        if engine is None:
+            try:
+                pool = Pool(
+                    args.num_accelerators if args.num_accelerators is not None else self.num_accelerators,
+                    args.accelerator_type or self.accelerator_type,
+                    tracking=self.tracking and not args.no_tracking,
+                )
+            except ConfigurationError as exc:
+                raise UsageError(f"%%distributed: {exc}") from None
+            engine = pool._engine
+        elif args.num_accelerators is not None and args.num_accelerators != engine.world_size:
+            raise UsageError(
+                f"%%distributed --pool -n {args.num_accelerators}: the kernel's pool has {engine.world_size} "
+                f"rank{'s' * (engine.world_size != 1)} (and their state). Leave out -n to use it, or stop it first "
+                "with %distributed_pool --stop (its state is lost) and start a new one."
+            )
+        try:
+            values = engine.run_cell(
+                cell,
+                namespace,
+                display=display,
+                filename=filename,
+                header=f"%%distributed {line}".rstrip(),
+                argv=[display, *script_args],
+                timeout=timeout,
+            )
+        except SyntaxError as exc:
+            raise _cell_syntax_error(exc) from None
+        return values if engine.last_had_value else None
+
+    @magic_arguments()
+    @argument("--restart", action="store_true", help="Start fresh ranks in place of the pool's (their state is lost).")
+    @argument("--stop", action="store_true", help="Stop the pool's ranks (their state is lost).")
+    @apply_arguments(argument, only=POOL_KEYWORDS)
+    @line_magic
+    def distributed_pool(self, line: str) -> Any:
+        """The kernel's pool of ranks, which stay across ``%%distributed --pool`` cells.
+
+        Alone, it shows the pool (ranks, state, memory per rank, cells run, uptime);
+        ``-n N`` (with ``--accelerator-type T``, ``--no-tracking``) starts one;
+        ``--stop`` stops it; ``--restart`` gives it fresh ranks::
+
+            In [2]: %distributed_pool -n 2
+            In [3]: %%distributed --pool
+               ...: import torch, torch.distributed as dist
+               ...: model = torch.nn.Linear(4, 1)      # stays on every rank
+            In [4]: %%distributed --pool
+               ...: model.weight.shape
+            Out[4]: [torch.Size([1, 4]), torch.Size([1, 4])]
+        """
+        args = self.distributed_pool.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
+        from air_magic.pool import Pool, current_pool
+
+        engine = current_pool()
+        wants_new = args.num_accelerators is not None or args.accelerator_type is not None
+        if args.stop or args.restart:
+            if engine is None:
+                raise UsageError("%distributed_pool: this kernel has no pool; start one with %distributed_pool -n N.")
+            if args.stop:
+                engine.close()
+                print("[air_magic] the pool was stopped.")
+                return None
+            engine.restart()
+            print(engine.describe())
+            return None
+        if wants_new:
+            if engine is not None:
+                raise UsageError(
+                    f"%distributed_pool: the kernel already has a pool of {engine.world_size} rank"
+                    f"{'s' * (engine.world_size != 1)}; stop it first with %distributed_pool --stop (its state is lost)."
+                )
+            try:
+                pool = Pool(
+                    args.num_accelerators,
+                    args.accelerator_type or self.accelerator_type,
+                    tracking=self.tracking and not args.no_tracking,
+                    timeout=_timeout_arg(args.timeout) if args.timeout is not None else None,
+                )
+            except ConfigurationError as exc:
+                raise UsageError(f"%distributed_pool: {exc}") from None
+            print(pool._engine.describe())
+            return None
+        if engine is None:
+            print(
+                "[air_magic] this kernel has no pool; start one with %distributed_pool -n N (or a %%distributed --pool cell)."
+            )
+            return None
+        print(engine.describe())
+        return None
 
     def _spec(self, args: Any) -> LaunchSpec:
         try:
@@ -158,6 +274,17 @@ class DistributedMagics(Magics):
             )
         except ConfigurationError as exc:
             raise UsageError(f"%%distributed: {exc}") from None
+
+
+def _cell_syntax_error(exc: SyntaxError) -> BaseException:
+    """A cell's syntax error as the notebook shows it: a line of IPython's own syntax named,
+    else the error alone, without the frames of the magic's machinery."""
+    ipython_line = _ipython_syntax(exc)
+    if ipython_line:
+        return UsageError(ipython_line)
+    lines = traceback.format_exception_only(type(exc), exc)
+    exc._render_traceback_ = lambda: "".join(lines).rstrip("\n").splitlines()  # type: ignore[attr-defined]
+    return exc.with_traceback(None)
 
 
 def _split_line(line: str) -> tuple[list[str], list[str]]:

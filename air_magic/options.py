@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "POOL_KEYWORDS",
     "Option",
     "OPTIONS",
     "OPTIONS_BY_KEYWORD",
@@ -134,6 +135,16 @@ OPTIONS: tuple[Option, ...] = (
         help="Return a Launch handle at once instead of waiting for the ranks.",
     ),
     Option(
+        None,  # a cell of the kernel's pool (air_magic.Pool) instead of a launch
+        flags=("--pool",),
+        action="store_true",
+        dest="pool",
+        help=(
+            "Run the cell on the kernel's pool of ranks, which stay across cells with their names "
+            "and process group (the first such cell starts it; see %%distributed_pool)."
+        ),
+    ),
+    Option(
         "backend",
         default="local",
         flags=("--backend",),
@@ -157,12 +168,22 @@ def _flagged() -> Iterable[Option]:
     return (o for o in OPTIONS if o.flags)
 
 
-def apply_arguments(argument: Callable[..., Callable[[Any], Any]]) -> Callable[[Any], Any]:
+#: The options of a pool (``%distributed_pool``, ``air_magic.Pool``): what its ranks are.
+POOL_KEYWORDS = ("num_accelerators", "accelerator_type", "timeout", "tracking")
+
+
+def apply_arguments(
+    argument: Callable[..., Callable[[Any], Any]], only: Iterable[str] | None = None
+) -> Callable[[Any], Any]:
     """A decorator applying ``argument(*flags, **keywords)`` for each flag, as a stack of
-    ``@argument(...)`` lines in table order would (IPython's ``magic_arguments.argument``)."""
+    ``@argument(...)`` lines in table order would (IPython's ``magic_arguments.argument``).
+    ``only``: the keywords of the options to apply (default: every flagged option)."""
+    chosen = None if only is None else set(only)
 
     def decorate(func: Any) -> Any:
         for option in reversed(tuple(_flagged())):
+            if chosen is not None and option.keyword not in chosen:
+                continue
             func = argument(*option.flags, **option.argparse_keywords())(func)
         return func
 

@@ -61,6 +61,10 @@ def _is_ours(proc: psutil.Process) -> bool:
         return False
 
 
+#: Ranks of a pool (``%%distributed --pool``) of a live kernel: they stay from one test to the next.
+POOL_RANK_PIDS: set[int] = set()
+
+
 def alive(process: psutil.Process) -> bool:
     """Whether a process still runs: a zombie, or one that ends while it is being asked, does not."""
     try:
@@ -102,9 +106,10 @@ def helper_processes() -> list[psutil.Process]:
 
 def stray_processes() -> list[psutil.Process]:
     """air_magic processes that should not exist between tests: ranks, their children,
-    and helpers whose kernel is gone."""
+    and helpers whose kernel is gone (the ranks of a live kernel's pool stay: they are
+    in ``POOL_RANK_PIDS``)."""
     owners = LIVE_KERNEL_PIDS | {os.getpid()}
-    return [p for p in air_magic_processes() if _parent_pid(p) not in owners]
+    return [p for p in air_magic_processes() if _parent_pid(p) not in owners and p.pid not in POOL_RANK_PIDS]
 
 
 def rank_processes() -> list[psutil.Process]:

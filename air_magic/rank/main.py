@@ -463,7 +463,12 @@ def _run(request: LaunchRequest, rank: int) -> int:
         _rank_tracking.install(request.work_dir, rank, os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"))
         with open(request.payload_path, "rb") as handle:
             payload = cloudpickle.load(handle)
-        if payload["kind"] == "function":
+        if payload["kind"] == "pool":  # a rank that stays: the kernel's cells until it closes the pool
+            from air_magic.rank import pool as _pool
+
+            _pool.serve(main, rank, payload, _error_record)
+            value = None
+        elif payload["kind"] == "function":
             func = _load(payload["func"], "the function")
             args = [_load(blob, f"argument {i}") for i, blob in enumerate(payload["args"])]
             kwargs = {key: _load(blob, f"keyword argument {key}") for key, blob in payload["kwargs"].items()}

@@ -1,0 +1,521 @@
+"""A pool of ranks that stays across cells: the kernel side (the rank side is
+:mod:`air_magic.rank.pool`).
+
+A pool is a launch that stays: its ranks are forked by the helper as for any launch (so a
+kernel's shutdown, restart or death takes them along), join the default process group
+once, and then run what the kernel sends them over one connection each::
+
+    PoolEngine.start()   a Unix socket in the kernel's private session folder (auth key),
+                         a launch whose payload is "serve the pool"; every rank connects
+    run_cell / call      ("cell" | "call", id, ...) to every rank; rank 0's log into the cell;
+                         each rank's record back -> the values in rank order, or its error
+    push / pull          names set in, or read from, every rank's namespace
+    broken               a rank died, or did not come back from an error, an interrupt or
+                         the timeout within a few seconds: the ranks are killed (their
+                         stacks shown first) and the next use starts fresh ones, saying so
+    close                ("close",) to every rank; the launch ends
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+from typing import Any, Callable, Iterator
+
+import cloudpickle
+
+from air_magic import capture
+from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, interrupted
+from air_magic.kernel import outcome as _outcome
+from air_magic.kernel.launch import Launch
+from air_magic.kernel.launcher import Launcher
+from air_magic.kernel.rank_output import OutputPump
+from air_magic.protocol import RESULT_NAME, ErrorRecord, Stop, UnpicklableRecord, ValueRecord, signal_rank
+from air_magic.spec import LaunchSpec
+
+__all__ = ["PoolEngine", "PoolBrokenError", "current_pool", "POOL_START_TIMEOUT", "GRACE"]
+
+#: Seconds a pool waits for its ranks to connect (the helper may still be importing torch).
+POOL_START_TIMEOUT = 300.0
+#: Seconds the other ranks have to come back once one failed, or after an interrupt or a
+#: timeout, before the pool is broken (they wait in a collective, or in C).
+GRACE = 3.0
+
+_pools: list["PoolEngine"] = []  # open pools of this kernel, the most recently started last
+_pools_lock = threading.Lock()
+
+
+class PoolBrokenError(AirMagicError):
+    """A pool's ranks could not go on: a cell of a broken pool starts fresh ranks first."""
+
+
+def current_pool() -> "PoolEngine | None":
+    """The most recently started open pool of this kernel, or None."""
+    with _pools_lock:
+        return _pools[-1] if _pools else None
+
+
+class PoolEngine:
+    """N ranks that keep their namespace and their process group from one call to the next."""
+
+    def __init__(self, spec: LaunchSpec, launcher: Callable[[], Launcher], *, timeout: float | None = None) -> None:
+        self.spec = spec
+        self.timeout = timeout
+        self._launcher = launcher
+        self.launch: Launch | None = None
+        self.conns: list[Connection] = []
+        self.pids: list[int] = []
+        self.rank_names: set[str] = set()  # names every rank's namespace has
+        self.state = "new"  # "starting", "idle", "running", "broken", "closed"
+        self.broken_because = ""
+        self.cells = 0
+        self.started_at = 0.0
+        self.restarts = 0
+        self._told_shadowed: set[str] = set()
+        self.last_had_value = False
+        self.start_seconds = 0.0
+        self._ids = 0
+        self._lock = threading.Lock()  # one call at a time
+
+    # -- life ------------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.conns) if self.conns else (self.launch.world_size if self.launch else 0)
+
+    def start(self) -> "PoolEngine":
+        """Start the ranks and wait until every one is connected."""
+        launcher = self._launcher()
+        launcher._ensure_session_folders()
+        address = os.path.join(launcher.session_dir, f"pool-{uuid.uuid4().hex[:12]}.sock")
+        authkey = os.urandom(32)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(address)
+        os.chmod(address, 0o600)
+        server.listen(1024)
+        server.settimeout(0.05)
+        placement = self.spec.resolve(launcher.backend_for(self.spec.backend).hardware())
+        payload = capture.Payload(
+            kind="pool",
+            label="pool",
+            data={"address": address, "authkey": authkey, "device": placement.device},
+            argv=["pool"],
+        )
+        self.state = "starting"
+        began = time.monotonic()
+        try:
+            self.launch = launcher.start(self.spec, payload)
+            hello: dict[int, tuple[Connection, int]] = {}
+            while len(hello) < self.launch.world_size:
+                if self.launch.done():
+                    self.launch.result()  # its error: the ranks could not start
+                    raise LaunchError("the pool's ranks ended before they connected")
+                if time.monotonic() - began > POOL_START_TIMEOUT:
+                    raise LaunchError(
+                        f"the pool's ranks did not connect within {POOL_START_TIMEOUT:g} s "
+                        f"({len(hello)} of {self.launch.world_size} did)"
+                    )
+                try:
+                    sock, _ = server.accept()
+                except socket.timeout:
+                    continue
+                sock.settimeout(None)
+                conn = Connection(sock.detach())
+                deliver_challenge(conn, authkey)
+                answer_challenge(conn, authkey)
+                if not conn.poll(30):
+                    conn.close()
+                    continue
+                _, rank, pid = conn.recv()
+                hello[rank] = (conn, pid)
+        except BaseException:
+            self._kill()
+            for conn, _ in locals().get("hello", {}).values():
+                conn.close()
+            self.state = "closed"
+            raise
+        finally:
+            server.close()
+            try:
+                os.unlink(address)
+            except OSError:
+                pass
+        self.conns = [hello[r][0] for r in range(len(hello))]
+        self.pids = [hello[r][1] for r in range(len(hello))]
+        self.rank_names = set()
+        self.state = "idle"
+        self.started_at = time.time()
+        self.start_seconds = time.monotonic() - began
+        with _pools_lock:
+            if self not in _pools:
+                _pools.append(self)
+        return self
+
+    def restart(self) -> None:
+        """Fresh ranks: the old ones (and their state) are gone."""
+        self._end(close_first=self.state == "idle")
+        self.restarts += 1
+        self._told_shadowed.clear()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the ranks (each ends its loop; the launch ends)."""
+        if self.state == "closed":
+            return
+        self._end(close_first=self.state == "idle")
+        self.state = "closed"
+        with _pools_lock:
+            if self in _pools:
+                _pools.remove(self)
+
+    def _end(self, close_first: bool) -> None:
+        if close_first:
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(cloudpickle.dumps(("close",)))
+                except OSError:
+                    pass
+            if self.launch is not None:
+                deadline = time.monotonic() + 5.0
+                while not self.launch.done() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        self._kill()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.pids = [], []
+
+    def _kill(self) -> None:
+        launch = self.launch
+        if launch is None or launch.done():
+            return
+        try:
+            launch.launcher.send(Stop(launch.id, "kill"))
+        except OSError:
+            pass
+        deadline = time.monotonic() + 10.0
+        while not launch.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _break(self, because: str) -> None:
+        self.state = "broken"
+        self.broken_because = because
+        self._kill()
+
+    def _ready(self) -> None:
+        """A pool that is usable now: a broken one gets fresh ranks first, and says so."""
+        if self.state == "closed":
+            raise PoolBrokenError(
+                "this pool is closed; start a new one (air_magic.Pool(...), or %distributed_pool -n N)."
+            )
+        if self.state == "broken" or self._ranks_gone():
+            because = self.broken_because or "its ranks ended"
+            n = self.world_size
+            print(
+                f"[air_magic] the pool was broken ({because}); starting {n} fresh rank{'s' * (n != 1)}: "
+                "the state of the old ones (their names, models, data) is lost.",
+                file=sys.stderr,
+            )
+            self._end(close_first=False)
+            self.restarts += 1
+            self._told_shadowed.clear()
+            self.start()
+
+    def _ranks_gone(self) -> bool:
+        return self.launch is None or self.launch.done()
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def run_cell(
+        self,
+        cell: str,
+        namespace: dict[str, Any],
+        *,
+        display: str,
+        filename: str,
+        header: str,
+        argv: list[str],
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Run a cell's code on every rank, in its namespace; the last expression per rank
+        (``last_had_value`` says whether the cell ended with an expression)."""
+        with self._lock:
+            try:
+                code, tree = capture.compile_cell(cell, display, filename)
+            except SyntaxError as exc:
+                if exc.filename == filename:
+                    exc.filename = display
+                raise
+            self.last_had_value = RESULT_NAME in code.co_names
+            self._ready()
+            read = capture.free_names(tree)
+            shadowed = sorted(
+                n for n in read if n in namespace and n in self.rank_names and n not in self._told_shadowed
+            )
+            for name in shadowed:
+                self._told_shadowed.add(name)
+                print(
+                    f"[air_magic] {name}: the pool's ranks have their own (a pool cell assigned it), so the "
+                    f"notebook's {name} is not sent; pool.push({name}=...) sends it.",
+                    file=sys.stderr,
+                )
+            visible = {k: v for k, v in namespace.items() if k not in self.rank_names}
+            payload = capture.cell_payload(cell, visible, display=display, filename=filename, header=header, argv=argv)
+            return self._call("cell", payload.data | {"sources": payload.sources}, display, timeout)
+
+    def call(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``func(*args, **kwargs)`` on every rank; one value per rank."""
+        with self._lock:
+            self._ready()
+            payload = capture.function_payload(func, args, kwargs)
+            label = getattr(func, "__qualname__", repr(func))
+            return self._call("call", payload.data | {"sources": payload.sources}, label)
+
+    def push(self, **values: Any) -> None:
+        """Set ``name = value`` in every rank's namespace."""
+        with self._lock:
+            self._ready()
+            blobs = {name: cloudpickle.dumps(value) for name, value in values.items()}
+            self._call("push", {"names": blobs}, "push")
+
+    def pull(self, name: str) -> list[Any]:
+        """The value of ``name`` on every rank, in rank order."""
+        with self._lock:
+            self._ready()
+            return self._call("pull", {"name": name}, f"pull({name!r})")
+
+    def _call(self, kind: str, data: dict[str, Any], label: str, timeout: float | None = None) -> list[Any]:
+        assert self.launch is not None
+        self._ids += 1
+        log = self.launch.ranks[0].log_path
+        pump = OutputPump(log, self.launch.limits.output)
+        try:
+            pump.reader.offset = os.path.getsize(log)  # before the ranks get the call: all of its output
+        except OSError:
+            pass
+        message = capture.dumps((kind, self._ids, data))  # once, for every rank (code objects too)
+        for conn in self.conns:
+            try:
+                conn.send_bytes(message)
+            except OSError:
+                self._break("a rank's connection closed")
+                raise PoolBrokenError("the pool's ranks are gone; the next call starts fresh ones.") from None
+        self.state = "running"
+        self.cells += 1
+        try:
+            records = self._collect(pump, label, timeout if timeout is not None else self.timeout)
+        finally:
+            pump.pump(final=True)
+        if self.state == "running":
+            self.state = "idle"
+        return self._outcome(records, label)
+
+    def _collect(self, pump: OutputPump, label: str, timeout: float | None) -> dict[int, Any]:
+        """Every rank's record, waiting for them; a fault breaks the pool."""
+        assert self.launch is not None
+        records: dict[int, Any] = {}
+        pending = dict(enumerate(self.conns))
+        began = time.monotonic()
+        grace_until: float | None = None
+        try:
+            while pending:
+                for rank, record, names in _replies(pending, 0.05):
+                    records[rank] = record
+                    self.rank_names = set(names) if rank == 0 else self.rank_names & set(names)
+                    if isinstance(record, ErrorRecord) and grace_until is None:
+                        grace_until = time.monotonic() + GRACE
+                pump.pump()
+                if not pending:
+                    break
+                gone = [r for r in pending if self.launch.ranks[r].returncode is not None] or (
+                    list(pending) if self.launch.done() else []
+                )
+                if gone:
+                    self._fault(
+                        records, pending, f"rank {gone[0]} ended (exit {self.launch.ranks[gone[0]].returncode})"
+                    )
+                if grace_until is not None and time.monotonic() > grace_until:
+                    failed = min(r for r, rec in records.items() if isinstance(rec, ErrorRecord))
+                    self._fault(records, pending, f"rank {failed} failed while the others did not come back")
+                if timeout is not None and time.monotonic() - began > timeout:
+                    where = self._where(pending)
+                    self._break(f"{label} ran past its timeout of {timeout:g} s")
+                    error = LaunchTimeoutError(
+                        f"{label} ran past its timeout of {timeout:g} s on the pool; its ranks were stopped and "
+                        "the next pool cell starts fresh ones (their state is lost). Pass --timeout SECONDS|none."
+                    )
+                    if where:
+                        error.add_note(where)
+                    raise error
+        except KeyboardInterrupt:
+            self._interrupt(records, pending)
+        return records
+
+    def _interrupt(self, records: dict[int, Any], pending: dict[int, Connection]) -> None:
+        """Ctrl-C: KeyboardInterrupt in every rank's code; an intact pool if they all come back."""
+        for rank in pending:
+            signal_rank(self.pids[rank], signal.SIGINT)
+        deadline = time.monotonic() + GRACE
+        while pending and time.monotonic() < deadline:
+            for rank, record, _names in _replies(pending, 0.05):
+                records[rank] = record
+        if not pending:
+            self.state = "idle"
+            raise interrupted(
+                "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
+            )
+        where = self._where(pending)
+        ranks = ", ".join(map(str, sorted(pending)))
+        self._break("interrupted, and some ranks did not stop")
+        message = (
+            f"you interrupted the pool's cell; rank{'s' * (len(pending) != 1)} {ranks} did not stop within {GRACE:g} s "
+            "(in a collective, or in C), so the pool is broken: the next pool cell starts fresh ranks."
+        )
+        if where:
+            message += "\n" + where
+        raise interrupted(message)
+
+    def _fault(self, records: dict[int, Any], pending: dict[int, Connection], because: str) -> None:
+        where = self._where(pending)
+        self._break(because)
+        n = self.world_size or len(self.pids)
+        errors = {r: rec for r, rec in records.items() if isinstance(rec, ErrorRecord)}
+        tail = (
+            f"the pool is broken ({because}); the next pool cell starts {n} fresh rank{'s' * (n != 1)} "
+            "(the state of these is lost)."
+        )
+        if errors:
+            first = min(errors, key=lambda r: errors[r].failed_at)
+            error = self._rank_exception(records, first)
+            error.add_note("[air_magic] " + tail)
+        else:
+            gone = next(iter(sorted(pending)))
+            assert self.launch is not None
+            state = self.launch.ranks[gone]
+            error = LaunchError(
+                f"rank {gone} of {n} of the pool {_outcome.describe_exit(state.returncode or -9, n)}; {tail}"
+            )
+        if where:
+            error.add_note(where)
+        raise error
+
+    def _where(self, pending: dict[int, Connection]) -> str:
+        if self.launch is None or not pending:
+            return ""
+        try:
+            stacks = self.launch.stacks(timeout=1.0)
+            return self.launch.where({r: s for r, s in stacks.items() if r in pending})
+        except Exception:  # the stacks are a courtesy: the fault is said anyway
+            return ""
+
+    def _rank_exception(self, records: dict[int, Any], rank: int) -> BaseException:
+        assert self.launch is not None
+        n = len(self.pids)
+        states = tuple(
+            _outcome.RankState(
+                r,
+                self.launch.ranks[r].log_path,
+                self.pids[r],
+                returncode=(1 if isinstance(records[r], ErrorRecord) else 0) if r in records else None,
+            )
+            for r in range(n)
+        )
+        ending = _outcome.Ending(
+            label="the pool's cell", world_size=n, ranks=states, failures=(rank,), device=self.launch.placement.device
+        )
+        return _outcome.rank_error(ending, records, rank, "")
+
+    def _outcome(self, records: dict[int, Any], label: str) -> list[Any]:
+        errors = {r: rec for r, rec in records.items() if isinstance(rec, ErrorRecord)}
+        if errors:
+            first = min(errors, key=lambda r: errors[r].failed_at)
+            if errors[first].type_name == "KeyboardInterrupt":
+                raise interrupted("the pool's cell was interrupted on its ranks; the pool and its state are intact.")
+            raise self._rank_exception(records, first)
+        values = []
+        for rank in range(len(self.conns)):
+            record = records.get(rank)
+            if isinstance(record, UnpicklableRecord):
+                raise _outcome.result_error(
+                    rank, len(self.conns), f"a {record.value_type}, which cannot be sent back ({record.reason})"
+                )
+            if isinstance(record, BaseException):
+                raise _outcome.result_error(rank, len(self.conns), f"a value that cannot be loaded here ({record})")
+            assert isinstance(record, ValueRecord)
+            values.append(record.value)
+        return values
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What ``%distributed_pool`` shows: ranks, state, memory per rank, cells run, uptime."""
+        import psutil
+
+        memory = []
+        for pid in self.pids:
+            try:
+                memory.append(psutil.Process(pid).memory_info().rss)
+            except psutil.Error:
+                memory.append(None)
+        return {
+            "ranks": len(self.pids),
+            "state": self.state,
+            "device": self.launch.placement.device if self.launch else None,
+            "memory": memory,
+            "cells": self.cells,
+            "uptime": time.time() - self.started_at if self.started_at and self.state != "closed" else 0.0,
+            "restarts": self.restarts,
+        }
+
+    def describe(self) -> str:
+        info = self.status()
+        mem = ", ".join("?" if m is None else f"{m / 2**20:.0f} MiB" for m in info["memory"])
+        return (
+            f"[air_magic] pool of {info['ranks']} {str(info['device']).upper()} rank{'s' * (info['ranks'] != 1)}: "
+            f"{info['state']}, {info['cells']} call{'s' * (info['cells'] != 1)} run, up {info['uptime']:.0f} s"
+            + (f", restarted {info['restarts']} time{'s' * (info['restarts'] != 1)}" if info["restarts"] else "")
+            + (f"; memory per rank: {mem}" if mem else "")
+        )
+
+
+def _replies(pending: dict[int, Connection], timeout: float) -> list[tuple[int, Any, list[str]]]:
+    """The replies that came within ``timeout`` s, as (rank, record, the rank's names); a
+    rank that answered leaves ``pending`` (a closed connection is left there: the rank's
+    end is seen by the caller)."""
+    by_conn = {id(conn): rank for rank, conn in pending.items()}
+    found = []
+    for conn in wait(list(pending.values()), timeout=timeout):
+        rank = by_conn[id(conn)]
+        try:
+            _, _, blob, names = pending[rank].recv()
+        except (EOFError, OSError):
+            continue
+        found.append((rank, _load(blob), list(names)))
+        del pending[rank]
+    return found
+
+
+def _load(blob: bytes) -> Any:
+    try:
+        return cloudpickle.loads(blob)
+    except Exception as exc:  # a value the kernel cannot load (a class the notebook does not have)
+        return exc
+
+
+def iter_open() -> Iterator[PoolEngine]:
+    with _pools_lock:
+        return iter(list(_pools))
+
+
+def close_all() -> None:
+    """Close every pool of this kernel (``%unload_ext``, the launcher's shutdown)."""
+    for pool in list(iter_open()):
+        try:
+            pool.close()
+        except Exception:
+            pass

@@ -1,0 +1,97 @@
+"""``air_magic.Pool``: ranks that stay across cells (the front; the engine is
+:mod:`air_magic.kernel.pool`, the rank side :mod:`air_magic.rank.pool`).
+
+>>> pool = air_magic.Pool(2)                          # doctest: +SKIP
+>>> pool.push(lr=0.01)                                # doctest: +SKIP
+>>> pool.run(lambda: __import__("os").environ["RANK"])  # doctest: +SKIP
+['0', '1']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from air_magic.errors import ConfigurationError
+from air_magic.kernel.pool import PoolBrokenError, PoolEngine, current_pool
+from air_magic.spec import AcceleratorArg, check_timeout, make_spec
+
+__all__ = ["Pool", "PoolBrokenError", "current_pool"]
+
+
+class Pool:
+    """N ranks that keep their namespace and their process group from one call to the next.
+
+    ``Pool(num_accelerators=None, accelerator_type=None, *, backend="local", tracking=True,
+    timeout=None)`` starts the ranks at once (the same ranks a launch with these options
+    would start); ``timeout`` bounds each call.  ``%%distributed --pool`` runs a cell on
+    the most recently started open pool of the kernel.
+    """
+
+    def __init__(
+        self,
+        num_accelerators: int | None = None,
+        accelerator_type: AcceleratorArg = None,
+        *,
+        backend: str = "local",
+        tracking: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        if backend != "local":
+            raise ConfigurationError(
+                f"Pool(backend={backend!r}): a pool runs on this machine's ranks (backend='local') in this "
+                "version; launch on Ray with @distributed(backend='ray') or %%distributed --backend ray."
+            )
+        spec = make_spec(num_accelerators, accelerator_type, None, tracking=tracking, backend=backend, panel=False)
+        from air_magic.plugins import get_launcher
+
+        self._engine = PoolEngine(spec, get_launcher, timeout=check_timeout(timeout) if timeout is not None else None)
+        self._engine.start()
+
+    @classmethod
+    def _of(cls, engine: PoolEngine) -> "Pool":
+        pool = cls.__new__(cls)
+        pool._engine = engine
+        return pool
+
+    @property
+    def num_accelerators(self) -> int:
+        """The pool's number of ranks."""
+        return self._engine.world_size
+
+    @property
+    def state(self) -> str:
+        """``idle``, ``running``, ``broken`` (the next call starts fresh ranks) or ``closed``."""
+        return self._engine.state
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the values in rank order (a rank's error is raised)."""
+        return self._engine.call(fn, *args, **kwargs)
+
+    def push(self, **values: Any) -> None:
+        """Set each ``name=value`` in every rank's namespace (what later cells read)."""
+        self._engine.push(**values)
+
+    def pull(self, name: str) -> list[Any]:
+        """The value of ``name`` in every rank's namespace, in rank order."""
+        return self._engine.pull(name)
+
+    def restart(self) -> None:
+        """Fresh ranks (the state of the old ones is lost)."""
+        self._engine.restart()
+
+    def close(self) -> None:
+        """Stop the ranks; the pool cannot be used again."""
+        self._engine.close()
+
+    def status(self) -> dict[str, Any]:
+        """Ranks, state, memory per rank (bytes), calls run, uptime (s), restarts."""
+        return self._engine.status()
+
+    def __repr__(self) -> str:
+        return self._engine.describe().removeprefix("[air_magic] ")
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

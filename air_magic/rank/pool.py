@@ -1,0 +1,181 @@
+"""A pool rank: the process group once, then the kernel's cells until it closes the pool.
+
+A pool is a launch whose ranks stay (:mod:`air_magic.kernel.pool` is its kernel side).
+Each rank keeps one namespace (its ``__main__``) across cells, joins the default
+process group once, and waits between cells on its connection to the kernel (a Unix
+socket in the kernel's private session folder, with an auth key: no CPU while idle)::
+
+    kernel                                    rank r
+    ------                                    ------
+    Listener(socket, authkey)  <-- connect -- ("hello", r, pid)
+    ("cell", id, code, names, sources) -->    exec in the namespace; SIGINT raises only here
+    ("call", id, func, args, kwargs)   -->    func(*args, **kwargs)
+    ("push", id, names) / ("pull", id, name) -->  set names / read one
+                                       <--    ("done", id, record, names of the namespace)
+    ("close",) or the kernel gone      -->    the rank returns; the launch ends
+
+Code pasted from a script runs unchanged: ``init_process_group()`` on a pool returns
+at once (the group is the pool's), and ``destroy_process_group()`` of the default group
+leaves it alive.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import signal
+import types
+from typing import Any, Callable
+
+import cloudpickle
+
+from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableRecord, ValueRecord, printable
+
+__all__ = ["serve"]
+
+#: The environment variable a pool rank has (so user code can tell, e.g. to skip its own set-up).
+POOL_ENV = "AIR_MAGIC_POOL"
+
+
+def serve(
+    main: types.ModuleType,
+    rank: int,
+    data: dict[str, Any],
+    error_record: Callable[[BaseException, dict[str, tuple[str, str]]], ErrorRecord],
+) -> None:
+    """Join the group, connect to the kernel, and run what it sends until it closes the pool."""
+    from multiprocessing.connection import Client
+
+    os.environ[POOL_ENV] = "1"
+    _join_the_group(data["device"])
+    _keep_the_group()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C between cells finds the rank idle
+    conn = Client(data["address"], family="AF_UNIX", authkey=data["authkey"])
+    conn.send(("hello", rank, os.getpid()))
+    while True:
+        try:
+            message = cloudpickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the kernel closed the pool, or is gone
+            return
+        kind = message[0]
+        if kind == "close":
+            return
+        record = _handle(main, message, error_record)
+        try:
+            blob = cloudpickle.dumps(record)
+        except BaseException as exc:  # the value cannot be pickled
+            value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
+            blob = cloudpickle.dumps(UnpicklableRecord(value_type, f"{type(exc).__name__}: {printable(exc)}"))
+        names = sorted(name for name in main.__dict__ if not name.startswith("__"))
+        try:
+            conn.send(("done", message[1], blob, names))
+        except OSError:
+            return
+
+
+def _handle(
+    main: types.ModuleType,
+    message: tuple[Any, ...],
+    error_record: Callable[[BaseException, dict[str, tuple[str, str]]], ErrorRecord],
+) -> Record:
+    kind, _id, data = message
+    namespace = main.__dict__
+    sources: dict[str, tuple[str, str]] = data.get("sources", {})
+    for filename, (_display, source) in sources.items():
+        lines = source.splitlines(keepends=True)
+        linecache.cache[filename] = (len(source), None, lines, filename)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            if kind == "cell":
+                for name, blob in data["names"].items():
+                    namespace[name] = _load(blob, f"the captured name {name!r}")
+                exec(data["code"], namespace)
+                value = namespace.pop(RESULT_NAME, None)
+            elif kind == "call":
+                func = _load(data["func"], "the function")
+                args = [_load(blob, f"argument {i}") for i, blob in enumerate(data["args"])]
+                kwargs = {key: _load(blob, f"keyword argument {key}") for key, blob in data["kwargs"].items()}
+                func = _in_namespace(func, namespace)
+                value = func(*args, **kwargs)
+            elif kind == "push":
+                for name, blob in data["names"].items():
+                    namespace[name] = _load(blob, f"the pushed name {name!r}")
+                value = None
+            elif kind == "pull":
+                name = data["name"]
+                if name not in namespace:
+                    raise NameError(f"name {name!r} is not defined on this rank")
+                value = namespace[name]
+            else:
+                raise ValueError(f"unknown pool message {kind!r}")
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return ValueRecord(value)
+    except SystemExit as exc:
+        return ValueRecord(None) if exc.code in (None, 0) else error_record(exc, sources)
+    except BaseException as exc:  # the user's code: KeyboardInterrupt included, is the cell's outcome
+        return error_record(exc, sources)
+
+
+def _in_namespace(func: Any, namespace: dict[str, Any]) -> Any:
+    """A notebook function (sent by value) made to live in the rank's namespace: it reads
+    what earlier cells and ``push`` left there, and its ``global`` statements write there.
+    The names it was sent with are added where the namespace has none."""
+    if not isinstance(func, types.FunctionType) or func.__module__ != "__main__" or func.__globals__ is namespace:
+        return func
+    for key, item in func.__globals__.items():
+        if not key.startswith("__"):
+            namespace.setdefault(key, item)
+    moved = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+    moved.__kwdefaults__ = func.__kwdefaults__
+    moved.__dict__.update(func.__dict__)
+    moved.__qualname__ = func.__qualname__
+    return moved
+
+
+def _load(blob: bytes, what: str) -> Any:
+    try:
+        return cloudpickle.loads(blob)
+    except Exception as exc:
+        exc.add_note(f"[air_magic] while loading {what}, sent from the kernel, on this rank")
+        raise
+
+
+def _join_the_group(device: str) -> None:
+    """The default process group, once: gloo on CPU ranks; NCCL on GPUs with the rank's
+    device bound (``device_id``), so that NCCL's set-up is paid now, not in the first cell."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda" and torch.cuda.is_available():
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=local)
+    else:
+        dist.init_process_group("gloo")
+    dist.barrier()  # every rank is in (NCCL's communicator made): the first cell finds the group ready
+
+
+def _keep_the_group() -> None:
+    """``init_process_group()`` returns at once on a pool; ``destroy_process_group()`` of the
+    default group leaves it alive (the pool owns it).  Other groups behave as always."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    real_init = c10d.init_process_group
+    real_destroy = c10d.destroy_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            return None
+        return real_init(*args, **kwargs)
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is c10d.GroupMember.WORLD:
+            return None
+        return real_destroy(group)
+
+    for target in (dist, c10d):
+        target.init_process_group = init_process_group  # type: ignore[attr-defined]
+        target.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]

@@ -1,0 +1,226 @@
+"""A pool of ranks that stays across cells, in a real kernel: ``%%distributed --pool``,
+``%distributed_pool`` and ``air_magic.Pool``.  State, the process group, output, errors,
+Ctrl-C, faults (a killed rank, one rank failing while the other waits in a collective),
+the timeout, and the kernel's end taking the pool along."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import time
+from typing import Any, Iterator
+
+import psutil
+import pytest
+from harness import POOL_RANK_PIDS, Kernel, alive, helper_processes, wait_until
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(scope="module")
+def k(kernel_factory: Any) -> Iterator[Kernel]:
+    kernel = kernel_factory()
+    kernel.ok("%load_ext air_magic")
+    kernel.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
+    yield kernel
+    POOL_RANK_PIDS.clear()
+    kernel.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def the_pool_may_stay(k: Kernel) -> Iterator[None]:
+    """The module's pool outlives each test (its ranks are not leftovers); nothing else may."""
+    yield
+    POOL_RANK_PIDS.clear()
+    POOL_RANK_PIDS.update(pool_pids(k))
+
+
+def gone_or_zombie(pid: int) -> bool:
+    try:
+        return not alive(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return True
+
+
+def values(res: Any) -> Any:
+    assert res.error is None, res.error_text
+    assert res.result is not None, f"no Out; stdout={res.stdout!r} stderr={res.stderr!r}"
+    return ast.literal_eval(res.result)
+
+
+def pool_pids(k: Kernel) -> list[int]:
+    return k.value("__import__('air_magic.kernel.pool', fromlist=['current_pool']).current_pool().pids")
+
+
+def test_names_a_cell_assigns_stay_on_the_ranks_for_the_next_cell(k: Kernel) -> None:
+    k.ok("%%distributed --pool\nimport os\nmine = int(os.environ['RANK']) * 10")
+    assert values(k.run("%%distributed --pool\nmine + 1")) == [1, 11]
+
+
+def test_the_process_group_stays_and_pasted_init_and_destroy_leave_it_alive(k: Kernel) -> None:
+    cell = (
+        "%%distributed --pool\n"
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group()  # as a script does: a no-op on a pool\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\n"
+        "dist.destroy_process_group()  # leaves the pool's group alive\n"
+        "t.item()"
+    )
+    assert values(k.run(cell)) == [3.0, 3.0]
+    assert values(k.run("%%distributed --pool\n(dist.is_initialized(), dist.get_world_size())")) == [
+        (True, 2),
+        (True, 2),
+    ]
+
+
+def test_a_notebook_name_the_ranks_lack_is_sent_and_a_rank_name_wins_said_once(k: Kernel) -> None:
+    k.ok("from_kernel = 7\nshadow = 'kernel'")
+    assert values(k.run("%%distributed --pool\nfrom_kernel * 2")) == [14, 14]
+    k.ok("%%distributed --pool\nshadow = 'rank'")
+    first = k.run("%%distributed --pool\nshadow")
+    assert values(first) == ["rank", "rank"]
+    said = [line for line in first.stderr.splitlines() if "shadow" in line]
+    assert said == [
+        "[air_magic] shadow: the pool's ranks have their own (a pool cell assigned it), so the notebook's "
+        "shadow is not sent; pool.push(shadow=...) sends it."
+    ]
+    again = k.run("%%distributed --pool\nshadow")
+    assert values(again) == ["rank", "rank"] and "shadow" not in again.stderr
+
+
+def test_push_and_pull_set_and_read_every_rank_s_names(k: Kernel) -> None:
+    k.ok(
+        "import air_magic\nfrom air_magic.kernel.pool import current_pool\n"
+        "pool = air_magic.Pool._of(current_pool())\npool.push(pushed=[1, 2])"
+    )
+    assert values(k.run("%%distributed --pool\npushed + [3]")) == [[1, 2, 3], [1, 2, 3]]
+    k.ok("%%distributed --pool\nimport os\npulled = os.environ['RANK']")
+    assert k.value("pool.pull('pulled')") == ["0", "1"]
+    assert k.value("pool.run(lambda: 5)") == [5, 5]
+
+
+def test_rank_zero_s_output_streams_into_the_cell(k: Kernel) -> None:
+    res = k.run("%%distributed --pool\nimport os\nprint('hello from', os.environ['RANK'])")
+    assert res.error is None, res.error_text
+    assert "hello from 0" in res.stdout and "hello from 1" not in res.stdout
+
+
+def test_a_rank_s_exception_is_raised_with_its_type_and_the_pool_stays(k: Kernel) -> None:
+    k.ok("%%distributed --pool\nkept = 'still here'")
+    res = k.run("%%distributed --pool\nimport os\nraise ValueError('bad value on ' + os.environ['RANK'])")
+    assert res.error is not None and res.error["ename"] == "ValueError"
+    assert res.error["evalue"] == "bad value on 0"
+    assert "Cell In[" in res.error_text and "raise ValueError" in res.error_text
+    assert values(k.run("%%distributed --pool\nkept")) == ["still here", "still here"]
+
+
+def test_a_different_n_names_the_pool_and_how_to_stop_it(k: Kernel) -> None:
+    res = k.run("%%distributed --pool -n 3\n1")
+    assert res.stderr.strip() == (
+        "UsageError: %%distributed --pool -n 3: the kernel's pool has 2 ranks (and their state). Leave out -n to "
+        "use it, or stop it first with %distributed_pool --stop (its state is lost) and start a new one."
+    )
+    assert res.result is None
+
+
+def test_the_line_magic_shows_the_pool(k: Kernel) -> None:
+    res = k.ok("%distributed_pool")
+    [line] = [x for x in res.stdout.splitlines() if x.startswith("[air_magic] pool of")]
+    assert line.startswith("[air_magic] pool of 2 CPU ranks: idle, ")
+    assert "memory per rank: " in line and line.count("MiB") == 2
+
+
+def test_ctrl_c_stops_every_rank_s_cell_and_keeps_the_state(k: Kernel) -> None:
+    k.ok("%%distributed --pool\nbefore = 'kept'")
+    msg_id = k.execute("%%distributed --pool\nimport time\ntime.sleep(60)")
+    time.sleep(1.5)
+    begin = time.monotonic()
+    k.km.interrupt_kernel()
+    res = k.collect(msg_id, timeout=30)
+    assert time.monotonic() - begin < 5
+    assert res.error is not None and res.error["ename"] == "KeyboardInterrupt", res.error_text
+    assert res.error["evalue"] == (
+        "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
+    )
+    assert values(k.run("%%distributed --pool\nbefore")) == ["kept", "kept"]
+
+
+def test_an_idle_pool_costs_no_cpu(k: Kernel) -> None:
+    pids = pool_pids(k)
+    procs = [psutil.Process(pid) for pid in pids]
+    before = [p.cpu_times() for p in procs]
+    time.sleep(5)
+    after = [p.cpu_times() for p in procs]
+    used = [(a.user + a.system) - (b.user + b.system) for a, b in zip(after, before)]
+    assert all(u < 0.05 for u in used), used  # < 1 % of one core over 5 s
+
+
+def test_a_killed_rank_breaks_the_pool_and_the_next_cell_restarts_it_saying_so(k: Kernel) -> None:
+    k.ok("%%distributed --pool\nold = 1")
+    pids = pool_pids(k)
+    msg_id = k.execute("%%distributed --pool\nimport time\ntime.sleep(30)")
+    time.sleep(1.0)
+    begin = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    res = k.collect(msg_id, timeout=30)
+    assert time.monotonic() - begin < 5
+    assert res.error is not None, res.stdout
+    assert "the pool is broken (rank 1 ended (exit -9))" in res.error["evalue"], res.error_text
+    assert wait_until(lambda: all(gone_or_zombie(p) for p in pids), timeout=10)
+    begin = time.monotonic()
+    res = k.run("%%distributed --pool\n'old' in globals()", timeout=60)
+    assert time.monotonic() - begin < 10
+    assert values(res) == [False, False]
+    assert res.stderr.splitlines()[0] == (
+        "[air_magic] the pool was broken (rank 1 ended (exit -9)); starting 2 fresh ranks: the state of the old "
+        "ones (their names, models, data) is lost."
+    )
+
+
+def test_one_rank_failing_while_the_other_waits_in_all_reduce_ends_in_seconds(k: Kernel) -> None:
+    cell = (
+        "%%distributed --pool\n"
+        "import os, torch, torch.distributed as dist\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise RuntimeError('rank 1 gave up')\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)  # rank 0 waits here for rank 1\n"
+    )
+    begin = time.monotonic()
+    res = k.run(cell, timeout=60)
+    assert time.monotonic() - begin < 5 + 2
+    assert res.error is not None and res.error["ename"] == "RuntimeError", res.error_text
+    assert res.error["evalue"] == "rank 1 gave up"
+    assert "the pool is broken (rank 1 failed while the others did not come back)" in res.error_text
+    assert "rank 0: in all_reduce" in res.error_text
+    assert values(k.run("%%distributed --pool\n1", timeout=60)) == [1, 1]
+
+
+def test_the_cell_s_timeout_breaks_the_pool_with_where_each_rank_was(k: Kernel) -> None:
+    res = k.run("%%distributed --pool --timeout 2\nimport time\ntime.sleep(30)", timeout=60)
+    assert res.error is not None and res.error["ename"] == "LaunchTimeoutError", res.error_text
+    assert res.error["evalue"].startswith("Cell In[")
+    assert "ran past its timeout of 2 s on the pool" in res.error["evalue"]
+    assert "where each rank was" in res.error_text
+    assert values(k.run("%%distributed --pool\n2", timeout=60)) == [2, 2]
+
+
+def test_stop_and_the_kernel_s_end_leave_no_rank(kernel_factory: Any) -> None:
+    kernel = kernel_factory()
+    try:
+        kernel.ok("%load_ext air_magic")
+        kernel.ok("%%distributed --pool -n 2 --no-tracking\nx = 1", timeout=180)
+        pids = pool_pids(kernel)
+        kernel.ok("%distributed_pool --stop")
+        assert wait_until(lambda: not [p for p in pids if gone_or_zombie(p) is False], timeout=10)
+        kernel.ok("%%distributed --pool -n 2 --no-tracking\nx = 2", timeout=180)
+        pids = pool_pids(kernel)
+        helpers = [p.pid for p in helper_processes() if p.ppid() == kernel.pid]
+        assert len(helpers) == 1
+        os.kill(kernel.pid, signal.SIGKILL)
+        kernel.forget()
+        assert wait_until(lambda: not [p for p in pids + helpers if gone_or_zombie(p) is False], timeout=10)
+    finally:
+        kernel.shutdown()
