@@ -390,7 +390,7 @@ class PoolEngine:
             "(the state of these is lost)."
         )
         if errors:
-            first = min(errors, key=lambda r: errors[r].failed_at)
+            first = _first_failure(errors)
             error = self._rank_exception(records, first)
             error.add_note("[air_magic] " + tail)
         else:
@@ -433,7 +433,7 @@ class PoolEngine:
     def _outcome(self, records: dict[int, Any], label: str) -> list[Any]:
         errors = {r: rec for r, rec in records.items() if isinstance(rec, ErrorRecord)}
         if errors:
-            first = min(errors, key=lambda r: errors[r].failed_at)
+            first = _first_failure(errors)
             if errors[first].type_name == "KeyboardInterrupt":
                 raise interrupted("the pool's cell was interrupted on its ranks; the pool and its state are intact.")
             raise self._rank_exception(records, first)
@@ -481,6 +481,20 @@ class PoolEngine:
             + (f", restarted {info['restarts']} time{'s' * (info['restarts'] != 1)}" if info["restarts"] else "")
             + (f"; memory per rank: {mem}" if mem else "")
         )
+
+
+#: Failures this close together are one failure of every rank (the same line failed on each):
+#: the lowest rank's is said, as a user reading rank 0's output expects.
+_TOGETHER = 0.5
+
+
+def _first_failure(errors: dict[int, ErrorRecord]) -> int:
+    """The rank whose error the call raises: the first to fail; of ranks that failed
+    together, the lowest; a failure that echoes another's (a collective broken by a peer)
+    is never chosen over an error of the user's code."""
+    own = {r: e for r, e in errors.items() if not _outcome.is_echo(e.type_name, e.message)} or errors
+    first = min(e.failed_at for e in own.values())
+    return min(r for r, e in own.items() if e.failed_at <= first + _TOGETHER)
 
 
 def _replies(pending: dict[int, Connection], timeout: float) -> list[tuple[int, Any, list[str]]]:

@@ -207,20 +207,38 @@ def test_the_cell_s_timeout_breaks_the_pool_with_where_each_rank_was(k: Kernel) 
     assert values(k.run("%%distributed --pool\n2", timeout=60)) == [2, 2]
 
 
-def test_stop_and_the_kernel_s_end_leave_no_rank(kernel_factory: Any) -> None:
+def test_stop_leaves_no_rank_and_a_new_pool_starts(kernel_factory: Any) -> None:
     kernel = kernel_factory()
     try:
         kernel.ok("%load_ext air_magic")
         kernel.ok("%%distributed --pool -n 2 --no-tracking\nx = 1", timeout=180)
         pids = pool_pids(kernel)
-        kernel.ok("%distributed_pool --stop")
-        assert wait_until(lambda: not [p for p in pids if gone_or_zombie(p) is False], timeout=10)
+        res = kernel.ok("%distributed_pool --stop")
+        assert res.stdout.strip() == "[air_magic] the pool was stopped."
+        assert wait_until(lambda: all(gone_or_zombie(p) for p in pids), timeout=10)
+        assert values(kernel.run("%%distributed --pool -n 1 --no-tracking\n'x' in globals()", timeout=180)) == [False]
+    finally:
+        kernel.shutdown()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "restart", "shutdown"])
+def test_the_kernel_s_end_takes_the_pool_along(kernel_factory: Any, how: str) -> None:
+    kernel = kernel_factory()
+    try:
+        kernel.ok("%load_ext air_magic")
         kernel.ok("%%distributed --pool -n 2 --no-tracking\nx = 2", timeout=180)
         pids = pool_pids(kernel)
         helpers = [p.pid for p in helper_processes() if p.ppid() == kernel.pid]
         assert len(helpers) == 1
-        os.kill(kernel.pid, signal.SIGKILL)
-        kernel.forget()
-        assert wait_until(lambda: not [p for p in pids + helpers if gone_or_zombie(p) is False], timeout=10)
+        if how == "sigkill":
+            os.kill(kernel.pid, signal.SIGKILL)
+            kernel.forget()
+        elif how == "restart":
+            kernel.km.restart_kernel(now=True)
+            kernel.refresh_pid()
+        else:
+            kernel.km.shutdown_kernel(now=True)
+            kernel.forget()
+        assert wait_until(lambda: all(gone_or_zombie(p) for p in pids + helpers), timeout=10), how
     finally:
         kernel.shutdown()

@@ -1,0 +1,94 @@
+"""``air_magic.Pool`` from Python (a script, or a notebook without the magic): run, push,
+pull, restart, close, the context manager, and the errors a user sees."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+import pytest
+from harness import wait_until
+
+import air_magic
+from air_magic import ConfigurationError, ResultError
+from air_magic.pool import Pool, PoolBrokenError
+
+pytestmark = pytest.mark.process
+
+
+def rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def remember(value: int) -> None:
+    global remembered
+    remembered = value  # type: ignore[name-defined]
+
+
+def recall() -> int:
+    return remembered  # type: ignore[name-defined]  # noqa: F821
+
+
+def test_a_pool_keeps_its_group_and_its_names_from_one_call_to_the_next() -> None:
+    with Pool(2, "CPU", tracking=False) as pool:
+        assert isinstance(pool, air_magic.Pool)
+        assert pool.num_accelerators == 2 and pool.state == "idle"
+        assert pool.run(rank_and_world) == [(0, 2), (1, 2)]
+        pool.run(remember, 41)
+        assert pool.run(recall) == [41, 41]
+        pool.push(remembered=42)
+        assert pool.pull("remembered") == [42, 42]
+        pids = pool.run(os.getpid)
+        assert len(set(pids)) == 2 and pool.run(os.getpid) == pids  # the same ranks
+        assert pool.status()["cells"] >= 5
+    assert pool.state == "closed"
+
+
+def test_restart_gives_fresh_ranks_without_the_old_state() -> None:
+    with Pool(2, "CPU", tracking=False) as pool:
+        before = pool.run(os.getpid)
+        pool.push(kept=1)
+        pool.restart()
+        after = pool.run(os.getpid)
+        assert not set(before) & set(after)
+        assert wait_until(lambda: not any(psutil.pid_exists(p) for p in before), timeout=10)
+        with pytest.raises(NameError) as info:
+            pool.pull("kept")
+        assert str(info.value) == "name 'kept' is not defined on this rank"
+
+
+def test_a_closed_pool_says_so() -> None:
+    pool = Pool(1, "CPU", tracking=False)
+    pool.close()
+    with pytest.raises(PoolBrokenError) as info:
+        pool.run(int)
+    assert str(info.value) == ("this pool is closed; start a new one (air_magic.Pool(...), or %distributed_pool -n N).")
+
+
+def test_a_value_that_cannot_come_back_is_a_result_error_and_the_pool_stays() -> None:
+    with Pool(1, "CPU", tracking=False) as pool:
+        with pytest.raises(ResultError) as info:
+            pool.run(threading.Lock)
+        assert str(info.value).startswith("rank 0 of 1 returned a _thread.lock, which cannot be sent back (TypeError: ")
+        assert pool.run(int) == [0]
+
+
+def test_a_ray_pool_is_refused_with_what_to_do_instead() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        Pool(2, backend="ray")
+    assert str(info.value) == (
+        "Pool(backend='ray'): a pool runs on this machine's ranks (backend='local') in this version; launch on "
+        "Ray with @distributed(backend='ray') or %%distributed --backend ray."
+    )
+
+
+def test_a_bad_size_is_the_launch_s_own_error() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        Pool(0)
+    assert str(info.value) == (
+        "num_accelerators must be a positive integer (the number of ranks), got 0. Pass 1 or more, or omit it "
+        "to use every GPU of this machine."
+    )
