@@ -166,7 +166,11 @@ class DistributedMagics(Magics):
         from air_magic.pool import Pool, current_pool
 
         engine = current_pool()
-        timeout = _timeout_arg(args.timeout) if args.timeout is not None else None
+        # Each cell is bounded as a launch is (--timeout, else %config DistributedMagics.timeout).
+        if args.timeout is not None:
+            timeout = _timeout_arg(args.timeout)
+        else:
+            timeout = check_timeout(self.timeout, no_limit="%config DistributedMagics.timeout = None")
         if engine is None:
             try:
                 pool = Pool(

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from air_magic.errors import ConfigurationError
-from air_magic.kernel.pool import PoolBrokenError, PoolEngine, current_pool
+from air_magic.kernel.pool import PoolBrokenError, PoolBusyError, PoolCall, PoolEngine, current_pool
 from air_magic.spec import AcceleratorArg, check_timeout, make_spec
 
-__all__ = ["Pool", "PoolBrokenError", "current_pool"]
+__all__ = ["Pool", "PoolBrokenError", "PoolBusyError", "PoolCall", "current_pool"]
 
 
 class Pool:
@@ -66,6 +66,12 @@ class Pool:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(*args, **kwargs)`` on every rank; the values in rank order (a rank's error is raised)."""
         return self._engine.call(fn, *args, **kwargs)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> PoolCall:
+        """``fn(*args, **kwargs)`` on every rank in the background: a handle at once, with
+        ``result()``, ``done()``, ``exception()`` and ``cancel()``.  Other calls wait for it
+        to end (one that comes meanwhile raises ``PoolBusyError``)."""
+        return self._engine.submit(fn, *args, **kwargs)
 
     def push(self, **values: Any) -> None:
         """Set each ``name=value`` in every rank's namespace (what later cells read)."""

@@ -18,6 +18,8 @@ once, and then run what the kernel sends them over one connection each::
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import signal
 import socket
@@ -39,7 +41,7 @@ from air_magic.kernel.rank_output import OutputPump
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Stop, UnpicklableRecord, ValueRecord, signal_rank
 from air_magic.spec import LaunchSpec
 
-__all__ = ["PoolEngine", "PoolBrokenError", "current_pool", "POOL_START_TIMEOUT", "GRACE"]
+__all__ = ["PoolEngine", "PoolBrokenError", "PoolBusyError", "PoolCall", "current_pool", "POOL_START_TIMEOUT", "GRACE"]
 
 #: Seconds a pool waits for its ranks to connect (the helper may still be importing torch).
 POOL_START_TIMEOUT = 300.0
@@ -53,6 +55,42 @@ _pools_lock = threading.Lock()
 
 class PoolBrokenError(AirMagicError):
     """A pool's ranks could not go on: a cell of a broken pool starts fresh ranks first."""
+
+
+class PoolBusyError(AirMagicError):
+    """The pool is running another call (a ``pool.submit(...)`` not yet done)."""
+
+
+class PoolCall:
+    """A call running on a pool in the background (``pool.submit``): ``result()``,
+    ``exception()``, ``done()`` and ``cancel()``, as a launch's handle has them."""
+
+    def __init__(self, engine: "PoolEngine", label: str) -> None:
+        self._engine = engine
+        self.label = label
+        self._future: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """The values in rank order (waits at most ``timeout`` s); a rank's error is raised."""
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def cancel(self) -> bool:
+        """Interrupt the call on every rank (KeyboardInterrupt in its code); False if it had ended."""
+        if self._future.done():
+            return False
+        for pid in self._engine.pids:
+            signal_rank(pid, signal.SIGINT)
+        return True
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"<PoolCall {self.label} on {self._engine.world_size} ranks: {state}>"
 
 
 def current_pool() -> "PoolEngine | None":
@@ -244,7 +282,7 @@ class PoolEngine:
     ) -> list[Any]:
         """Run a cell's code on every rank, in its namespace; the last expression per rank
         (``last_had_value`` says whether the cell ended with an expression)."""
-        with self._lock:
+        with self._turn():
             try:
                 code, tree = capture.compile_cell(cell, display, filename)
             except SyntaxError as exc:
@@ -270,22 +308,58 @@ class PoolEngine:
 
     def call(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``func(*args, **kwargs)`` on every rank; one value per rank."""
-        with self._lock:
+        with self._turn():
             self._ready()
             payload = capture.function_payload(func, args, kwargs)
             label = getattr(func, "__qualname__", repr(func))
             return self._call("call", payload.data | {"sources": payload.sources}, label)
 
+    def submit(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> PoolCall:
+        """``func(*args, **kwargs)`` on every rank in the background; a handle at once."""
+        label = getattr(func, "__qualname__", repr(func))
+        handle = PoolCall(self, label)
+        if not self._lock.acquire(blocking=False):
+            raise self._busy()
+
+        def run() -> None:
+            try:
+                self._ready()
+                payload = capture.function_payload(func, args, kwargs)
+                handle._future.set_result(self._call("call", payload.data | {"sources": payload.sources}, label))
+            except BaseException as exc:  # the call's outcome, for result()
+                handle._future.set_exception(exc)
+            finally:
+                self._lock.release()
+
+        threading.Thread(target=run, name=f"air_magic pool call {label}", daemon=True).start()
+        return handle
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """One call at a time; another while one runs (a ``submit`` not done) is refused, not queued."""
+        if not self._lock.acquire(blocking=False):
+            raise self._busy()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _busy(self) -> PoolBusyError:
+        return PoolBusyError(
+            "the pool is running another call (a pool.submit(...) not yet done); wait for its .result() or "
+            ".cancel() it, then run this."
+        )
+
     def push(self, **values: Any) -> None:
         """Set ``name = value`` in every rank's namespace."""
-        with self._lock:
+        with self._turn():
             self._ready()
             blobs = {name: cloudpickle.dumps(value) for name, value in values.items()}
             self._call("push", {"names": blobs}, "push")
 
     def pull(self, name: str) -> list[Any]:
         """The value of ``name`` on every rank, in rank order."""
-        with self._lock:
+        with self._turn():
             self._ready()
             return self._call("pull", {"name": name}, f"pull({name!r})")
 

@@ -12,7 +12,7 @@ from harness import wait_until
 
 import air_magic
 from air_magic import ConfigurationError, ResultError
-from air_magic.pool import Pool, PoolBrokenError
+from air_magic.pool import Pool, PoolBrokenError, PoolBusyError
 
 pytestmark = pytest.mark.process
 
@@ -92,3 +92,38 @@ def test_a_bad_size_is_the_launch_s_own_error() -> None:
         "num_accelerators must be a positive integer (the number of ranks), got 0. Pass 1 or more, or omit it "
         "to use every GPU of this machine."
     )
+
+
+def sleep_then(seconds: float, value: int) -> int:
+    import time
+
+    time.sleep(seconds)
+    return value
+
+
+def test_submit_runs_in_the_background_and_other_calls_are_refused_meanwhile() -> None:
+    with Pool(2, "CPU", tracking=False) as pool:
+        call = pool.submit(sleep_then, 1.5, 7)
+        assert not call.done()
+        with pytest.raises(PoolBusyError) as info:
+            pool.run(int)
+        assert str(info.value) == (
+            "the pool is running another call (a pool.submit(...) not yet done); wait for its .result() or "
+            ".cancel() it, then run this."
+        )
+        assert call.result(timeout=30) == [7, 7]
+        assert call.done() and call.exception() is None
+        assert pool.run(int) == [0, 0]
+
+
+def test_cancel_interrupts_a_submitted_call_and_the_pool_stays() -> None:
+    with Pool(2, "CPU", tracking=False) as pool:
+        pool.push(kept="yes")
+        call = pool.submit(sleep_then, 60, 1)
+        assert wait_until(lambda: pool.state == "running", timeout=10)
+        assert call.cancel() is True
+        with pytest.raises(KeyboardInterrupt) as info:
+            call.result(timeout=10)
+        assert str(info.value) == "the pool's cell was interrupted on its ranks; the pool and its state are intact."
+        assert call.cancel() is False
+        assert pool.pull("kept") == ["yes", "yes"]
