@@ -415,6 +415,52 @@ def check_kill_releases_memory(nvml: Nvml, args: argparse.Namespace) -> str:
     )
 
 
+def _all_reduce_on_the_rank_s_gpu() -> float:
+    import time as _time
+
+    import torch as _torch
+    import torch.distributed as _dist
+
+    t = _torch.ones(1, device=f"cuda:{_torch.cuda.current_device()}")
+    begin = _time.perf_counter()
+    _dist.all_reduce(t)
+    _torch.cuda.synchronize()
+    assert t.item() == _dist.get_world_size()
+    return _time.perf_counter() - begin
+
+
+def check_pool(nvml: Nvml, args: argparse.Namespace) -> str:
+    """A pool on every GPU: NCCL's set-up is paid at the pool's start (device_id bound), so the
+    first all_reduce cell is as fast as the tenth; a restart releases the old ranks' memory."""
+    from air_magic import Pool
+
+    baseline = nvml.used_mib()
+    began = time.perf_counter()
+    pool = Pool(NUM_GPUS, tracking=False)
+    started = time.perf_counter() - began
+    try:
+        cells = []
+        for _ in range(10):
+            begin = time.perf_counter()
+            inside = pool.run(_all_reduce_on_the_rank_s_gpu)
+            cells.append((time.perf_counter() - begin, max(inside)))
+        first, tenth = cells[0][0] * 1000, cells[-1][0] * 1000
+        assert first < 10 * max(tenth, 1.0), (first, tenth)  # NCCL's set-up was not paid in the first cell
+        before = pool.run(os.getpid)
+        pool.restart()
+        released = wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in before), timeout=30)
+        assert released, "the old ranks outlived the restart"
+        assert pool.run(_all_reduce_on_the_rank_s_gpu)
+    finally:
+        pool.close()
+    freed = wait_for(lambda: nvml.used_mib() <= baseline + 256, timeout=30)
+    assert freed, f"memory still {nvml.used_mib():.0f} MiB after the pool closed ({baseline:.0f} before)"
+    return (
+        f"pool of {NUM_GPUS} started in {started:.1f} s; all_reduce cell 1st {first:.1f} ms, 10th {tenth:.1f} ms "
+        f"(in the ranks {cells[0][1] * 1000:.2f} / {cells[-1][1] * 1000:.2f} ms); restart and close released the memory"
+    )
+
+
 CHECKS: list[tuple[str, Callable[[Nvml, argparse.Namespace], str]]] = [
     ("cuda_probe", check_cuda_probe),
     ("seed_ddp", check_seed_ddp),
@@ -422,6 +468,7 @@ CHECKS: list[tuple[str, Callable[[Nvml, argparse.Namespace], str]]] = [
     ("deepspeed_zero1", check_deepspeed(1)),
     ("deepspeed_zero3", check_deepspeed(3)),
     ("kill_releases_memory", check_kill_releases_memory),
+    ("pool", check_pool),
 ]
 
 

@@ -132,6 +132,13 @@ class NbDistributed(Tool):
         return L.T.NbDistributed().teardown(None)
 
 
+class _FreshLaunch(Tool):
+    """A fresh %%distributed launch of the same cell (the helper warm): what a pool cell replaces."""
+
+    def __init__(self, n: int) -> None:
+        self.magic = ("distributed", f"-n {n} --accelerator-type CPU --no-tracking")
+
+
 TOOLS = {t.name: t for t in (AirMagicPool(), IpyParallelPx(), NbDistributed())}
 
 
@@ -175,6 +182,16 @@ def measure(env: L.Env, tool: Tool, n: int, cells: int) -> dict:
             }
         if tool.teardown():
             ks.run_plain(tool.teardown(), timeout=60)
+        if isinstance(tool, AirMagicPool):  # what the pool saves: a fresh launch of the same cell
+            body = timing_cell(_FreshLaunch(n), NOOP, min(cells, 20))
+            r = ks.execute(body, 600, {"t": "_bench_times"})
+            text = r["reply"]["user_expressions"]["t"]["data"]["text/plain"]
+            times = sorted(json.loads(ast.literal_eval(text)))
+            row["fresh_launch_ms"] = statistics.median(times) * 1000
+            began = time.perf_counter()
+            ks.run_plain(tool.init(n).splitlines()[1], timeout=300)  # a second pool, the helper warm
+            row["pool_start_warm_s"] = time.perf_counter() - began
+            ks.run_plain(tool.teardown(), timeout=60)
         row["status"] = "ok"
     except Exception as exc:  # a peer that fails is reported, not fatal
         row["status"] = "failed"
@@ -214,6 +231,13 @@ def markdown(rows: list[dict], machine: dict) -> str:
             f"| {r['tool']} | {r['n']} | {r['start_s']:.1f} | {r['noop']['median_ms']:.2f} | {r['noop']['p99_ms']:.2f} | "
             f"{r['all_reduce']['median_ms']:.2f} | {r['all_reduce']['p99_ms']:.2f} | {', '.join(ratio)} |"
         )
+    for r in rows:
+        if r["tool"] == "air_magic" and r["status"] == "ok" and "fresh_launch_ms" in r:
+            lines.append(
+                f"\nair_magic, N = {r['n']}: a fresh `%%distributed` launch of the same `0` cell (helper warm) takes "
+                f"{r['fresh_launch_ms']:.1f} ms median, {r['fresh_launch_ms'] / r['noop']['median_ms']:.0f}× the pool's "
+                f"cell; starting a pool with the helper warm takes {r['pool_start_warm_s']:.2f} s."
+            )
     lines += ["", "How each tool keeps its ranks:", ""]
     for name, tool in TOOLS.items():
         lines.append(f"- **{name}**: {tool.model}")

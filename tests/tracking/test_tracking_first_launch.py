@@ -103,7 +103,7 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         }
         # MLflow's lines (the new store's tables) went to a log file: the session's, when the
         # warm-up at %load_ext made the store, else the launch's, when its writer did.
-        session = kernel.value("__import__('air_magic.kernel.launcher').launcher.get_launcher().session_dir")
+        session = kernel.value("__import__('air_magic.kernel.launcher').kernel.launcher.get_launcher().session_dir")
         logs = glob.glob(os.path.join(session, "mlflow.log")) + glob.glob(
             os.path.join(str(tmp_path / "logs"), "*", "mlflow.log")
         )
