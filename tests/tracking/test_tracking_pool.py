@@ -30,11 +30,11 @@ def test_every_call_s_points_go_to_the_pool_s_one_run(store: Store, capsys: Any)
             assert pool.run(log_step, step) == [step, step]
         launch = pool._engine.launch
         assert launch is not None
-        run_id = launch.run_id
-        assert run_id is not None
     finally:
         pool.close()
     assert launch.done()
+    run_id = launch.run_id  # made beside the ranks: known once MLflow has made it, at the latest at the end
+    assert run_id is not None
     [run] = store.runs()
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert store.by_rank(run_id, "loss", 2) == {
