@@ -101,8 +101,10 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """``%unload_ext air_magic``: remove ``%%distributed`` and ``%air_lint``; running launches are not touched."""
+    """``%unload_ext air_magic``: remove ``%%distributed``, ``%distributed_pool`` and ``%air_lint``;
+    running launches and the kernel's pool are not touched (``air_magic.Pool`` still works)."""
     ipython.magics_manager.magics["cell"].pop("distributed", None)
+    ipython.magics_manager.magics["line"].pop("distributed_pool", None)
     ipython.magics_manager.magics["line"].pop("air_lint", None)
 
 

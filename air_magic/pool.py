@@ -53,6 +53,13 @@ class Pool:
         pool._engine = engine
         return pool
 
+    @classmethod
+    def current(cls) -> "Pool | None":
+        """The kernel's pool that ``%%distributed --pool`` uses (the most recently started open
+        one, however it was started), or None."""
+        engine = current_pool()
+        return None if engine is None else cls._of(engine)
+
     @property
     def num_accelerators(self) -> int:
         """The pool's number of ranks."""

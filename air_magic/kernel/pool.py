@@ -538,6 +538,7 @@ class PoolEngine:
                 memory.append(None)
         return {
             "ranks": len(self.pids),
+            "pids": list(self.pids),
             "state": self.state,
             "device": self.launch.placement.device if self.launch else None,
             "memory": memory,
@@ -554,7 +555,14 @@ class PoolEngine:
             f"{info['state']}, {info['cells']} call{'s' * (info['cells'] != 1)} run, up {info['uptime']:.0f} s"
             + (f", restarted {info['restarts']} time{'s' * (info['restarts'] != 1)}" if info["restarts"] else "")
             + (f"; memory per rank: {mem}" if mem else "")
+            + (self._run_text() if self.launch is not None and self.launch.run_id else "")
         )
+
+    def _run_text(self) -> str:
+        assert self.launch is not None
+        name = getattr(self.launch, "run_name", None)
+        named = f"'{name}' " if name else ""
+        return f"; MLflow run {named}(id {self.launch.run_id}) holds what its cells log"
 
 
 #: Failures this close together are one failure of every rank (the same line failed on each):

@@ -50,7 +50,7 @@ def values(res: Any) -> Any:
 
 
 def pool_pids(k: Kernel) -> list[int]:
-    return k.value("__import__('air_magic.kernel.pool', fromlist=['current_pool']).current_pool().pids")
+    return k.value("[p for p in __import__('air_magic').Pool.current().status()['pids']]")
 
 
 def test_names_a_cell_assigns_stay_on_the_ranks_for_the_next_cell(k: Kernel) -> None:
@@ -91,10 +91,7 @@ def test_a_notebook_name_the_ranks_lack_is_sent_and_a_rank_name_wins_said_once(k
 
 
 def test_push_and_pull_set_and_read_every_rank_s_names(k: Kernel) -> None:
-    k.ok(
-        "import air_magic\nfrom air_magic.kernel.pool import current_pool\n"
-        "pool = air_magic.Pool._of(current_pool())\npool.push(pushed=[1, 2])"
-    )
+    k.ok("import air_magic\npool = air_magic.Pool.current()\npool.push(pushed=[1, 2])")
     assert values(k.run("%%distributed --pool\npushed + [3]")) == [[1, 2, 3], [1, 2, 3]]
     k.ok("%%distributed --pool\nimport os\npulled = os.environ['RANK']")
     assert k.value("pool.pull('pulled')") == ["0", "1"]
@@ -217,6 +214,10 @@ def test_stop_leaves_no_rank_and_a_new_pool_starts(kernel_factory: Any) -> None:
         assert res.stdout.strip() == "[air_magic] the pool was stopped."
         assert wait_until(lambda: all(gone_or_zombie(p) for p in pids), timeout=10)
         assert values(kernel.run("%%distributed --pool -n 1 --no-tracking\n'x' in globals()", timeout=180)) == [False]
+        kernel.ok("%unload_ext air_magic")  # the magics go; the pool stays, for air_magic.Pool
+        gone = kernel.run("%distributed_pool")
+        assert "Line magic function `%distributed_pool` not found" in gone.stderr + gone.error_text
+        assert kernel.value("__import__('air_magic').Pool.current().run(int)") == [0]
     finally:
         kernel.shutdown()
 
