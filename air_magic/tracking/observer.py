@@ -60,7 +60,7 @@ def _say(line: str, stream: Any = None) -> None:
 
 
 def unreachable_line(uri: str, reason: str) -> str:
-    from air_magic.tracking.upload import store_name
+    from air_magic.tracking.store import store_name
 
     if reason.startswith(_UNUSABLE):  # not a store that does not answer: one to fix
         return (
@@ -112,7 +112,7 @@ def _default_uri() -> str:
 
 def current_uri() -> str:
     """The tracking URI a launch uses now (absolute), MLflow imported or not."""
-    from air_magic.tracking.upload import absolute_uri
+    from air_magic.tracking.store import absolute_uri
 
     mlflow = _loaded_mlflow()
     if mlflow is not None:
@@ -151,7 +151,7 @@ def _warm(uri: str, log_path: str | None) -> None:
             _mlflow_logs.divert()
             if uri.startswith(("http://", "https://")):
                 return  # a server: nothing to open ahead, and no request before a launch
-            from air_magic.tracking.upload import bounded_requests, make_client
+            from air_magic.tracking.store import bounded_requests, make_client
 
             with bounded_requests():
                 make_client(uri)._tracking_client.store  # noqa: B018 - creates a new store's tables
@@ -286,7 +286,7 @@ class TrackingObserver:
         head = f"[air_magic] MLflow run {named}(id {launch.run_id}, experiment {experiment_id}"
         if launch.run_url:
             return f"{head}), open it at:\n    {launch.run_url}"
-        from air_magic.tracking.upload import local_store_path
+        from air_magic.tracking.store import local_store_path
 
         path = local_store_path(self.uri)
         head += f", in {path})" if path else ")"
@@ -383,7 +383,7 @@ class _Writer:
         if self.spool.durable:
             line = unreachable_line(self.observer.store_uri, reason)
         else:
-            from air_magic.tracking.upload import store_name
+            from air_magic.tracking.store import store_name
 
             line = (
                 f"[air_magic] {store_name(self.observer.store_uri)} is unreachable ({reason}): this launch's "
@@ -410,7 +410,7 @@ class _Writer:
 
     def _run(self) -> None:
         from air_magic.tracking import mlflow_logs as _mlflow_logs
-        from air_magic.tracking.upload import bounded_requests
+        from air_magic.tracking.store import bounded_requests
 
         try:
             with _mlflow_logs.log_to(self.log_path), bounded_requests():
@@ -423,7 +423,8 @@ class _Writer:
 
     def _loop(self) -> None:
         from air_magic.tracking import mlflow_logs as _mlflow_logs
-        from air_magic.tracking.upload import SpoolUploader, StoreUnusable, Unreachable, make_client
+        from air_magic.tracking.store import StoreUnusable, Unreachable, make_client
+        from air_magic.tracking.upload import SpoolUploader
 
         stuck = False  # something unexpected failed: the rest of the lines are not sent
         while True:
@@ -493,7 +494,7 @@ class _Writer:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            from air_magic.tracking.upload import bounded
+            from air_magic.tracking.store import bounded
 
             # Its start/stop INFO lines would land in every launch's cell.
             logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
@@ -510,7 +511,7 @@ class _Writer:
         monitor, self._monitor = self._monitor, None
         if monitor is None:
             return
-        from air_magic.tracking.upload import bounded
+        from air_magic.tracking.store import bounded
 
         if wait:
             try:

@@ -57,7 +57,7 @@ class Recovered:
 
     def line(self) -> str:
         """The one line a user sees about it."""
-        from air_magic.tracking.upload import store_name
+        from air_magic.tracking.store import store_name
 
         if self.outcome == "sent":
             text = f"MLflow run {self.run_id} ({_points(self.points)} sent, marked {self.status})"
@@ -119,14 +119,8 @@ def recover_pending(later: list[str] | None = None) -> list[Recovered]:
 
 
 def _recover(spool: Spool) -> Recovered | None:
-    from air_magic.tracking.upload import (
-        SpoolUploader,
-        StoreUnusable,
-        Unreachable,
-        bounded_requests,
-        local_store_path,
-        make_client,
-    )
+    from air_magic.tracking.store import StoreUnusable, Unreachable, bounded_requests, local_store_path, make_client
+    from air_magic.tracking.upload import SpoolUploader
 
     journal = spool.journal
     uri = str(journal["tracking_uri"])
@@ -226,7 +220,7 @@ def _first_time_told(uri: str, reason: str) -> bool:
 
     from air_magic.protocol.private import private_dir
     from air_magic.protocol.spool import state_dir
-    from air_magic.tracking.upload import local_store_path
+    from air_magic.tracking.store import local_store_path
 
     path = local_store_path(uri)
     try:

@@ -200,7 +200,7 @@ def test_the_default_uri_is_mlflows_own(tmp_path: Any, monkeypatch: pytest.Monke
     from mlflow.tracking._tracking_service import utils
 
     from air_magic.tracking.observer import _default_uri
-    from air_magic.tracking.upload import absolute_uri
+    from air_magic.tracking.store import absolute_uri
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

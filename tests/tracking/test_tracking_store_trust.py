@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from harness import Kernel, wait_until
 
-from air_magic.tracking.upload import StoreUnusable, make_client
+from air_magic.tracking.store import StoreUnusable, make_client
 
 ROOT = os.geteuid() == 0
 NOBODY = 65534
@@ -47,7 +47,7 @@ def test_two_processes_making_one_new_store_at_once_both_use_it(tmp_path: Path) 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     code = (
         "import sys, time\n"
-        "from air_magic.tracking.upload import make_client\n"
+        "from air_magic.tracking.store import make_client\n"
         "while time.time() < float(sys.argv[2]): time.sleep(0.001)\n"
         "client = make_client(sys.argv[1])\n"
         "print(client.create_experiment(sys.argv[3]))\n"
@@ -210,7 +210,7 @@ def test_a_half_made_store_is_told_once_in_one_line_and_its_points_wait_for_the_
 
 
 def test_a_store_another_process_is_making_right_now_is_waited_for_not_called_half_made(tmp_path: Path) -> None:
-    from air_magic.tracking.upload import Unreachable
+    from air_magic.tracking.store import Unreachable
 
     path = tmp_path / "mlflow.db"
     _half_made(path)  # as a plain MLflow client has it mid-way, in its write transaction:
