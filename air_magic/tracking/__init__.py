@@ -1,5 +1,6 @@
 """tracking/: MLflow, as an observer of launches -- the kernel's writer (one run per launch),
-the upload of spooled points, recovery of what dead kernels left, MLflow's own log lines.
+reaching and trusting a store, the upload of spooled points, recovery of what dead kernels
+left, MLflow's own log lines.
 Imports kernel/ (types), protocol/ (the spool) and settings; nothing imports it but plugins.py.
 
 MLflow tracking of launches: one run per launch, the kernel as the single writer.
