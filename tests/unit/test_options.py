@@ -174,3 +174,22 @@ def test_modules_that_must_stay_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_pool_s_options_are_the_table_s() -> None:
+    """``air_magic.Pool``'s keywords and ``%distributed_pool``'s flags are the table's pool options
+    (plus the backend the pool refuses but a launch takes, and the line magic's own two)."""
+    pytest.importorskip("IPython")
+    from air_magic.magics import DistributedMagics
+    from air_magic.options import POOL_KEYWORDS
+    from air_magic.pool import Pool
+
+    parameters = _parameters(Pool)
+    assert set(parameters) == set(POOL_KEYWORDS) | {"backend"}
+    for name in POOL_KEYWORDS:
+        default = None if name == "timeout" else OPTIONS_BY_KEYWORD[name].default  # a pool call: no limit
+        assert parameters[name].default == default, name
+    parser = DistributedMagics.distributed_pool.parser
+    flags = [tuple(a.option_strings) for a in parser._actions if a.option_strings]
+    table = [o.flags for o in OPTIONS if o.keyword in POOL_KEYWORDS and o.flags]
+    assert flags == [("--restart",), ("--stop",), *table]
