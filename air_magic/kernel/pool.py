@@ -147,9 +147,9 @@ class PoolEngine:
         )
         self.state = "starting"
         began = time.monotonic()
+        hello: dict[int, tuple[Connection, int]] = {}
         try:
             self.launch = launcher.start(self.spec, payload)
-            hello: dict[int, tuple[Connection, int]] = {}
             while len(hello) < self.launch.world_size:
                 if self.launch.done():
                     self.launch.result()  # its error: the ranks could not start
@@ -174,7 +174,7 @@ class PoolEngine:
                 hello[rank] = (conn, pid)
         except BaseException:
             self._kill()
-            for conn, _ in locals().get("hello", {}).values():
+            for conn, _ in hello.values():
                 conn.close()
             self.state = "closed"
             raise
@@ -601,17 +601,3 @@ def _load(blob: bytes) -> Any:
         return cloudpickle.loads(blob)
     except Exception as exc:  # a value the kernel cannot load (a class the notebook does not have)
         return exc
-
-
-def iter_open() -> Iterator[PoolEngine]:
-    with _pools_lock:
-        return iter(list(_pools))
-
-
-def close_all() -> None:
-    """Close every pool of this kernel (``%unload_ext``, the launcher's shutdown)."""
-    for pool in list(iter_open()):
-        try:
-            pool.close()
-        except Exception:
-            pass
