@@ -304,7 +304,8 @@ class PoolEngine:
                 )
             visible = {k: v for k, v in namespace.items() if k not in self.rank_names}
             payload = capture.cell_payload(cell, visible, display=display, filename=filename, header=header, argv=argv)
-            return self._call("cell", payload.data | {"sources": payload.sources}, display, timeout)
+            data = payload.data | {"sources": payload.sources, "argv": payload.argv}
+            return self._call("cell", data, display, timeout)
 
     def call(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``func(*args, **kwargs)`` on every rank; one value per rank."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import linecache
 import os
 import signal
+import sys
 import types
 from typing import Any, Callable
 
@@ -88,6 +89,9 @@ def _handle(
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             if kind == "cell":
+                # What a script's argparse/hydra/click parser reads: the cell's name, then the
+                # arguments after `--` on this cell's %%distributed line.
+                sys.argv[:] = list(data.get("argv") or sys.argv[:1])
                 for name, blob in data["names"].items():
                     namespace[name] = _load(blob, f"the captured name {name!r}")
                 exec(data["code"], namespace)

@@ -98,6 +98,18 @@ def test_push_and_pull_set_and_read_every_rank_s_names(k: Kernel) -> None:
     assert k.value("pool.run(lambda: 5)") == [5, 5]
 
 
+def test_script_arguments_after_the_double_dash_are_each_cell_s_own(k: Kernel) -> None:
+    cell = (
+        "%%distributed --pool{}\n"
+        "import argparse, sys\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--epochs', type=int, default=2)\n"
+        "(parser.parse_args().epochs, sys.argv[0].startswith('Cell In['))"
+    )
+    assert values(k.run(cell.format(" -- --epochs 5"))) == [(5, True), (5, True)]
+    assert values(k.run(cell.format(""))) == [(2, True), (2, True)]
+
+
 def test_rank_zero_s_output_streams_into_the_cell(k: Kernel) -> None:
     res = k.run("%%distributed --pool\nimport os\nprint('hello from', os.environ['RANK'])")
     assert res.error is None, res.error_text
