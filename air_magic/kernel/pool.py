@@ -109,7 +109,7 @@ class PoolEngine:
         self.launch: Launch | None = None
         self.conns: list[Connection] = []
         self.pids: list[int] = []
-        self.rank_names: set[str] = set()  # names every rank's namespace has
+        self.rank_names: set[str] = set()  # names every rank's own code assigned (or push set)
         self.state = "new"  # "starting", "idle", "running", "broken", "closed"
         self.broken_because = ""
         self.cells = 0
@@ -298,8 +298,8 @@ class PoolEngine:
             for name in shadowed:
                 self._told_shadowed.add(name)
                 print(
-                    f"[air_magic] {name}: the pool's ranks have their own (a pool cell assigned it), so the "
-                    f"notebook's {name} is not sent; pool.push({name}=...) sends it.",
+                    f"[air_magic] {name}: the pool's ranks have their own (a pool cell or pool.push set it), so "
+                    f"the notebook's {name} is not sent; pool.push({name}=...) sends it.",
                     file=sys.stderr,
                 )
             visible = {k: v for k, v in namespace.items() if k not in self.rank_names}

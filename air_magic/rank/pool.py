@@ -67,7 +67,7 @@ def serve(
         except BaseException as exc:  # the value cannot be pickled
             value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
             blob = cloudpickle.dumps(UnpicklableRecord(value_type, f"{type(exc).__name__}: {printable(exc)}"))
-        names = sorted(name for name in main.__dict__ if not name.startswith("__"))
+        names = _owned(main.__dict__)
         try:
             conn.send(("done", message[1], blob, names))
         except OSError:
@@ -93,7 +93,7 @@ def _handle(
                 # arguments after `--` on this cell's %%distributed line.
                 sys.argv[:] = list(data.get("argv") or sys.argv[:1])
                 for name, blob in data["names"].items():
-                    namespace[name] = _load(blob, f"the captured name {name!r}")
+                    _set_captured(namespace, name, _load(blob, f"the captured name {name!r}"))
                 exec(data["code"], namespace)
                 value = namespace.pop(RESULT_NAME, None)
             elif kind == "call":
@@ -105,6 +105,7 @@ def _handle(
             elif kind == "push":
                 for name, blob in data["names"].items():
                     namespace[name] = _load(blob, f"the pushed name {name!r}")
+                    _captured.pop(name, None)  # pushed: the ranks' own from now on
                 value = None
             elif kind == "pull":
                 name = data["name"]
@@ -122,15 +123,44 @@ def _handle(
         return error_record(exc, sources)
 
 
+#: Names of the namespace that hold a value sent from the kernel (captured by a cell or with a
+#: function), with that value: the kernel sends such a name again at each cell, so that a
+#: notebook value changed since reaches the ranks.  A name the ranks' code rebinds, or that
+#: ``push`` sets, is the ranks' own from then on, and the kernel's is no longer sent.
+_captured: dict[str, Any] = {}
+
+
+def _set_captured(namespace: dict[str, Any], name: str, value: Any) -> None:
+    namespace[name] = value
+    _captured[name] = value
+
+
+def _owned(namespace: dict[str, Any]) -> list[str]:
+    """The names the ranks' own code assigned (or ``push`` set), sorted."""
+    owned = []
+    for name, value in namespace.items():
+        if name.startswith("__"):
+            continue
+        if name in _captured:
+            if _captured[name] is value:
+                continue  # still the kernel's value
+            del _captured[name]  # rebound by the rank's code: its own now
+        owned.append(name)
+    for name in [n for n in _captured if n not in namespace]:  # deleted by the rank's code
+        del _captured[name]
+    return sorted(owned)
+
+
 def _in_namespace(func: Any, namespace: dict[str, Any]) -> Any:
     """A notebook function (sent by value) made to live in the rank's namespace: it reads
     what earlier cells and ``push`` left there, and its ``global`` statements write there.
-    The names it was sent with are added where the namespace has none."""
+    The names it was sent with are set, but for names the ranks' own code assigned."""
     if not isinstance(func, types.FunctionType) or func.__module__ != "__main__" or func.__globals__ is namespace:
         return func
+    owned = set(_owned(namespace))
     for key, item in func.__globals__.items():
-        if not key.startswith("__"):
-            namespace.setdefault(key, item)
+        if not key.startswith("__") and key not in owned:
+            _set_captured(namespace, key, item)
     moved = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
     moved.__kwdefaults__ = func.__kwdefaults__
     moved.__dict__.update(func.__dict__)

@@ -83,11 +83,19 @@ def test_a_notebook_name_the_ranks_lack_is_sent_and_a_rank_name_wins_said_once(k
     assert values(first) == ["rank", "rank"]
     said = [line for line in first.stderr.splitlines() if "shadow" in line]
     assert said == [
-        "[air_magic] shadow: the pool's ranks have their own (a pool cell assigned it), so the notebook's "
-        "shadow is not sent; pool.push(shadow=...) sends it."
+        "[air_magic] shadow: the pool's ranks have their own (a pool cell or pool.push set it), so the "
+        "notebook's shadow is not sent; pool.push(shadow=...) sends it."
     ]
     again = k.run("%%distributed --pool\nshadow")
     assert values(again) == ["rank", "rank"] and "shadow" not in again.stderr
+
+
+def test_a_notebook_value_changed_since_the_last_cell_reaches_the_ranks(k: Kernel) -> None:
+    k.ok("learning_rate = 0.1")
+    assert values(k.run("%%distributed --pool\nlearning_rate")) == [0.1, 0.1]
+    k.ok("learning_rate = 0.2")  # a captured name, not one the ranks assigned: sent again
+    res = k.run("%%distributed --pool\nlearning_rate")
+    assert values(res) == [0.2, 0.2] and "learning_rate" not in res.stderr
 
 
 def test_push_and_pull_set_and_read_every_rank_s_names(k: Kernel) -> None:
