@@ -113,7 +113,7 @@ class DistributedMagics(Magics):
         filename = f"<air_magic cell {number} {uuid.uuid4().hex[:8]}>"
         namespace = self.shell.user_ns if self.shell is not None else {}
         if args.pool:
-            return self._pool_cell(args, line, cell, script_args, namespace, display, filename)
+            return self._pool_cell(args, spec, line, cell, script_args, namespace, display, filename)
         try:
             payload = capture.cell_payload(
                 cell,
@@ -140,6 +140,7 @@ class DistributedMagics(Magics):
     def _pool_cell(
         self,
         args: Any,
+        spec: LaunchSpec,
         line: str,
         cell: str,
         script_args: list[str],
@@ -166,21 +167,12 @@ class DistributedMagics(Magics):
         from air_magic.pool import Pool, current_pool
 
         engine = current_pool()
-        # Each cell is bounded as a launch is (--timeout, else %config DistributedMagics.timeout).
-        if args.timeout is not None:
-            timeout = _timeout_arg(args.timeout)
-        else:
-            timeout = check_timeout(self.timeout, no_limit="%config DistributedMagics.timeout = None")
-        if engine is None:
+        timeout = spec.timeout  # each cell is bounded as a launch is (--timeout, else %config's)
+        if engine is None:  # the first pool cell starts the pool the spec describes
             try:
-                pool = Pool(
-                    args.num_accelerators if args.num_accelerators is not None else self.num_accelerators,
-                    args.accelerator_type or self.accelerator_type,
-                    tracking=self.tracking and not args.no_tracking,
-                )
+                engine = Pool(spec.num_accelerators, spec.accelerator_type, tracking=spec.tracking)._engine
             except ConfigurationError as exc:
                 raise UsageError(f"%%distributed: {exc}") from None
-            engine = pool._engine
         elif args.num_accelerators is not None and args.num_accelerators != engine.world_size:
             raise UsageError(
                 f"%%distributed --pool -n {args.num_accelerators}: the kernel's pool has {engine.world_size} "
