@@ -157,22 +157,25 @@ class DistributedMagics(Magics):
             if given:
                 raise UsageError(
                     f"%%distributed --pool: {flag} is for a launch, not for a pool's cell "
-                    "(a pool cell waits for its ranks; a pool has one MLflow run for its life)."
+                    "(a pool cell waits for its ranks; what it logs goes to a child run of the pool's MLflow run)."
                 )
-        if args.backend not in (None, "local"):
-            raise UsageError(
-                f"%%distributed --pool --backend {args.backend}: a pool runs on this machine's ranks in this version; "
-                "leave out --backend, or launch on Ray without --pool."
-            )
         from air_magic.pool import Pool, current_pool
 
         engine = current_pool()
         timeout = spec.timeout  # each cell is bounded as a launch is (--timeout, else %config's)
         if engine is None:  # the first pool cell starts the pool the spec describes
             try:
-                engine = Pool(spec.num_accelerators, spec.accelerator_type, tracking=spec.tracking)._engine
+                engine = Pool(
+                    spec.num_accelerators, spec.accelerator_type, tracking=spec.tracking, backend=spec.backend
+                )._engine
             except ConfigurationError as exc:
                 raise UsageError(f"%%distributed: {exc}") from None
+        elif args.backend is not None and args.backend != engine.spec.backend:
+            raise UsageError(
+                f"%%distributed --pool --backend {args.backend}: the kernel's pool runs on {engine.spec.backend} "
+                "(with its state). Leave out --backend to use it, or stop it first with %distributed_pool --stop "
+                "(its state is lost) and start a new one."
+            )
         elif args.num_accelerators is not None and args.num_accelerators != engine.world_size:
             raise UsageError(
                 f"%%distributed --pool -n {args.num_accelerators}: the kernel's pool has {engine.world_size} "
@@ -217,7 +220,7 @@ class DistributedMagics(Magics):
         from air_magic.pool import Pool, current_pool
 
         engine = current_pool()
-        wants_new = args.num_accelerators is not None or args.accelerator_type is not None
+        wants_new = args.num_accelerators is not None or args.accelerator_type is not None or args.backend is not None
         if args.stop or args.restart:
             if engine is None:
                 raise UsageError("%distributed_pool: this kernel has no pool; start one with %distributed_pool -n N.")
@@ -240,6 +243,7 @@ class DistributedMagics(Magics):
                     args.accelerator_type or self.accelerator_type,
                     tracking=self.tracking and not args.no_tracking,
                     timeout=_timeout_arg(args.timeout) if args.timeout is not None else None,
+                    backend=args.backend or "local",
                 )
             except ConfigurationError as exc:
                 raise UsageError(f"%distributed_pool: {exc}") from None

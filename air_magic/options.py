@@ -169,7 +169,7 @@ def _flagged() -> Iterable[Option]:
 
 
 #: The options of a pool (``%distributed_pool``, ``air_magic.Pool``): what its ranks are.
-POOL_KEYWORDS = ("num_accelerators", "accelerator_type", "timeout", "tracking")
+POOL_KEYWORDS = ("num_accelerators", "accelerator_type", "timeout", "tracking", "backend")
 
 
 def apply_arguments(

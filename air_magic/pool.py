@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from air_magic.errors import ConfigurationError
 from air_magic.kernel.pool import PoolBrokenError, PoolBusyError, PoolCall, PoolEngine, current_pool
 from air_magic.spec import AcceleratorArg, check_timeout, make_spec
 
@@ -23,7 +22,8 @@ class Pool:
 
     ``Pool(num_accelerators=None, accelerator_type=None, *, backend="local", tracking=True,
     timeout=None)`` starts the ranks at once (the same ranks a launch with these options
-    would start); ``timeout`` bounds each call.  ``%%distributed --pool`` runs a cell on
+    would start: ``backend="ray"`` places one rank per bundle on the nodes of the Ray
+    cluster); ``timeout`` bounds each call.  ``%%distributed --pool`` runs a cell on
     the most recently started open pool of the kernel.
     """
 
@@ -36,11 +36,6 @@ class Pool:
         tracking: bool = True,
         timeout: float | None = None,
     ) -> None:
-        if backend != "local":
-            raise ConfigurationError(
-                f"Pool(backend={backend!r}): a pool runs on this machine's ranks (backend='local') in this "
-                "version; launch on Ray with @distributed(backend='ray') or %%distributed --backend ray."
-            )
         spec = make_spec(num_accelerators, accelerator_type, None, tracking=tracking, backend=backend, panel=False)
         from air_magic.plugins import get_launcher
 

@@ -61,3 +61,15 @@ class Backend(Protocol):
     def stacks(self, launch_id: str, timeout: float) -> dict[int, str]:
         """The running ranks' Python stacks by rank, also written to each rank's stack file
         in the launch's folder (only asked of backends whose ranks are not local processes)."""
+
+    def signal_ranks(self, launch_id: str, ranks: list[int], signum: int) -> None:
+        """Send ``signum`` to these running ranks of a launch (only asked of backends whose
+        ranks are not local processes: the kernel signals local ranks itself)."""
+
+    def release_pool(self, launch_id: str) -> None:
+        """The pool whose latest launch is ``launch_id`` closed: let go of what the backend
+        kept for it (Ray: its agents and their placement group)."""
+
+    def kernel_address(self) -> str:
+        """The address of this machine that the backend's ranks reach it at (a pool's ranks
+        connect to the kernel there)."""

@@ -107,6 +107,15 @@ class Helper:
     def stacks(self, launch_id: str, timeout: float) -> dict[int, str]:
         return {}  # local ranks are asked directly (Launch.stacks)
 
+    def signal_ranks(self, launch_id: str, ranks: list[int], signum: int) -> None:
+        pass  # local ranks are signalled directly (Launch.signal_ranks)
+
+    def release_pool(self, launch_id: str) -> None:
+        pass  # a pool's local ranks are the launch's: nothing else is kept
+
+    def kernel_address(self) -> str:
+        return "127.0.0.1"
+
     def _read(self) -> None:
         while True:
             try:

@@ -56,6 +56,7 @@ from air_magic.protocol import (
     log_dir,
     log_path,
     printable,
+    signal_rank,
 )
 from air_magic.rank import results as _results
 from air_magic.settings import settings
@@ -270,6 +271,16 @@ class Launch:
         running = {state.rank: state.pid for state in self.ranks if state.pid and state.returncode is None}
         request_stacks(self.work_dir, running, timeout)
         return read_stacks(self.work_dir, running, self.sources)
+
+    def signal_ranks(self, ranks: list[int], signum: int) -> None:
+        """Send ``signum`` to these running ranks (the user's code sees it: a pool's SIGINT)."""
+        if self.helper is not None and not self.helper.local_processes:
+            self.helper.signal_ranks(self.id, ranks, signum)
+            return
+        for rank in ranks:
+            state = self.ranks[rank]
+            if state.pid and state.returncode is None:
+                signal_rank(state.pid, signum)
 
     @property
     def local_processes(self) -> bool:

@@ -38,7 +38,7 @@ from air_magic.kernel import outcome as _outcome
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.rank_output import OutputPump
-from air_magic.protocol import RESULT_NAME, ErrorRecord, Stop, UnpicklableRecord, ValueRecord, signal_rank
+from air_magic.protocol import RESULT_NAME, ErrorRecord, Stop, UnpicklableRecord, ValueRecord
 from air_magic.spec import LaunchSpec
 
 __all__ = ["PoolEngine", "PoolBrokenError", "PoolBusyError", "PoolCall", "current_pool", "POOL_START_TIMEOUT", "GRACE"]
@@ -84,8 +84,7 @@ class PoolCall:
         """Interrupt the call on every rank (KeyboardInterrupt in its code); False if it had ended."""
         if self._future.done():
             return False
-        for pid in self._engine.pids:
-            signal_rank(pid, signal.SIGINT)
+        self._engine.interrupt(list(range(self._engine.world_size)))
         return True
 
     def __repr__(self) -> str:
@@ -131,14 +130,21 @@ class PoolEngine:
         """Start the ranks and wait until every one is connected."""
         launcher = self._launcher()
         launcher._ensure_session_folders()
-        address = os.path.join(launcher.session_dir, f"pool-{uuid.uuid4().hex[:12]}.sock")
+        backend = launcher.backend_for(self.spec.backend)
         authkey = os.urandom(32)
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(address)
-        os.chmod(address, 0o600)
+        address: str | tuple[str, int]
+        if backend.local_processes:  # a Unix socket in the kernel's private session folder
+            address = os.path.join(launcher.session_dir, f"pool-{uuid.uuid4().hex[:12]}.sock")
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(address)
+            os.chmod(address, 0o600)
+        else:  # ranks on other machines: a TCP port at the address they reach the kernel at
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            server.bind((backend.kernel_address(), 0))
+            address = server.getsockname()[:2]
         server.listen(1024)
         server.settimeout(0.05)
-        placement = self.spec.resolve(launcher.backend_for(self.spec.backend).hardware())
+        placement = self.spec.resolve(backend.hardware())
         payload = capture.Payload(
             kind="pool",
             label="pool",
@@ -180,10 +186,11 @@ class PoolEngine:
             raise
         finally:
             server.close()
-            try:
-                os.unlink(address)
-            except OSError:
-                pass
+            if isinstance(address, str):
+                try:
+                    os.unlink(address)
+                except OSError:
+                    pass
         self.conns = [hello[r][0] for r in range(len(hello))]
         self.pids = [hello[r][1] for r in range(len(hello))]
         self.rank_names = set()
@@ -208,6 +215,8 @@ class PoolEngine:
             return
         self._end(close_first=self.state == "idle")
         self.state = "closed"
+        if self.launch is not None and self.launch.helper is not None:
+            self.launch.helper.release_pool(self.launch.id)  # Ray: the agents kept for the pool
         with _pools_lock:
             if self in _pools:
                 _pools.remove(self)
@@ -239,6 +248,11 @@ class PoolEngine:
         deadline = time.monotonic() + 10.0
         while not launch.done() and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """KeyboardInterrupt in these ranks' code (an idle rank ignores it)."""
+        if self.launch is not None:
+            self.launch.signal_ranks(ranks, signal.SIGINT)
 
     def _break(self, because: str) -> None:
         self.state = "broken"
@@ -373,7 +387,7 @@ class PoolEngine:
             pump.reader.offset = os.path.getsize(log)  # before the ranks get the call: all of its output
         except OSError:
             pass
-        message = capture.dumps((kind, self._ids, data))  # once, for every rank (code objects too)
+        message = capture.dumps((kind, self._ids, data | {"label": label}))  # once, for every rank
         for conn in self.conns:
             try:
                 conn.send_bytes(message)
@@ -407,13 +421,9 @@ class PoolEngine:
                 pump.pump()
                 if not pending:
                     break
-                gone = [r for r in pending if self.launch.ranks[r].returncode is not None] or (
-                    list(pending) if self.launch.done() else []
-                )
-                if gone:
-                    self._fault(
-                        records, pending, f"rank {gone[0]} ended (exit {self.launch.ranks[gone[0]].returncode})"
-                    )
+                gone = self._first_gone(pending)
+                if gone is not None:
+                    self._fault(records, pending, f"rank {gone} ended (exit {self.launch.ranks[gone].returncode})")
                 if grace_until is not None and time.monotonic() > grace_until:
                     failed = min(r for r, rec in records.items() if isinstance(rec, ErrorRecord))
                     self._fault(records, pending, f"rank {failed} failed while the others did not come back")
@@ -431,10 +441,19 @@ class PoolEngine:
             self._interrupt(records, pending)
         return records
 
+    def _first_gone(self, pending: dict[int, Connection]) -> int | None:
+        """The pending rank that ended first (not one stopped because another ended), if any."""
+        assert self.launch is not None
+        states = self.launch.ranks
+        gone = [r for r in pending if states[r].returncode is not None]
+        if not gone:
+            return min(pending) if self.launch.done() and pending else None
+        first = [r for r in gone if not states[r].stopped] or gone
+        return min(first, key=lambda r: (states[r].ended_at or 0.0, r))
+
     def _interrupt(self, records: dict[int, Any], pending: dict[int, Connection]) -> None:
         """Ctrl-C: KeyboardInterrupt in every rank's code; an intact pool if they all come back."""
-        for rank in pending:
-            signal_rank(self.pids[rank], signal.SIGINT)
+        self.interrupt(list(pending))
         deadline = time.monotonic() + GRACE
         while pending and time.monotonic() < deadline:
             for rank, record, _names in _replies(pending, 0.05):
@@ -469,7 +488,8 @@ class PoolEngine:
             error = self._rank_exception(records, first)
             error.add_note("[air_magic] " + tail)
         else:
-            gone = next(iter(sorted(pending)))
+            gone = self._first_gone(pending)
+            gone = min(pending) if gone is None else gone
             assert self.launch is not None
             state = self.launch.ranks[gone]
             error = LaunchError(
@@ -531,10 +551,11 @@ class PoolEngine:
         """What ``%distributed_pool`` shows: ranks, state, memory per rank, cells run, uptime."""
         import psutil
 
-        memory = []
+        memory: list[int | None] = []
+        local = self.launch is None or self.launch.local_processes
         for pid in self.pids:
             try:
-                memory.append(psutil.Process(pid).memory_info().rss)
+                memory.append(psutil.Process(pid).memory_info().rss if local else None)
             except psutil.Error:
                 memory.append(None)
         return {
@@ -550,9 +571,14 @@ class PoolEngine:
 
     def describe(self) -> str:
         info = self.status()
-        mem = ", ".join("?" if m is None else f"{m / 2**20:.0f} MiB" for m in info["memory"])
+        mem = (
+            ", ".join("?" if m is None else f"{m / 2**20:.0f} MiB" for m in info["memory"])
+            if any(m is not None for m in info["memory"])
+            else ""
+        )
+        where = f" on {self.spec.backend}" if self.spec.backend != "local" else ""
         return (
-            f"[air_magic] pool of {info['ranks']} {str(info['device']).upper()} rank{'s' * (info['ranks'] != 1)}: "
+            f"[air_magic] pool of {info['ranks']} {str(info['device']).upper()} rank{'s' * (info['ranks'] != 1)}{where}: "
             f"{info['state']}, {info['cells']} call{'s' * (info['cells'] != 1)} run, up {info['uptime']:.0f} s"
             + (f", restarted {info['restarts']} time{'s' * (info['restarts'] != 1)}" if info["restarts"] else "")
             + (f"; memory per rank: {mem}" if mem else "")
@@ -563,7 +589,7 @@ class PoolEngine:
         assert self.launch is not None
         name = getattr(self.launch, "run_name", None)
         named = f"'{name}' " if name else ""
-        return f"; MLflow run {named}(id {self.launch.run_id}) holds what its cells log"
+        return f"; MLflow run {named}(id {self.launch.run_id}) has a child run for each cell that logs"
 
 
 #: Failures this close together are one failure of every rank (the same line failed on each):

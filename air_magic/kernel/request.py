@@ -39,6 +39,7 @@ def request(launch: "Launch", payload: "Payload", env: dict[str, str], cwd: str,
         umask=current_umask(),
         rlimits=soft_limits(),
         device=launch.placement.device,
+        pool=payload.kind == "pool",
     )
 
 

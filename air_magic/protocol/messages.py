@@ -46,6 +46,9 @@ class LaunchRequest:
     private_rendezvous: bool = True
     #: ``"cuda"`` (one GPU per rank) or ``"cpu"``.
     device: str = "cpu"
+    #: A pool's launch (its ranks stay across cells): a backend that places agents for its
+    #: ranks (Ray) keeps them for the pool's life, for its restarts and for other launches.
+    pool: bool = False
 
 
 # -- messages --------------------------------------------------------------------------------------

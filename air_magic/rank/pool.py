@@ -3,7 +3,8 @@
 A pool is a launch whose ranks stay (:mod:`air_magic.kernel.pool` is its kernel side).
 Each rank keeps one namespace (its ``__main__``) across cells, joins the default
 process group once, and waits between cells on its connection to the kernel (a Unix
-socket in the kernel's private session folder, with an auth key: no CPU while idle)::
+socket in the kernel's private session folder, or a TCP port of the kernel's machine for
+Ray ranks on other nodes, with an auth key: no CPU while idle)::
 
     kernel                                    rank r
     ------                                    ------
@@ -31,6 +32,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableRecord, ValueRecord, printable
+from air_magic.rank import tracking_shim as _tracking
 
 __all__ = ["serve"]
 
@@ -51,7 +53,8 @@ def serve(
     _join_the_group(data["device"])
     _keep_the_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C between cells finds the rank idle
-    conn = Client(data["address"], family="AF_UNIX", authkey=data["authkey"])
+    address = data["address"]  # a Unix socket's path, or (host, port) for ranks of other machines
+    conn = Client(address if isinstance(address, str) else tuple(address), authkey=data["authkey"])
     conn.send(("hello", rank, os.getpid()))
     while True:
         try:
@@ -61,7 +64,12 @@ def serve(
         kind = message[0]
         if kind == "close":
             return
+        tracked = message[0] in ("cell", "call")
+        if tracked:  # what the call logs goes to a child run of the pool's (made if it logs)
+            _tracking.begin_call(message[1], message[2].get("label") or message[0])
         record = _handle(main, message, error_record)
+        if tracked:
+            _tracking.end_call(message[1], _status(record))
         try:
             blob = cloudpickle.dumps(record)
         except BaseException as exc:  # the value cannot be pickled
@@ -72,6 +80,13 @@ def serve(
             conn.send(("done", message[1], blob, names))
         except OSError:
             return
+
+
+def _status(record: Record) -> str:
+    """The MLflow status of a call's child run, from this rank's record."""
+    if isinstance(record, ErrorRecord):
+        return "KILLED" if record.type_name == "KeyboardInterrupt" else "FAILED"
+    return "FINISHED"
 
 
 def _handle(

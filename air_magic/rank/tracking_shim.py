@@ -31,7 +31,18 @@ import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from air_magic.protocol import ARTIFACT, METRIC, PARAM, TAG, metric_line, spool_file, text_field, text_line
+from air_magic.protocol import (
+    ARTIFACT,
+    METRIC,
+    PARAM,
+    TAG,
+    call_end_line,
+    call_line,
+    metric_line,
+    spool_file,
+    text_field,
+    text_line,
+)
 from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run
 
 _FD: int | None = None
@@ -70,6 +81,18 @@ def _emit(kind: str, key: Any, value: Any) -> None:
         if kind in _NAME_CHECKS and (kind, key) not in _GOOD_NAMES:
             _check_name(kind, key)
         _write(_FD, text_line(kind, str(key), str(value)).encode())
+
+
+def begin_call(call: int, label: str) -> None:
+    """A pool's call begins on this rank: what it logs goes to the call's child run."""
+    if _FD is not None:
+        _write(_FD, call_line(call, label).encode())
+
+
+def end_call(call: int, status: str) -> None:
+    """A pool's call ended on this rank (``FINISHED``, ``FAILED`` or ``KILLED``)."""
+    if _FD is not None:
+        _write(_FD, call_end_line(call, status).encode())
 
 
 def launch_run_id() -> str | None:

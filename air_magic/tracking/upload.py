@@ -35,6 +35,15 @@ as in a plain MLflow run (skipped, named); its own tag it may change (MLflow
 overwrites tags).  Who owns which key is kept in the journal with the offsets sent, so a
 later kernel that sends the rest names things the same way.  MLflow's system metrics
 (``system/...``) are the kernel's machine's, logged once, not per rank.
+
+A pool's spool (its ranks stay across calls) has call markers: what a rank logs between
+``c <call> <label>`` and ``e <call> <status>`` goes to that call's *child run* (tag
+``mlflow.parentRunId``: the pool's run; named by the call: ``Cell In[5]``), made when the
+first item of the call comes — a call that logs nothing makes no run.  Once every rank's
+``e`` line is sent the child ends with the worst status of them (``FAILED`` over
+``KILLED`` over ``FINISHED``); the pool's run ending ends those still open with its own.
+Which call each rank's lines are of, and each child's id, names and endings, are kept in
+the journal with the offsets sent, so recovery sends a dead kernel's calls to the same runs.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import os
 import time
 from typing import Any, Callable
 
+from air_magic.protocol import CALL, CALL_END
 from air_magic.protocol.spool import Spool, iter_lines
 from air_magic.tracking.store import (
     Unreachable,
@@ -54,6 +64,7 @@ __all__ = ["SpoolUploader", "metric_name", "rank_name", "place"]
 
 _BATCH = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow's limits per log_batch call
 _READ = 1 << 20  # bytes of one rank's file read per round
+_PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a child run under its parent
 
 # -- names of several ranks' items ------------------------------------------------------------------
 
@@ -120,6 +131,11 @@ class SpoolUploader:
         self.points = 0  # metric points sent by this uploader
         self.progress_at = time.monotonic()  # last time the store took something
         self._store_answers = False  # the store answered a probe since the last refusal
+        #: A pool's calls: the call each rank's next lines are of ("0": the pool's own run)...
+        self.calls: dict[str, int] = {str(k): int(v) for k, v in (spool.journal.get("calls") or {}).items()}
+        #: ... and each call's child run: {"run_id", "label", "names", "ended": {rank: status}, "done"}.
+        self.children: dict[str, dict[str, Any]] = dict(spool.journal.get("children") or {})
+        self._child_names: dict[str, Names] = {c: _load_names(e.get("names")) for c, e in self.children.items()}
 
     @property
     def run_id(self) -> str | None:
@@ -195,7 +211,9 @@ class SpoolUploader:
                 if not lines:
                     break
                 names = self._send_lines(rank, lines)
-                self.spool.mark_sent(rank, end, names=names)
+                for call, table in self._child_names.items():
+                    self.children[call]["names"] = table
+                self.spool.mark_sent(rank, end, names=names, calls=dict(self.calls), children=self.children)
                 self.names = names
                 total += len(lines)
                 rounds += 1
@@ -211,38 +229,106 @@ class SpoolUploader:
         params: list[Any] = []
         tags: list[Any] = []
         artifacts: list[tuple[str, str | None]] = []
+        key = str(rank)
+
+        def flush() -> None:
+            if not (metrics or params or tags or artifacts):
+                return
+            call = self.calls.get(key, 0)
+            run_id = self._child_run(call) if call else self.run_id
+            self._send("metrics", metrics, run_id)
+            # Sent apart from the points: a refused param must cost nothing but itself.
+            self._send("params", params, run_id)
+            self._send("tags", tags, run_id)
+            for local_path, artifact_path in artifacts:
+                self._send_artifact(local_path, artifact_path, run_id)
+            del metrics[:], params[:], tags[:], artifacts[:]
+
         for item in iter_lines(lines):
             kind = item[0]
+            if kind in (CALL, CALL_END):
+                flush()
+                entry = self.children.setdefault(str(item[1]), {"run_id": None, "label": "", "ended": {}})
+                if kind == CALL:
+                    self.calls[key] = item[1]
+                    entry["label"] = item[2]
+                else:
+                    self.calls[key] = 0
+                    entry["ended"][key] = item[2]
+                    self._maybe_end_child(str(item[1]))
+                continue
+            call = self.calls.get(key, 0)
+            table = names if not call else self._child_names.setdefault(str(call), _load_names(None))
             if kind == "m":
                 metrics.append(Metric(metric_name(rank, item[1]), item[2], item[4], item[3]))
             elif kind == "p":
-                name = place(names["p"], False, rank, item[1], item[2])
+                name = place(table["p"], False, rank, item[1], item[2])
                 if name is not None:
                     params.append(Param(name, item[2]))
             elif kind == "t":
-                name = place(names["t"], True, rank, item[1], item[2])
+                name = place(table["t"], True, rank, item[1], item[2])
                 if name is not None:
                     tags.append(RunTag(name, item[2]))
             else:
                 artifacts.append((item[1], item[2]))
-        self._send("metrics", metrics)
-        # Sent apart from the points: a refused param must cost nothing but itself.
-        self._send("params", params)
-        self._send("tags", tags)
-        for local_path, artifact_path in artifacts:
-            self._send_artifact(local_path, artifact_path)
+        flush()
         return names
 
-    def _send(self, kind: str, items: list[Any]) -> None:
+    # -- a pool's calls: child runs -----------------------------------------------------------------
+
+    def _child_run(self, call: int) -> str:
+        """The run of a pool's call, made now if this is the first thing it logs."""
+        entry = self.children.setdefault(str(call), {"run_id": None, "label": "", "ended": {}})
+        if not entry.get("run_id"):
+            journal = self.spool.journal
+            parent = self.ensure_run()
+            label = entry.get("label") or f"call {call}"
+            run = self._call(
+                self.client.create_run,
+                journal["experiment_id"],
+                start_time=int(time.time() * 1000),
+                tags={
+                    _PARENT_TAG: parent,
+                    "air_magic.call": str(call),
+                    "air_magic.launch_id": journal.get("tags", {}).get("air_magic.launch_id", ""),
+                },
+                run_name=label,
+            )
+            entry["run_id"] = run.info.run_id
+            self.spool.update(children=self.children)
+        return str(entry["run_id"])
+
+    def _maybe_end_child(self, call: str) -> None:
+        """End a call's child run once every rank's end of it is sent."""
+        entry = self.children[call]
+        if entry.get("done") or len(entry["ended"]) < len(self.spool.journal.get("sent") or {}):
+            return
+        if entry.get("run_id"):
+            statuses = set(entry["ended"].values())
+            status = next((s for s in ("FAILED", "KILLED") if s in statuses), "FINISHED")
+            self._call(self.client.set_terminated, entry["run_id"], status)
+        entry["done"] = True
+
+    def end_children(self, status: str) -> None:
+        """End the child runs still open (the pool's run ends with ``status``)."""
+        for entry in self.children.values():
+            if entry.get("run_id") and not entry.get("done"):
+                self._call(self.client.set_terminated, entry["run_id"], status)
+                entry["done"] = True
+        if self.children:
+            self.spool.update(children=self.children)
+
+    def _send(self, kind: str, items: list[Any], run_id: str | None = None) -> None:
         size = _BATCH[kind]
         for start in range(0, len(items), size):
-            self._send_batch(kind, items[start : start + size])
+            self._send_batch(kind, items[start : start + size], run_id or self.run_id)
 
-    def _send_batch(self, kind: str, items: list[Any]) -> None:
+    def _send_batch(self, kind: str, items: list[Any], run_id: str | None = None) -> None:
         if not items:
             return
+        run_id = run_id or self.run_id
         try:
-            self._call(self.client.log_batch, self.run_id, **{kind: items})
+            self._call(self.client.log_batch, run_id, **{kind: items})
             if kind == "metrics":
                 self.points += len(items)
             return
@@ -253,12 +339,12 @@ class SpoolUploader:
                 self._refused(_label(kind, items[0]), exc)
                 return
         middle = len(items) // 2
-        self._send_batch(kind, items[:middle])
-        self._send_batch(kind, items[middle:])
+        self._send_batch(kind, items[:middle], run_id)
+        self._send_batch(kind, items[middle:], run_id)
 
-    def _send_artifact(self, local_path: str, artifact_path: str | None) -> None:
+    def _send_artifact(self, local_path: str, artifact_path: str | None, run_id: str | None = None) -> None:
         try:
-            self._call(self.client.log_artifact, self.run_id, local_path, artifact_path)
+            self._call(self.client.log_artifact, run_id or self.run_id, local_path, artifact_path)
         except Unreachable:
             raise
         except Exception as exc:  # the store refused the file (too large, a bad path...)
@@ -288,6 +374,7 @@ class SpoolUploader:
         """Name what was skipped on the run, then end it with ``status``."""
         from mlflow.entities import RunTag
 
+        self.end_children(status)
         if tag_skipped and self.skipped:
             text = self.skipped_text()
             self._send("tags", [RunTag("air_magic.skipped", text if len(text) <= 5000 else text[:4997] + "...")])

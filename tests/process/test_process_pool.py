@@ -76,13 +76,10 @@ def test_a_value_that_cannot_come_back_is_a_result_error_and_the_pool_stays() ->
         assert pool.run(int) == [0]
 
 
-def test_a_ray_pool_is_refused_with_what_to_do_instead() -> None:
+def test_an_unknown_backend_is_the_launch_s_own_error() -> None:
     with pytest.raises(ConfigurationError) as info:
-        Pool(2, backend="ray")
-    assert str(info.value) == (
-        "Pool(backend='ray'): a pool runs on this machine's ranks (backend='local') in this version; launch on "
-        "Ray with @distributed(backend='ray') or %%distributed --backend ray."
-    )
+        Pool(2, backend="slurm")
+    assert str(info.value) == "backend must be one of 'local', 'ray', got 'slurm'."
 
 
 def test_a_bad_size_is_the_launch_s_own_error() -> None:

@@ -446,3 +446,45 @@ class RayCluster:
         shutil.rmtree(self.root, ignore_errors=True)
         if left:
             raise ClusterError(f"Ray processes of the test cluster survive SIGKILL:\n{describe(left)}")
+
+
+# -- what the tests of Ray launches look for -----------------------------------------------
+
+# In a namespace whose only interface is lo, the host name resolves to no address of it:
+# gloo is told where to listen (on a real cluster it finds the node's own address).
+GLOO = {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def ray_processes(ranks_only: bool = False) -> list[str]:
+    """The command lines of the agents (Ray actors of class RankAgent) and ranks of Ray
+    launches still alive (zombies, already dead, left out)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        text = " ".join(proc.info["cmdline"] or [])
+        if "air_magic.backends.ray.rank_entry" in text or (not ranks_only and "RankAgent" in text):
+            found.append(text)
+    return found
+
+
+def running_ranks() -> int:
+    return len(ray_processes(ranks_only=True))
+
+
+def live_agents(cluster: RayCluster) -> list[str]:
+    """The RankAgent actors the GCS does not list as dead (its state API)."""
+    return [
+        f"{actor['actor_id'][:12]} {actor['state']}"
+        for actor in cluster.actors()
+        if actor.get("class_name") == "RankAgent" and actor.get("state") != "DEAD"
+    ]
+
+
+def assert_nothing_left(timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if ray_processes():
+        left = [text[:120] for text in ray_processes()]
+        pytest.fail(f"left running {timeout} s after the launch ended: {left}")

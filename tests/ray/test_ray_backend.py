@@ -14,54 +14,17 @@ import tempfile
 import time
 from typing import Any
 
-import psutil
 import pytest
 from harness import user_lines, wait_until
-from ray_support import Node, RayCluster
+from ray_support import GLOO, Node, RayCluster, assert_nothing_left, live_agents, ray_processes, running_ranks
 
 pytestmark = [pytest.mark.kernel, pytest.mark.process]
-
-# In a namespace whose only interface is lo, the host name resolves to no address of it:
-# gloo is told where to listen (on a real cluster it finds the node's own address).
-GLOO = {"GLOO_SOCKET_IFNAME": "lo"}
-
-
-def ray_processes(ranks_only: bool = False) -> list[str]:
-    """The command lines of the agents (Ray actors of class RankAgent) and ranks of Ray
-    launches still alive (zombies, already dead, left out)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        text = " ".join(proc.info["cmdline"] or [])
-        if "air_magic.backends.ray.rank_entry" in text or (not ranks_only and "RankAgent" in text):
-            found.append(text)
-    return found
-
-
-def running_ranks() -> int:
-    return len(ray_processes(ranks_only=True))
-
-
-def live_agents(cluster: RayCluster) -> list[str]:
-    """The RankAgent actors the GCS does not list as dead (its state API)."""
-    return [
-        f"{actor['actor_id'][:12]} {actor['state']}"
-        for actor in cluster.actors()
-        if actor.get("class_name") == "RankAgent" and actor.get("state") != "DEAD"
-    ]
 
 
 def session_paths(kernel_pid: int) -> list[str]:
     """A kernel's air_magic folders (session folder, shared-memory folder)."""
     pattern = f"air_magic-{kernel_pid}-*"
     return glob.glob(os.path.join(tempfile.gettempdir(), pattern)) + glob.glob(os.path.join("/dev/shm", pattern))
-
-
-def assert_nothing_left(timeout: float = 15.0) -> None:
-    if not wait_until(lambda: not ray_processes(), timeout, interval=0.2):
-        left = [text[:120] for text in ray_processes()]
-        pytest.fail(f"left running {timeout} s after the launch ended: {left}")
 
 
 #: A cell whose 2 Ray ranks sleep 300 s.

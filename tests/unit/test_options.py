@@ -178,7 +178,7 @@ def test_modules_that_must_stay_light() -> None:
 
 def test_the_pool_s_options_are_the_table_s() -> None:
     """``air_magic.Pool``'s keywords and ``%distributed_pool``'s flags are the table's pool options
-    (plus the backend the pool refuses but a launch takes, and the line magic's own two)."""
+    (the line magic has two of its own: --restart and --stop)."""
     pytest.importorskip("IPython")
     from air_magic.magics import DistributedMagics
     from air_magic.options import POOL_KEYWORDS

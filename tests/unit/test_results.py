@@ -146,9 +146,10 @@ def test_a_ray_rank_whose_tensors_find_no_room_in_the_kernel_returns_an_unpickla
     launch.spool = None
 
     class Agent:
-        class finish:  # noqa: N801 - an actor method's shape: agent.finish.remote()
+        class finish:  # noqa: N801 - an actor method's shape: agent.finish.remote(launch_id)
             @staticmethod
-            def remote() -> tuple[bytes, dict[str, bytes], dict[str, bytes]]:
+            def remote(launch_id: str) -> tuple[bytes, dict[str, bytes], dict[str, bytes]]:
+                assert launch_id == "L"
                 return pickle.dumps(ValueRecord(None)), {"r0-0": b"\1" * 64}, {}
 
     sent: list[Any] = []

@@ -113,22 +113,79 @@ def node_environment(kernel_env: dict[str, str], node_env: dict[str, str]) -> di
     return env
 
 
-class RankAgent:
-    """The agent of one rank (a Ray actor: see the module's docstring)."""
+class _Rank:
+    """One rank an agent started: its process, folders, log and spool offsets."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self.proc: subprocess.Popen[bytes] | None = None
         self.folder: str | None = None
         self.shm_folder: str | None = None  # where the rank's large result tensors go
-        self._locks: list[int] = []  # one descriptor a folder, holding its lock
+        self.locks: list[int] = []  # one descriptor a folder, holding its lock
         self.alive_w: int | None = None
         self.log_path = ""
         self.spool_path: str | None = None
         self.spool_folder: str | None = None
-        self.rank = 0
         self.offsets = {"log": 0, "spool": 0}
         self.returncode: int | None = None
         self.run_published = False
+
+
+class _Spare:
+    """A rank process started ahead (``rank_entry --spare``): it has imported torch and
+    waits for the launch it is to run, so a launch on warm agents does not pay that."""
+
+    def __init__(self) -> None:
+        self.alive_r, self.alive_w = os.pipe()
+        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}spare-")
+        self.lock = claim(self.folder)
+        early = os.open(os.path.join(self.folder, "early.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "air_magic.backends.ray.rank_entry", "--spare", str(self.alive_r)],
+                pass_fds=(self.alive_r,),
+                stdin=subprocess.PIPE,
+                stdout=early,
+                stderr=early,
+                cwd=self.folder,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+            )
+        finally:
+            os.close(self.alive_r)
+            os.close(early)
+
+    def take(self, request_file: str, rank: int, port: int) -> subprocess.Popen[bytes] | None:
+        """The spare, told to run ``rank`` of the request; None if it is gone."""
+        assert self.proc.stdin is not None
+        if self.proc.poll() is not None:
+            return None
+        try:
+            self.proc.stdin.write(f"{request_file}\t{rank}\t{port}\n".encode())
+            self.proc.stdin.close()
+        except OSError:
+            return None
+        return self.proc
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            signal_rank(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for fd in (self.alive_w, self.lock):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class RankAgent:
+    """The agent of one bundle (a Ray actor: see the module's docstring).  It runs one rank
+    of a launch at a time, or, for agents a pool keeps, the pool's rank and one rank of a
+    launch that borrows them between the pool's calls: each is named by its launch's id."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[str, _Rank] = {}
+        self.spare: _Spare | None = None
 
     # -- where -------------------------------------------------------------------------
 
@@ -153,9 +210,17 @@ class RankAgent:
 
     # -- the rank ----------------------------------------------------------------------
 
+    def prepare_spare(self) -> None:
+        """Start a spare rank process, if none waits (a kept agent's next launch takes it)."""
+        if self.spare is not None and self.spare.proc.poll() is None:
+            return
+        if self.spare is not None:
+            self.spare.close()
+        self.spare = _Spare()
+
     def start(self, request: LaunchRequest, payload: bytes, rank: int, port: int) -> int:
         """Start ``rank`` of ``request`` on this node; its pid."""
-        self.rank = rank
+        state = self.ranks[request.launch_id] = _Rank(rank)
         prefix = f"{FOLDER_PREFIX}{request.launch_id}-r{rank}-"
         shm: str | None = settings.shm_dir
         if not (shm and os.path.isdir(shm) and os.access(shm, os.W_OK)):
@@ -163,21 +228,21 @@ class RankAgent:
         for parent in (tempfile.gettempdir(), shm):
             if parent is not None:
                 sweep(parent)
-        self.folder = folder = tempfile.mkdtemp(prefix=prefix)
-        self._locks.append(claim(folder))
+        state.folder = folder = tempfile.mkdtemp(prefix=prefix)
+        state.locks.append(claim(folder))
         if shm is not None:
-            self.shm_folder = tempfile.mkdtemp(prefix=prefix, dir=shm)
-            self._locks.append(claim(self.shm_folder))
+            state.shm_folder = tempfile.mkdtemp(prefix=prefix, dir=shm)
+            state.locks.append(claim(state.shm_folder))
         os.mkdir(os.path.join(folder, "logs"), mode=0o700)
         with open(os.open(payload_path(folder), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
             handle.write(payload)
-        self.log_path = log_path(os.path.join(folder, "logs"), rank)
+        state.log_path = log_path(os.path.join(folder, "logs"), rank)
         env = node_environment(request.env, dict(os.environ))
         if SPOOL_DIR_ENV in env:  # tracking is on: the rank's calls go to a spool of this node
-            self.spool_folder = os.path.join(folder, "spool")
-            os.mkdir(self.spool_folder, mode=0o700)
-            env[SPOOL_DIR_ENV] = self.spool_folder
-            self.spool_path = spool_file(self.spool_folder, rank)
+            state.spool_folder = os.path.join(folder, "spool")
+            os.mkdir(state.spool_folder, mode=0o700)
+            env[SPOOL_DIR_ENV] = state.spool_folder
+            state.spool_path = spool_file(state.spool_folder, rank)
         cwd = request.cwd if os.path.isdir(request.cwd) else folder
         # The kernel's sys.path where it exists here, then this interpreter's own.
         sys_path = [p for p in request.sys_path if os.path.exists(p)]
@@ -190,15 +255,24 @@ class RankAgent:
             payload_path=payload_path(folder),
             work_dir=folder,
             # Large tensors: a file each, in shared memory if it has room, else in the folder.
-            shm_dir=self.shm_folder or folder,
-            log_paths=[self.log_path if r == rank else os.devnull for r in range(request.world_size)],
+            shm_dir=state.shm_folder or folder,
+            log_paths=[state.log_path if r == rank else os.devnull for r in range(request.world_size)],
             private_rendezvous=False,
         )
         request_file = os.path.join(folder, "request.pkl")
         with open(os.open(request_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
             pickle.dump(local, handle)
-        alive_r, self.alive_w = os.pipe()
-        early = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        spare, self.spare = self.spare, None
+        if spare is not None:  # started ahead: it has imported torch already
+            state.proc = spare.take(request_file, rank, port)
+            if state.proc is not None:
+                state.alive_w = spare.alive_w
+                os.close(spare.lock)
+                shutil.rmtree(spare.folder, ignore_errors=True)
+                return state.proc.pid
+            spare.close()
+        alive_r, state.alive_w = os.pipe()
+        early = os.open(state.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             command = [
                 sys.executable,
@@ -209,7 +283,7 @@ class RankAgent:
                 str(port),
                 str(alive_r),
             ]
-            self.proc = subprocess.Popen(
+            state.proc = subprocess.Popen(
                 command,
                 pass_fds=(alive_r,),
                 stdin=subprocess.DEVNULL,
@@ -221,85 +295,66 @@ class RankAgent:
         finally:
             os.close(alive_r)
             os.close(early)
-        return self.proc.pid
+        return state.proc.pid
 
-    def poll(self, run: str | None = None) -> tuple[bytes, bytes, int | None]:
+    def poll(self, launch_id: str, run: str | None = None) -> tuple[bytes, bytes, int | None]:
         """New log bytes, new spool bytes, and the exit code once the rank has ended (then
         every byte has been returned).  ``run``: the launch's MLflow run id, once made."""
-        if run and not self.run_published and self.spool_folder:
-            publish_run(self.spool_folder, run)
-            self.run_published = True
-        ended = self._ended()
-        log = self._read("log", self.log_path)
-        spool = self._read("spool", self.spool_path) if self.spool_path else b""
+        state = self.ranks[launch_id]
+        if run and not state.run_published and state.spool_folder:
+            publish_run(state.spool_folder, run)
+            state.run_published = True
+        ended = _ended(state)
+        log = _read(state, "log", state.log_path)
+        spool = _read(state, "spool", state.spool_path) if state.spool_path else b""
         if ended and (len(log) >= CHUNK or len(spool) >= CHUNK):
             ended = False  # more to send first
-        return log, spool, self.returncode if ended else None
+        return log, spool, state.returncode if ended else None
 
-    def _ended(self) -> bool:
-        if self.returncode is not None or self.proc is None:
-            return self.returncode is not None
-        pid = self.proc.pid
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-            return False
-        # Still a zombie, so its group id cannot be reused yet: end what it left behind.
-        signal_rank(pid, signal.SIGKILL)
-        self.returncode = self.proc.wait()
-        return True
-
-    def _read(self, which: str, path: str | None) -> bytes:
-        if path is None:
-            return b""
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(self.offsets[which])
-                data = handle.read(CHUNK)
-        except FileNotFoundError:
-            return b""
-        self.offsets[which] += len(data)
-        return data
-
-    def finish(self) -> tuple[bytes | None, dict[str, Any], dict[str, bytes]]:
+    def finish(self, launch_id: str) -> tuple[bytes | None, dict[str, Any], dict[str, bytes]]:
         """The rank's result record (None if it wrote none), the files of its large tensors
         (``{name: NumPy array of their bytes}``: raw buffers for Ray) and its MLflow artifacts
         (``{relative path: bytes}``); the rank's folders are removed."""
+        state = self.ranks.get(launch_id)
         result = None
         tensors: dict[str, Any] = {}
         artifacts: dict[str, bytes] = {}
-        if self.folder is not None:
+        if state is not None and state.folder is not None:
             try:
-                with open(result_path(self.folder, self.rank), "rb") as handle:
+                with open(result_path(state.folder, state.rank), "rb") as handle:
                     result = handle.read()
             except FileNotFoundError:
                 pass
             if result is not None:
-                tensors = take_tensor_files((self.shm_folder, self.folder), _results.rank_prefix(self.rank))
-            if self.spool_folder:
-                root = artifact_dir(self.spool_folder, self.rank)
+                tensors = take_tensor_files((state.shm_folder, state.folder), _results.rank_prefix(state.rank))
+            if state.spool_folder:
+                root = artifact_dir(state.spool_folder, state.rank)
                 for dirpath, _, files in os.walk(root):
                     for name in files:
                         path = os.path.join(dirpath, name)
                         with open(path, "rb") as handle:
                             artifacts[os.path.relpath(path, root)] = handle.read()
-        self.close()
+        self.end(launch_id)
         return result, tensors, artifacts
 
-    def signal(self, signum: int) -> None:
-        if self.proc is not None and self.returncode is None:
-            signal_rank(self.proc.pid, signum)
+    def signal(self, launch_id: str, signum: int) -> None:
+        state = self.ranks.get(launch_id)
+        if state is not None and state.proc is not None and state.returncode is None:
+            signal_rank(state.proc.pid, signum)
 
-    def stacks(self, grace: float = 0.5) -> str:
+    def stacks(self, launch_id: str, grace: float = 0.5) -> str:
         """Every thread's Python stack of the running rank ('' if it has ended)."""
-        if self.proc is None or self.returncode is not None or self.folder is None:
+        state = self.ranks.get(launch_id)
+        if state is None or state.proc is None or state.returncode is not None or state.folder is None:
             return ""
-        path = stack_path(self.folder, self.rank)
-        if not ask_for_stacks(self.folder, self.rank, self.proc.pid):
+        path = stack_path(state.folder, state.rank)
+        if not ask_for_stacks(state.folder, state.rank, state.proc.pid):
             return ""
         time.sleep(min(grace, THREAD_ANSWER_SECONDS))
         if not os.path.exists(path) or not os.path.getsize(
             path
         ):  # the rank's thread did not answer (a C call holds the GIL)
-            ask_for_stacks(self.folder, self.rank, self.proc.pid, by_signal=True)
+            ask_for_stacks(state.folder, state.rank, state.proc.pid, by_signal=True)
             time.sleep(max(0.0, grace - THREAD_ANSWER_SECONDS))
         try:
             with open(path, encoding="utf-8", errors="replace") as handle:
@@ -307,21 +362,57 @@ class RankAgent:
         except OSError:
             return ""
 
-    def close(self) -> None:
-        """Kill the rank if it still runs; remove its folder."""
-        if self.proc is not None and self.returncode is None:
-            signal_rank(self.proc.pid, signal.SIGKILL)
-            self.returncode = self.proc.wait()
-        if self.alive_w is not None:
-            os.close(self.alive_w)
-            self.alive_w = None
-        for folder in (self.folder, self.shm_folder):
+    def end(self, launch_id: str) -> None:
+        """Kill the launch's rank if it still runs; remove its folders."""
+        state = self.ranks.pop(launch_id, None)
+        if state is None:
+            return
+        if state.proc is not None and state.returncode is None:
+            signal_rank(state.proc.pid, signal.SIGKILL)
+            state.returncode = state.proc.wait()
+        if state.alive_w is not None:
+            os.close(state.alive_w)
+            state.alive_w = None
+        for folder in (state.folder, state.shm_folder):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
-        self.folder = self.shm_folder = None
-        for fd in self._locks:
+        state.folder = state.shm_folder = None
+        for fd in state.locks:
             os.close(fd)
-        self._locks = []
+        state.locks = []
+
+    def close(self) -> None:
+        """End every rank of this agent, and its spare."""
+        for launch_id in list(self.ranks):
+            self.end(launch_id)
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
+
+
+def _ended(state: _Rank) -> bool:
+    if state.returncode is not None or state.proc is None:
+        return state.returncode is not None
+    pid = state.proc.pid
+    if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        return False
+    # Still a zombie, so its group id cannot be reused yet: end what it left behind.
+    signal_rank(pid, signal.SIGKILL)
+    state.returncode = state.proc.wait()
+    return True
+
+
+def _read(state: _Rank, which: str, path: str | None) -> bytes:
+    if path is None:
+        return b""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(state.offsets[which])
+            data = handle.read(CHUNK)
+    except FileNotFoundError:
+        return b""
+    state.offsets[which] += len(data)
+    return data
 
 
 def take_tensor_files(folders: tuple[str | None, ...], prefix: str) -> dict[str, Any]:

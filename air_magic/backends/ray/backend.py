@@ -104,6 +104,7 @@ class RayBackend:
         self._lock = threading.Lock()
         self._launches: dict[str, _RayLaunch] = {}
         self._agent_class: Any = None
+        self._kept: list[_Kept] = []  # the agents of this kernel's pools
         # Registered after `import ray` registered ray.shutdown: at exit, this runs first.
         atexit.register(self.close)
         _BACKENDS.add(self)
@@ -157,9 +158,25 @@ class RayBackend:
             found = self._launches.get(launch_id)
         return found.stacks(timeout) if found is not None else {}
 
+    def signal_ranks(self, launch_id: str, ranks: list[int], signum: int) -> None:
+        """``signum`` to these ranks of a launch (by their agents)."""
+        with self._lock:
+            found = self._launches.get(launch_id)
+        if found is not None:
+            found.signal_ranks(ranks, signum)
+
+    def kernel_address(self) -> str:
+        """This machine's address in the cluster (the one Ray's nodes reach this driver at)."""
+        return str(self.ray.util.get_node_ip_address())
+
     def close(self, wait: float = 5.0) -> None:
-        """Kill every rank of every launch and remove their actors."""
+        """Kill every rank of every launch and remove their actors (a pool's kept ones too)."""
         self._end_launches(wait, leaving=False)
+        with self._lock:
+            kept, self._kept = self._kept, []
+        if kept and self.ray.is_initialized():
+            for each in kept:
+                remove_agents(self.ray, each.agents, each.group)
         atexit.unregister(self.close)
 
     def leave(self, wait: float = 5.0) -> None:
@@ -177,6 +194,59 @@ class RayBackend:
         for launch in launches:
             launch.finished.wait(max(0.0, deadline - time.monotonic()))
         self.alive = False
+
+    # -- a pool's agents, kept ------------------------------------------------------------
+
+    def keep_agents(self, launch: "_RayLaunch", gpu: bool) -> _Kept:
+        """Keep the agents a pool's launch placed, for the pool's life."""
+        kept = _Kept(launch.group, list(launch.agents), list(launch.nodes), gpu, pool=launch.id, last_pool=launch.id)
+        with self._lock:
+            self._kept.append(kept)
+        return kept
+
+    def take_agents(self, launch: "_RayLaunch", n: int, gpu: bool) -> _Kept | None:
+        """Kept agents for ``launch``: a pool's own (its restart), or, for another launch, a
+        pool's that no launch borrows now, with room for ``n`` ranks of this kind."""
+        with self._lock:
+            for kept in self._kept:
+                if kept.released or kept.gpu != gpu or len(kept.agents) < n:
+                    continue
+                if launch.request.pool and kept.pool is None and len(kept.agents) == n:
+                    kept.pool = kept.last_pool = launch.id
+                    return kept
+                if not launch.request.pool and kept.lent_to is None:
+                    kept.lent_to = launch.id
+                    return kept
+        return None
+
+    def return_agents(self, launch: "_RayLaunch") -> None:
+        """A launch on kept agents ended: they are free for the next (or removed, their pool closed)."""
+        kept = launch.kept
+        assert kept is not None
+        with self._lock:
+            if kept.pool == launch.id:
+                kept.pool = None
+            if kept.lent_to == launch.id:
+                kept.lent_to = None
+            remove = kept.released and kept.pool is None and kept.lent_to is None
+            if remove:
+                self._kept.remove(kept)
+        if remove:
+            remove_agents(self.ray, kept.agents, kept.group)
+
+    def release_pool(self, launch_id: str) -> None:
+        """The pool whose last launch is ``launch_id`` closed: its agents are removed (once a
+        launch that borrowed them has ended)."""
+        with self._lock:
+            found = [k for k in self._kept if k.pool == launch_id or k.last_pool == launch_id]
+        for kept in found:
+            with self._lock:
+                kept.released = True
+                remove = kept.pool in (None, launch_id) and kept.lent_to is None
+                if remove and kept in self._kept:
+                    self._kept.remove(kept)
+            if remove and self.ray.is_initialized():
+                remove_agents(self.ray, kept.agents, kept.group)
 
     # -- for the launches ----------------------------------------------------------------------
 
@@ -209,6 +279,7 @@ class _RayLaunch:
         self.agents: list[Any] = []
         self.nodes: list[dict[str, Any]] = []
         self.group: Any = None
+        self.kept: _Kept | None = None  # the pool's agents this launch runs on
         self.running: set[int] = set()
         self.lost: list[int] = []  # ranks whose node died under them
         self.stopping: str | None = None
@@ -253,11 +324,34 @@ class _RayLaunch:
 
     def _start(self) -> dict[int, int]:
         ray = self.ray
+        n = self.request.world_size
+        gpu = self.request.device == "cuda"
+        kept = self.backend.take_agents(self, n, gpu)
+        if kept is not None:  # a pool's agents: no placement, no actor to start
+            self.kept = kept
+            self.agents, self.nodes = kept.agents[:n], kept.nodes[:n]
+        else:
+            self._place(n, gpu)
+            if self.request.pool:
+                self.kept = self.backend.keep_agents(self, gpu)
+        port = ray.get(self.agents[0].free_port.remote())
+        rank_env = placement_environment(self.nodes, port)
+        request = dataclasses.replace(self.request, rank_env=rank_env)
+        with open(self.request.payload_path, "rb") as handle:
+            payload = ray.put(handle.read())
+        pids = ray.get([a.start.remote(request, payload, rank, port) for rank, a in enumerate(self.agents)])
+        self.running = set(range(n))
+        if self.kept is not None:  # the next launch on these agents finds a rank process started
+            for agent in self.agents:
+                agent.prepare_spare.remote()
+        return dict(enumerate(pids))
+
+    def _place(self, n: int, gpu: bool) -> None:
+        """A placement group of one bundle per rank, and an agent in each."""
+        ray = self.ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        n = self.request.world_size
-        gpu = self.request.device == "cuda"
         bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
         self._check_room(bundle, n)
         self.group = placement_group([dict(bundle) for _ in range(n)], strategy=settings.ray_strategy)
@@ -277,14 +371,6 @@ class _RayLaunch:
                 options["num_gpus"] = 1
             self.agents.append(agent.options(**options).remote())
         self.nodes = ray.get([a.node.remote() for a in self.agents])
-        port = ray.get(self.agents[0].free_port.remote())
-        rank_env = placement_environment(self.nodes, port)
-        request = dataclasses.replace(self.request, rank_env=rank_env)
-        with open(self.request.payload_path, "rb") as handle:
-            payload = ray.put(handle.read())
-        pids = ray.get([a.start.remote(request, payload, rank, port) for rank, a in enumerate(self.agents)])
-        self.running = set(range(n))
-        return dict(enumerate(pids))
 
     def _node_names(self) -> dict[int, str]:
         """``{rank: "node 1 (10.0.0.7)"}``: its NODE_RANK and address."""
@@ -315,7 +401,7 @@ class _RayLaunch:
             if self.spool and self.run_id is None:
                 self.run_id = read_run(self.spool)
             ranks = sorted(self.running)
-            refs = [self.agents[r].poll.remote(self.run_id) for r in ranks]
+            refs = [self.agents[r].poll.remote(self.id, self.run_id) for r in ranks]
             for rank, ref in zip(ranks, refs):
                 try:
                     log, spool, code = ray.get(ref)
@@ -334,7 +420,7 @@ class _RayLaunch:
 
     def _rank_ended(self, rank: int, code: int) -> None:
         try:
-            result, tensors, artifacts = self.ray.get(self.agents[rank].finish.remote())
+            result, tensors, artifacts = self.ray.get(self.agents[rank].finish.remote(self.id))
         except (self.ray.exceptions.RayActorError, self.ray.exceptions.ObjectLostError):
             self._rank_lost(rank)
             return
@@ -375,6 +461,8 @@ class _RayLaunch:
             raise
 
     def _rank_lost(self, rank: int) -> None:
+        if self.kept is not None:  # an agent of them is gone: the set is not used again
+            self.kept.released = True
         self.running.discard(rank)
         self.lost.append(rank)
         self.backend.emit(Exited(self.id, rank, -9, time.monotonic()))
@@ -449,13 +537,20 @@ class _RayLaunch:
             return  # this process left the cluster: its actors and ranks went with it
         for signum in due:
             for rank in ranks:
-                self.agents[rank].signal.remote(signum)
+                self.agents[rank].signal.remote(self.id, signum)
+
+    def signal_ranks(self, ranks: list[int], signum: int) -> None:
+        if not self.ray.is_initialized():
+            return
+        for rank in ranks:
+            if rank in self.running:
+                self.agents[rank].signal.remote(self.id, signum)
 
     def stacks(self, timeout: float) -> dict[int, str]:
         """The running ranks' stacks, by rank, also written where a local rank writes its own
         (the launch's folder), for :func:`air_magic.kernel.rank_output.read_stacks`."""
         ranks = sorted(self.running) if self.ray.is_initialized() else []
-        refs = {rank: self.agents[rank].stacks.remote(min(timeout, _STACK_GRACE)) for rank in ranks}
+        refs = {rank: self.agents[rank].stacks.remote(self.id, min(timeout, _STACK_GRACE)) for rank in ranks}
         found = {}
         for rank, ref in refs.items():
             try:
@@ -472,18 +567,46 @@ class _RayLaunch:
     def _remove(self) -> None:
         if not self.ray.is_initialized():
             return  # this process left the cluster: its actors and placement group went with it
-        for agent in self.agents:
-            try:
-                self.ray.kill(agent, no_restart=True)
-            except Exception:  # an actor already gone
-                pass
-        if self.group is not None:
-            from ray.util.placement_group import remove_placement_group
+        if self.kept is not None:  # a pool's agents stay: this launch's ranks are ended
+            for agent in self.agents:
+                try:
+                    agent.end.remote(self.id)
+                except Exception:  # an actor already gone
+                    pass
+            self.backend.return_agents(self)
+            return
+        remove_agents(self.ray, self.agents, self.group)
 
-            try:
-                remove_placement_group(self.group)
-            except Exception:  # the cluster is gone
-                pass
+
+def remove_agents(ray: Any, agents: list[Any], group: Any) -> None:
+    """Kill the agents (their ranks and spares end with them) and remove their placement group."""
+    for agent in agents:
+        try:
+            ray.kill(agent, no_restart=True)
+        except Exception:  # an actor already gone
+            pass
+    if group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(group)
+        except Exception:  # the cluster is gone
+            pass
+
+
+@dataclasses.dataclass
+class _Kept:
+    """The agents of a pool, kept for its life: its restarts place nothing, and a launch
+    that comes between the pool's calls borrows them (one rank per agent beside the pool's)."""
+
+    group: Any
+    agents: list[Any]
+    nodes: list[dict[str, Any]]
+    gpu: bool
+    pool: str | None  # the id of the pool's launch running on them
+    last_pool: str = ""  # the id of the pool's latest launch (it names the pool to release)
+    lent_to: str | None = None  # the id of a launch that borrowed them
+    released: bool = False  # the pool closed: removed once the borrower is done
 
 
 #: The backends of this process, ended by ``ray.shutdown()`` before Ray disconnects.
