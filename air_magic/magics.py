@@ -254,7 +254,7 @@ class DistributedMagics(Magics):
                 "[air_magic] this kernel has no pool; start one with %distributed_pool -n N (or a %%distributed --pool cell)."
             )
             return None
-        print(engine.describe())
+        print(engine.describe() + "\n" + engine.table()[0])
         return None
 
     def _spec(self, args: Any) -> LaunchSpec:

@@ -6,7 +6,8 @@ first call registers the plug-ins' factories with ``Launcher.add_observer``::
 
     front --get_launcher()--> register (once): tracking, panel, "tracking is off" line,
                               the lab extension's list (observer factories), the panel as
-                              a launch's notebook view --> launcher.get_launcher()
+                              a launch's notebook view, a pool call's panel
+                              --> launcher.get_launcher()
     import air_magic (in a kernel) --lab_target()--> the comm target "air_magic" registered;
                               a front end's comm_open --lab_opened--> panel._lab.opened
 
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from air_magic.kernel.launcher import Launch, Launcher, LaunchObserver
+    from air_magic.kernel.pool import PoolEngine
 
 #: The comm target the JupyterLab extension (labextension/src/channel.ts) opens its comm to.
 LAB_TARGET = "air_magic"
@@ -51,6 +53,13 @@ def panel_mimebundle(launch: "Launch") -> dict[str, Any]:
     from air_magic.panel import launch_mimebundle
 
     return launch_mimebundle(launch)
+
+
+def pool_panel(engine: "PoolEngine", label: str) -> Any:
+    """The panel of a pool's call (shown only if the call runs for more than a second)."""
+    from air_magic.panel import pool_call_panel
+
+    return pool_call_panel(engine, label)
 
 
 def tracking_off(launch: "Launch") -> None:
@@ -109,9 +118,11 @@ def register() -> None:
     with _lock:
         if _registered:
             return
+        from air_magic.kernel import pool as _pool
         from air_magic.kernel.launcher import Launch, Launcher
 
         Launch.render = panel_mimebundle
+        _pool.CALL_WATCHERS.append(pool_panel)
         Launcher.add_observer(tracking)
         Launcher.add_observer(panel)
         Launcher.add_observer(tracking_off)

@@ -96,7 +96,13 @@ class Pool:
         return self._engine.status()
 
     def __repr__(self) -> str:
-        return self._engine.describe().removeprefix("[air_magic] ")
+        return self._engine.describe().removeprefix("[air_magic] ") + "\n" + self._engine.table()[0]
+
+    def _repr_html_(self) -> str:
+        import html
+
+        line = html.escape(self._engine.describe().removeprefix("[air_magic] "))
+        return f"<div class='air-magic-pool'><div>{line}</div>{self._engine.table()[1]}</div>"
 
     def __enter__(self) -> "Pool":
         return self

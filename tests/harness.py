@@ -153,6 +153,8 @@ class CellResult:
     streams: list[tuple[str, str]] = field(default_factory=list)  # (name, text) in order
     reply: dict[str, Any] | None = None
     execution_count: int | None = None
+    #: (msg_type, data, display_id) of each display_data / update_display_data, in order.
+    displays: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.stdout, self.result, self.error))
@@ -174,6 +176,9 @@ class CellResult:
             if kind == "execute_result":
                 self.result = content["data"].get("text/plain")
             self.execution_count = content.get("execution_count")
+        elif kind in ("display_data", "update_display_data"):
+            display_id = (content.get("transient") or {}).get("display_id")
+            self.displays.append((kind, content.get("data") or {}, display_id))
         elif kind == "error":
             tb = [strip_ansi(line) for line in content["traceback"]]
             self.error = {

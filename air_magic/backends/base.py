@@ -66,6 +66,10 @@ class Backend(Protocol):
         """Send ``signum`` to these running ranks of a launch (only asked of backends whose
         ranks are not local processes: the kernel signals local ranks itself)."""
 
+    def pool_started(self, launch_id: str) -> None:
+        """Every rank of the pool's launch ``launch_id`` is up (Ray: its agents start the
+        spare rank processes a launch between the pool's calls will take)."""
+
     def release_pool(self, launch_id: str) -> None:
         """The pool whose latest launch is ``launch_id`` closed: let go of what the backend
         kept for it (Ray: its agents and their placement group)."""

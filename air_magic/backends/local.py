@@ -110,6 +110,9 @@ class Helper:
     def signal_ranks(self, launch_id: str, ranks: list[int], signum: int) -> None:
         pass  # local ranks are signalled directly (Launch.signal_ranks)
 
+    def pool_started(self, launch_id: str) -> None:
+        pass  # nothing is kept for a local pool
+
     def release_pool(self, launch_id: str) -> None:
         pass  # a pool's local ranks are the launch's: nothing else is kept
 

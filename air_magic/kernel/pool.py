@@ -49,6 +49,11 @@ POOL_START_TIMEOUT = 300.0
 #: timeout, before the pool is broken (they wait in a collective, or in C).
 GRACE = 3.0
 
+#: Factories called as a pool's cell or call begins, with the engine and the call's label:
+#: each returns a watcher whose ``end(outcome)`` is called once the call is over, or None
+#: (the live panel registers one: :mod:`air_magic.panel._pool`; plugins.py wires it).
+CALL_WATCHERS: list[Callable[["PoolEngine", str], Any]] = []
+
 _pools: list["PoolEngine"] = []  # open pools of this kernel, the most recently started last
 _pools_lock = threading.Lock()
 
@@ -110,6 +115,8 @@ class PoolEngine:
         self.pids: list[int] = []
         self.rank_names: set[str] = set()  # names every rank's own code assigned (or push set)
         self.state = "new"  # "starting", "idle", "running", "broken", "closed"
+        self.current = ""  # the call running now (``Cell In[5]``, a function's name), or the last one
+        self.busy: set[int] = set()  # the ranks still in the current call
         self.broken_because = ""
         self.cells = 0
         self.started_at = 0.0
@@ -193,6 +200,8 @@ class PoolEngine:
                     pass
         self.conns = [hello[r][0] for r in range(len(hello))]
         self.pids = [hello[r][1] for r in range(len(hello))]
+        if self.launch.helper is not None:
+            self.launch.helper.pool_started(self.launch.id)  # Ray: the agents' spares start now
         self.rank_names = set()
         self.state = "idle"
         self.started_at = time.time()
@@ -395,14 +404,30 @@ class PoolEngine:
                 self._break("a rank's connection closed")
                 raise PoolBrokenError("the pool's ranks are gone; the next call starts fresh ones.") from None
         self.state = "running"
+        self.current = label
+        self.busy = set(range(len(self.conns)))
         self.cells += 1
+        watchers = _watch(self, label) if kind in ("cell", "call") else []
+        outcome = "done"
         try:
-            records = self._collect(pump, label, timeout if timeout is not None else self.timeout)
+            try:
+                records = self._collect(pump, label, timeout if timeout is not None else self.timeout)
+            finally:
+                pump.pump(final=True)
+            if self.state == "running":
+                self.state = "idle"
+            self.busy = set()
+            return self._outcome(records, label)
+        except BaseException as exc:
+            outcome = _outcome_text(self, exc)
+            raise
         finally:
-            pump.pump(final=True)
-        if self.state == "running":
-            self.state = "idle"
-        return self._outcome(records, label)
+            self.busy = set()
+            for watcher in watchers:
+                try:
+                    watcher.end(outcome)
+                except Exception:  # a watcher (the panel) never changes the call's outcome
+                    pass
 
     def _collect(self, pump: OutputPump, label: str, timeout: float | None) -> dict[int, Any]:
         """Every rank's record, waiting for them; a fault breaks the pool."""
@@ -415,6 +440,7 @@ class PoolEngine:
             while pending:
                 for rank, record, names in _replies(pending, 0.05):
                     records[rank] = record
+                    self.busy.discard(rank)
                     self.rank_names = set(names) if rank == 0 else self.rank_names & set(names)
                     if isinstance(record, ErrorRecord) and grace_until is None:
                         grace_until = time.monotonic() + GRACE
@@ -483,18 +509,21 @@ class PoolEngine:
             f"the pool is broken ({because}); the next pool cell starts {n} fresh rank{'s' * (n != 1)} "
             "(the state of these is lost)."
         )
-        if errors:
+        own = {r: e for r, e in errors.items() if not _outcome.is_echo(e.type_name, e.message)}
+        gone = self._first_gone(pending)
+        if own or (errors and gone is None):
             first = _first_failure(errors)
             error = self._rank_exception(records, first)
             error.add_note("[air_magic] " + tail)
-        else:
-            gone = self._first_gone(pending)
+        else:  # a rank ended; any error of the others only followed from it (a broken collective)
             gone = min(pending) if gone is None else gone
             assert self.launch is not None
             state = self.launch.ranks[gone]
             error = LaunchError(
                 f"rank {gone} of {n} of the pool {_outcome.describe_exit(state.returncode or -9, n)}; {tail}"
             )
+            for rank, record in sorted(errors.items()):
+                error.add_note(f"[air_magic] rank {rank}'s {record.type_name} followed from it: {record.message[:200]}")
         if where:
             error.add_note(where)
         raise error
@@ -558,16 +587,50 @@ class PoolEngine:
                 memory.append(psutil.Process(pid).memory_info().rss if local else None)
             except psutil.Error:
                 memory.append(None)
+
+        def rank_state(rank: int) -> str:
+            if self.state in ("broken", "closed", "starting"):
+                return self.state
+            return "running" if rank in self.busy else "idle"
+
         return {
             "ranks": len(self.pids),
             "pids": list(self.pids),
             "state": self.state,
+            "rank_states": [rank_state(r) for r in range(len(self.pids))],
+            "call": self.current,
             "device": self.launch.placement.device if self.launch else None,
+            "backend": self.spec.backend,
             "memory": memory,
             "cells": self.cells,
             "uptime": time.time() - self.started_at if self.started_at and self.state != "closed" else 0.0,
             "restarts": self.restarts,
         }
+
+    def table(self) -> tuple[str, str]:
+        """The pool's ranks as text and as HTML: state, memory, the call they run (or ran last)."""
+        import html
+
+        info = self.status()
+        rows = []
+        for rank in range(info["ranks"]):
+            memory = info["memory"][rank]
+            mem = "" if memory is None else f"{memory / 2**20:.0f} MiB"
+            state = info["rank_states"][rank]
+            call = info["call"] if state == "running" else ""
+            rows.append((str(rank), state, mem, call))
+        text = "\n".join(
+            f"  rank {r}: " + (f"running {call}" if call else state) + (f", {mem}" if mem else "")
+            for r, state, mem, call in rows
+        )
+        cells = "".join(
+            "<tr>" + "".join(f"<td style='padding:0 12px 0 0'>{html.escape(v)}</td>" for v in row) + "</tr>"
+            for row in rows
+        )
+        head = "".join(
+            f"<th style='text-align:left;padding:0 12px 0 0'>{h}</th>" for h in ("rank", "state", "memory", "running")
+        )
+        return text, f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>"
 
     def describe(self) -> str:
         info = self.status()
@@ -590,6 +653,27 @@ class PoolEngine:
         name = getattr(self.launch, "run_name", None)
         named = f"'{name}' " if name else ""
         return f"; MLflow run {named}(id {self.launch.run_id}) has a child run for each cell that logs"
+
+
+def _watch(engine: "PoolEngine", label: str) -> list[Any]:
+    watchers = []
+    for factory in CALL_WATCHERS:
+        try:
+            watcher = factory(engine, label)
+        except Exception:  # a watcher (the panel) never stops a call
+            continue
+        if watcher is not None:
+            watchers.append(watcher)
+    return watchers
+
+
+def _outcome_text(engine: "PoolEngine", exc: BaseException) -> str:
+    """How a call that raised ended, in a few words (the panel's last line)."""
+    if engine.state == "broken":
+        return f"the pool is broken ({engine.broken_because})"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"failed ({type(exc).__name__})"
 
 
 #: Failures this close together are one failure of every rank (the same line failed on each):

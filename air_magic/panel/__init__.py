@@ -76,13 +76,23 @@ from air_magic.accelerators import NvmlDevices
 from air_magic.panel._format import _fmt_bytes, _fmt_clock, _fmt_elapsed, _fmt_value
 from air_magic.panel._frontend import panel_mode, widget_front_end
 from air_magic.panel._observer import PanelObserver, launch_mimebundle, panel_observer
+from air_magic.panel._pool import PoolCallPanel, pool_call_panel
 from air_magic.panel._render import LaunchSummary, _chart_html, _lint_html, _log_html, _top_html, text_status
 from air_magic.panel._sources import LogTail, MetricsReader, Series, UsageSampler, parse_tqdm
 from air_magic.panel._state import LaunchState
 from air_magic.panel._svg import chart_svg
 from air_magic.panel._widgets import STOP_NOTE_BLOCKING, STOP_NOTE_SUBSHELL, WidgetPanel
 
-__all__ = ["PanelObserver", "LaunchSummary", "panel_observer", "launch_mimebundle", "parse_tqdm", "chart_svg"]
+__all__ = [
+    "PanelObserver",
+    "LaunchSummary",
+    "PoolCallPanel",
+    "panel_observer",
+    "pool_call_panel",
+    "launch_mimebundle",
+    "parse_tqdm",
+    "chart_svg",
+]
 
 # Also importable from here, as before the package was split (tests and tools use them).
 _REEXPORTED = (

@@ -99,8 +99,9 @@ def _shown(line: str) -> str:
 class LogTail:
     """The end of one rank's log: progress, last line and the lines of its tab (bounded reads)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, start: int = 0) -> None:
         self.path = path
+        self.start = start  # what comes before this offset is not shown (a pool's earlier calls)
         self.size = -1
         self.lines: list[str] = []
         self.progress: dict[str, Any] | None = None
@@ -115,7 +116,7 @@ class LogTail:
         if size == self.size:
             return False
         self.size = size
-        start = max(0, size - _TAIL_BYTES)
+        start = max(self.start, size - _TAIL_BYTES)
         try:
             with open(self.path, "rb") as handle:
                 handle.seek(start)
@@ -124,7 +125,7 @@ class LogTail:
             return False
         text = _ANSI.sub("", data.decode("utf-8", "replace"))
         raw = text.split("\n")
-        if start > 0 and len(raw) > 1:
+        if start > self.start and len(raw) > 1:
             raw = raw[1:]  # the first line is cut
         progress = None
         shown: list[str] = []

@@ -147,6 +147,48 @@ def test_the_line_magic_shows_the_pool(k: Kernel) -> None:
     [line] = [x for x in res.stdout.splitlines() if x.startswith("[air_magic] pool of")]
     assert line.startswith("[air_magic] pool of 2 CPU ranks: idle, ")
     assert "memory per rank: " in line and line.count("MiB") == 2
+    ranks = [x.strip() for x in res.stdout.splitlines() if x.startswith("  rank ")]
+    assert [x.split(",")[0] for x in ranks] == ["rank 0: idle", "rank 1: idle"]
+
+
+def test_the_pool_s_status_names_the_call_a_rank_still_runs(k: Kernel) -> None:
+    k.ok(
+        "import os, time, air_magic\ndef rank_one_sleeps():\n    if os.environ['RANK'] == '1':\n        time.sleep(4)\n\n"
+        "call = air_magic.Pool.current().submit(rank_one_sleeps)\ntime.sleep(1.5)"
+    )
+    ranks = [x.strip() for x in k.ok("%distributed_pool").stdout.splitlines() if x.startswith("  rank ")]
+    assert [x.split(",")[0] for x in ranks] == ["rank 0: idle", "rank 1: running rank_one_sleeps"]
+    k.ok("call.result(timeout=30)")
+    html = k.value("air_magic.Pool.current()._repr_html_()")
+    assert "<th style='text-align:left;padding:0 12px 0 0'>state</th>" in html and html.count(">idle<") == 2
+
+
+LONG_CELL = """\
+%%distributed --pool
+import os, sys, time
+from tqdm import tqdm
+for step in tqdm(range(6), desc="steps", file=sys.stdout, mininterval=0):
+    time.sleep(0.5 if os.environ["RANK"] == "0" else 0.7)
+print("rank", os.environ["RANK"], "trained", flush=True)
+"""
+
+
+def test_a_pool_cell_that_runs_long_shows_each_rank_live_and_how_it_ended(k: Kernel) -> None:
+    quick = k.ok("%%distributed --pool\n0")
+    assert quick.displays == []  # a quick cell shows no panel: nothing between the user and the value
+    res = k.ok(LONG_CELL, timeout=60)
+    [first, *updates] = [(kind, data) for kind, data, _ in res.displays]
+    assert first[0] == "display_data" and updates and all(kind == "update_display_data" for kind, _ in updates)
+    assert len({display_id for _, _, display_id in res.displays}) == 1  # one display, updated in place
+    live = first[1]["text/plain"].splitlines()
+    assert live[0].startswith("[air_magic] pool of 2 CPU ranks: running Cell In[")
+    assert [line.split(":")[1].split(",")[0].strip() for line in live[1:]] == ["running", "running"]
+    assert any("steps " in line and "/6" in line for line in live[1:]), live  # the call's own tqdm bar
+    last = updates[-1][1]["text/plain"].splitlines()
+    assert ": done after " in last[0]
+    assert [line.split(":")[1].split(",")[0].strip() for line in last[1:]] == ["idle", "idle"]
+    assert "steps 100% 6/6" in last[1] and "rank 1 trained" in last[2]
+    assert "<th style=" in updates[-1][1]["text/html"] and "MiB" in updates[-1][1]["text/html"]
 
 
 def test_ctrl_c_stops_every_rank_s_cell_and_keeps_the_state(k: Kernel) -> None:

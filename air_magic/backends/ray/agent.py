@@ -121,6 +121,7 @@ class _Rank:
         self.proc: subprocess.Popen[bytes] | None = None
         self.folder: str | None = None
         self.shm_folder: str | None = None  # where the rank's large result tensors go
+        self.spare_folder: str | None = None  # the spare process's, when the rank is one
         self.locks: list[int] = []  # one descriptor a folder, holding its lock
         self.alive_w: int | None = None
         self.log_path = ""
@@ -267,8 +268,8 @@ class RankAgent:
             state.proc = spare.take(request_file, rank, port)
             if state.proc is not None:
                 state.alive_w = spare.alive_w
-                os.close(spare.lock)
-                shutil.rmtree(spare.folder, ignore_errors=True)
+                state.locks.append(spare.lock)
+                state.spare_folder = spare.folder  # its output until the rank's own log: removed at the end
                 return state.proc.pid
             spare.close()
         alive_r, state.alive_w = os.pipe()
@@ -373,10 +374,10 @@ class RankAgent:
         if state.alive_w is not None:
             os.close(state.alive_w)
             state.alive_w = None
-        for folder in (state.folder, state.shm_folder):
+        for folder in (state.folder, state.shm_folder, state.spare_folder):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
-        state.folder = state.shm_folder = None
+        state.folder = state.shm_folder = state.spare_folder = None
         for fd in state.locks:
             os.close(fd)
         state.locks = []
@@ -399,6 +400,15 @@ def _ended(state: _Rank) -> bool:
     # Still a zombie, so its group id cannot be reused yet: end what it left behind.
     signal_rank(pid, signal.SIGKILL)
     state.returncode = state.proc.wait()
+    if state.returncode != 0 and state.spare_folder is not None:
+        # A spare that failed: what it wrote before the rank's log was its own is said there.
+        try:
+            with open(os.path.join(state.spare_folder, "early.log"), "rb") as early:
+                text = early.read()[-CHUNK:]
+            with open(state.log_path, "ab") as log:
+                log.write(text)
+        except OSError:
+            pass
     return True
 
 

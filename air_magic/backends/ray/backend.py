@@ -234,6 +234,15 @@ class RayBackend:
         if remove:
             remove_agents(self.ray, kept.agents, kept.group)
 
+    def pool_started(self, launch_id: str) -> None:
+        """The pool's ranks are up: each of its agents starts a spare rank process now (not
+        while the pool's own ranks import torch on the same CPUs)."""
+        with self._lock:
+            found = [k for k in self._kept if k.pool == launch_id]
+        if found and self.ray.is_initialized():
+            for agent in found[0].agents:
+                agent.prepare_spare.remote()
+
     def release_pool(self, launch_id: str) -> None:
         """The pool whose last launch is ``launch_id`` closed: its agents are removed (once a
         launch that borrowed them has ended)."""
@@ -341,7 +350,7 @@ class _RayLaunch:
             payload = ray.put(handle.read())
         pids = ray.get([a.start.remote(request, payload, rank, port) for rank, a in enumerate(self.agents)])
         self.running = set(range(n))
-        if self.kept is not None:  # the next launch on these agents finds a rank process started
+        if self.kept is not None and not self.request.pool:  # the next launch finds a rank process started
             for agent in self.agents:
                 agent.prepare_spare.remote()
         return dict(enumerate(pids))
