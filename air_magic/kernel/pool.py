@@ -588,6 +588,8 @@ class PoolEngine:
             except psutil.Error:
                 memory.append(None)
 
+        gpu_memory = self._gpu_memory() if local else [None] * len(self.pids)
+
         def rank_state(rank: int) -> str:
             if self.state in ("broken", "closed", "starting"):
                 return self.state
@@ -602,10 +604,36 @@ class PoolEngine:
             "device": self.launch.placement.device if self.launch else None,
             "backend": self.spec.backend,
             "memory": memory,
+            "gpu_memory": gpu_memory,
             "cells": self.cells,
             "uptime": time.time() - self.started_at if self.started_at and self.state != "closed" else 0.0,
             "restarts": self.restarts,
         }
+
+    def _gpu_memory(self) -> list[int | None]:
+        """Each rank's GPU memory (NVML, with its child processes'), for a pool of GPU ranks."""
+        found: list[int | None] = [None] * len(self.pids)
+        if self.launch is None or self.launch.placement.device != "cuda" or not self.pids:
+            return found
+        try:
+            import psutil
+
+            from air_magic.accelerators import NvmlDevices
+
+            family: dict[int, list[int]] = {}
+            for rank, pid in enumerate(self.pids):
+                try:
+                    family[rank] = [pid] + [child.pid for child in psutil.Process(pid).children(recursive=True)]
+                except psutil.Error:
+                    family[rank] = [pid]
+            devices = NvmlDevices()
+            try:
+                sampled = devices.sample(family)
+            finally:
+                devices.close()
+            return [sampled.get(rank, (None, None, None, None))[2] for rank in range(len(self.pids))]
+        except Exception:  # no NVML (a missing driver or nvidia-ml-py): the GPU numbers are left out
+            return found
 
     def table(self) -> tuple[str, str]:
         """The pool's ranks as text and as HTML: state, memory, the call they run (or ran last)."""
@@ -614,8 +642,10 @@ class PoolEngine:
         info = self.status()
         rows = []
         for rank in range(info["ranks"]):
-            memory = info["memory"][rank]
+            memory, gpu = info["memory"][rank], info["gpu_memory"][rank]
             mem = "" if memory is None else f"{memory / 2**20:.0f} MiB"
+            if gpu is not None:
+                mem = f"GPU {gpu / 2**30:.1f} GiB" + (f" · {mem}" if mem else "")
             state = info["rank_states"][rank]
             call = info["call"] if state == "running" else ""
             rows.append((str(rank), state, mem, call))
@@ -640,11 +670,18 @@ class PoolEngine:
             else ""
         )
         where = f" on {self.spec.backend}" if self.spec.backend != "local" else ""
+        gpus = info["gpu_memory"]
+        gpu = (
+            "; GPU memory per rank: " + ", ".join("?" if g is None else f"{g / 2**30:.1f} GiB" for g in gpus)
+            if any(g is not None for g in gpus)
+            else ""
+        )
         return (
             f"[air_magic] pool of {info['ranks']} {str(info['device']).upper()} rank{'s' * (info['ranks'] != 1)}{where}: "
             f"{info['state']}, {info['cells']} call{'s' * (info['cells'] != 1)} run, up {info['uptime']:.0f} s"
             + (f", restarted {info['restarts']} time{'s' * (info['restarts'] != 1)}" if info["restarts"] else "")
             + (f"; memory per rank: {mem}" if mem else "")
+            + gpu
             + (self._run_text() if self.launch is not None and self.launch.run_id else "")
         )
 

@@ -95,6 +95,7 @@ def driver(calls: int, launches: int) -> dict:
     out: dict = {}
     launch.distributed()  # untimed: imports, the first connection
     out["fresh_launch_s"] = [paused(launch.distributed) for _ in range(launches)]
+    time.sleep(PAUSE)  # as before each fresh launch: Ray has its idle workers up again
     seconds, pool = timed(lambda: air_magic.Pool(2, backend="ray", tracking=False))
     out["pool_start_s"] = seconds
     pool.run(noop)

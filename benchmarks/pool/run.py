@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-cell latency of ranks that stay: air_magic's pool beside ipyparallel and nbdistributed.
+"""Per-cell latency of ranks that stay: air_magic's pool beside ipyparallel, nbdistributed and jupyter-distributed.
 
     python benchmarks/pool/run.py [--ranks 2,8] [--cells 50] [--tools air_magic,ipyparallel,nbdistributed]
 
@@ -12,6 +12,11 @@ user waits for a cell, measured where the notebook's code runs.  Two cells:
 
 * ``noop``: the cell ``0``;
 * ``all_reduce``: ``t = torch.ones(1); dist.all_reduce(t)`` on the group the tool keeps.
+
+Then the same two cells again, one notebook cell each, timed by the front end (jupyter_client:
+execute_request sent → execute_reply received).  jupyter-distributed is only in that table: its
+kernel is a proxy whose every cell runs on N rank kernels, so no cell of it runs in a kernel
+where ``perf_counter`` could bracket it.
 
 Writes ``results/pool.json`` and ``results/pool.md`` (medians, p99, ratios to air_magic).
 """
@@ -138,6 +143,25 @@ class NbDistributed(Tool):
         return L.T.NbDistributed().teardown(None)
 
 
+class JupyterDistributedKernels(Tool):
+    """The kernel is the tool: a proxy kernel whose every cell runs on N rank kernels; no
+    cell runs in a kernel of the notebook's own, so only the front end's clock can time it."""
+
+    name = "jupyter-distributed"
+    proxy = True
+    model = (
+        "a proxy kernel that runs every cell on N persistent rank ipykernels; a gloo group "
+        "initialised once in the rank kernels"
+    )
+
+    def init(self, n: int) -> str:
+        port = H.free_port()
+        return (
+            f"import os, torch, torch.distributed as dist\nos.environ['MASTER_PORT'] = '{port}'\n"
+            "dist.init_process_group('gloo')\n"
+        )
+
+
 class _FreshLaunch(Tool):
     """A fresh %%distributed launch of the same cell (the helper warm): what a pool cell replaces."""
 
@@ -145,7 +169,32 @@ class _FreshLaunch(Tool):
         self.magic = ("distributed", f"-n {n} --accelerator-type CPU --no-tracking")
 
 
-TOOLS = {t.name: t for t in (AirMagicPool(), IpyParallelPx(), NbDistributed())}
+TOOLS = {t.name: t for t in (AirMagicPool(), IpyParallelPx(), NbDistributed(), JupyterDistributedKernels())}
+
+
+def client_cell(tool: Tool, body: str) -> str:
+    """The cell a user types for ``body`` with this tool."""
+    if getattr(tool, "proxy", False):
+        return body
+    magic, line = tool.magic
+    return f"%%{magic} {line}\n{body}".replace(f"%%{magic} \n", f"%%{magic}\n")
+
+
+def client_times(ks: object, tool: Tool, body: str, cells: int) -> dict:
+    """execute_request -> execute_reply, timed by the front end (jupyter_client), per cell."""
+    times = []
+    for i in range(cells + 3):
+        r = ks.execute(client_cell(tool, body), 120)
+        if r["reply"].get("status") != "ok" or r["errors"]:
+            raise H.CellError(f"{r['errors'] or r['reply'].get('evalue')}")
+        if i >= 3:  # three warm-up cells
+            times.append(r["client_s"])
+    times.sort()
+    return {
+        "median_ms": statistics.median(times) * 1000,
+        "p99_ms": times[min(len(times) - 1, int(round(0.99 * (len(times) - 1))))] * 1000,
+        "cells": len(times),
+    }
 
 
 def timing_cell(tool: Tool, body: str, cells: int) -> str:
@@ -169,6 +218,17 @@ def measure(env: L.Env, tool: Tool, n: int, cells: int) -> dict:
     row: dict = {"tool": tool.name, "n": n, "model": tool.model}
     ks = None
     try:
+        if getattr(tool, "proxy", False):
+            began = time.perf_counter()
+            ks, _ = L._start_proxy(env, L.T.TOOLS_BY_NAME["jupyter-distributed"], n, kenv)
+            r = ks.execute(tool.init(n), 300)  # the rank kernels start with this first cell
+            if r["reply"].get("status") != "ok" or r["errors"]:
+                raise H.CellError(f"{r['errors'] or r['reply'].get('evalue')} {r['stdout'][-400:]}")
+            row["start_s"] = time.perf_counter() - began
+            for name, body in (("noop", NOOP), ("all_reduce", ALL_REDUCE)):
+                row[f"client_{name}"] = client_times(ks, tool, body, cells)
+            row["status"] = "ok"
+            return row
         ks = H.KernelSession(env.kernel_name, kenv, cwd=str(env.root), log_path=env.logs / f"pool-{tool.name}-{n}.log")
         began = time.perf_counter()
         ks.run_plain(tool.init(n), timeout=300)
@@ -186,6 +246,8 @@ def measure(env: L.Env, tool: Tool, n: int, cells: int) -> dict:
                 "p99_ms": times[min(len(times) - 1, int(round(0.99 * (len(times) - 1))))] * 1000,
                 "cells": len(times),
             }
+        for name, body in (("noop", NOOP), ("all_reduce", ALL_REDUCE)):
+            row[f"client_{name}"] = client_times(ks, tool, body, cells)
         if tool.teardown():
             ks.run_plain(tool.teardown(), timeout=60)
         if isinstance(tool, AirMagicPool):  # what the pool saves: a fresh launch of the same cell
@@ -230,6 +292,9 @@ def markdown(rows: list[dict], machine: dict) -> str:
         if r["status"] != "ok":
             lines.append(f"| {r['tool']} | {r['n']} | failed: {r.get('reason', '')} | | | | | |")
             continue
+        if "noop" not in r:
+            lines.append(f"| {r['tool']} | {r['n']} | {r['start_s']:.1f} | (no kernel of its own: below) | | | | |")
+            continue
         ratio = []
         for cell in ("noop", "all_reduce"):
             base = ours.get((r["n"], cell))
@@ -245,6 +310,31 @@ def markdown(rows: list[dict], machine: dict) -> str:
                 f"{r['fresh_launch_ms']:.1f} ms median, {r['fresh_launch_ms'] / r['noop']['median_ms']:.0f}× the pool's "
                 f"cell; starting a pool with the helper warm takes {r['pool_start_warm_s']:.2f} s."
             )
+    client = {
+        (r["n"], cell): r[f"client_{cell}"]["median_ms"]
+        for r in rows
+        if r["tool"] == "air_magic" and r["status"] == "ok" and f"client_{cell}" in r
+        for cell in ("noop", "all_reduce")
+    }
+    lines += [
+        "",
+        "The same cells, timed by the front end (jupyter_client: execute_request sent → execute_reply "
+        "received; the kernel's messaging included), one notebook cell each:",
+        "",
+        "| tool | N | `0` median (ms) | `0` p99 (ms) | all_reduce median (ms) | all_reduce p99 (ms) | × air_magic (`0`, all_reduce) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["status"] != "ok" or "client_noop" not in r:
+            continue
+        ratio = []
+        for cell in ("noop", "all_reduce"):
+            base = client.get((r["n"], cell))
+            ratio.append(f"{r[f'client_{cell}']['median_ms'] / base:.1f}×" if base else "?")
+        lines.append(
+            f"| {r['tool']} | {r['n']} | {r['client_noop']['median_ms']:.2f} | {r['client_noop']['p99_ms']:.2f} | "
+            f"{r['client_all_reduce']['median_ms']:.2f} | {r['client_all_reduce']['p99_ms']:.2f} | {', '.join(ratio)} |"
+        )
     lines += ["", "How each tool keeps its ranks:", ""]
     for name, tool in TOOLS.items():
         lines.append(f"- **{name}**: {tool.model}")
