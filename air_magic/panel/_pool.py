@@ -3,8 +3,9 @@
 The pool's engine (:mod:`air_magic.kernel.pool`) calls the factory registered in
 ``CALL_WATCHERS`` as a call begins, and ``end(outcome)`` once it is over::
 
-    call begins  --> PoolCallPanel: a thread waits SHOW_AFTER s (a quick cell shows nothing:
-                     the notebook's loop stays as fast as the pool)
+    call begins  --> PoolCallPanel, handed to the kernel's one watcher thread, which waits
+                     SHOW_AFTER s (a quick cell shows nothing: the notebook's loop stays as
+                     fast as the pool)
     still running --> one display in the cell (HTML and text): a row per rank with its state
                      (running / idle: done with this call / broken), its progress (the last
                      tqdm bar of its log since the call began), memory, its last line;
@@ -20,13 +21,13 @@ from __future__ import annotations
 import contextvars
 import html
 import os
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from air_magic.panel._format import _fmt_elapsed
 from air_magic.panel._frontend import _shell, panel_mode
-from air_magic.panel._ipykernel import release_iopub
 from air_magic.panel._sources import LogTail
 
 if TYPE_CHECKING:
@@ -53,50 +54,34 @@ class PoolCallPanel:
         self.display_id = f"air-magic-pool-{id(self):x}-{engine.cells}"
         self.shown = False
         self.outcome = ""
-        self._ctx = contextvars.copy_context()  # the cell's: its outputs go there
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self.ended = threading.Event()
+        self.lock = threading.Lock()
+        self.ctx = contextvars.copy_context()  # the cell's: its outputs go there
         # What this call writes: its bars and lines, not an earlier call's.
-        self.logs = (
-            [LogTail(state.log_path, _size(state.log_path)) for state in engine.launch.ranks] if engine.launch else []
-        )
-        self._thread = threading.Thread(target=self._ctx.copy().run, args=(self._loop,), daemon=True)
-        self._thread.name = f"air_magic-pool-panel-{engine.cells}"
-        self._thread.start()
-
-    # -- the engine's end of it -----------------------------------------------------------------
+        ranks = engine.launch.ranks if engine.launch is not None else []
+        self.logs = [LogTail(state.log_path, _size(state.log_path)) for state in ranks]
 
     def end(self, outcome: str) -> None:
-        """The call is over (``outcome``: ``done``, ``failed: ...``, ``interrupted``, ``broken ...``)."""
-        self.outcome = outcome
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
-        with self._lock:
+        """The call is over (``outcome``: ``done``, ``failed (...)``, ``interrupted``, ``the pool is broken ...``)."""
+        with self.lock:
+            self.outcome = outcome
+            self.ended.set()
             if self.shown:
-                self._update()
+                self.ctx.run(self._update)
 
-    # -- the thread ------------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        try:
-            if self._stop.wait(SHOW_AFTER):
+    def show(self) -> None:
+        """From the watcher's thread, once the call has run SHOW_AFTER s: the display, then updates."""
+        with self.lock:
+            if self.ended.is_set():
                 return
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                from IPython.display import display
+            from IPython.display import display
 
-                display(self.bundle(), raw=True, display_id=self.display_id)
-                self.shown = True
-            while not self._stop.wait(TICK):
-                with self._lock:
-                    if not self._stop.is_set():
-                        self._update()
-        except Exception:  # the panel must never disturb the call: it just stops updating
-            pass
-        finally:
-            release_iopub(self.shell)
+            self.ctx.run(display, self.bundle(), raw=True, display_id=self.display_id)
+            self.shown = True
+        while not self.ended.wait(TICK):
+            with self.lock:
+                if not self.ended.is_set():
+                    self.ctx.run(self._update)
 
     def _update(self) -> None:
         from IPython.display import update_display
@@ -178,6 +163,40 @@ class PoolCallPanel:
         return {"text/plain": text, "text/html": markup}
 
 
+class _Watcher:
+    """The one thread that shows the panels of a kernel's pool calls (a thread per call
+    would cost every quick cell its start)."""
+
+    def __init__(self) -> None:
+        self._calls: "queue.SimpleQueue[PoolCallPanel]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="air_magic-pool-panel", daemon=True)
+        self._thread.start()
+
+    def watch(self, panel: PoolCallPanel) -> None:
+        self._calls.put(panel)
+
+    def _run(self) -> None:
+        while True:
+            panel = self._calls.get()
+            try:
+                if not panel.ended.wait(max(0.0, SHOW_AFTER - (time.monotonic() - panel.began))):
+                    panel.show()
+            except Exception:  # the panel must never disturb a call: that one just stops updating
+                pass
+
+
+_watcher: _Watcher | None = None
+_watcher_lock = threading.Lock()
+
+
+def _watch(panel: PoolCallPanel) -> None:
+    global _watcher
+    with _watcher_lock:
+        if _watcher is None:
+            _watcher = _Watcher()
+    _watcher.watch(panel)
+
+
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
@@ -192,4 +211,6 @@ def pool_call_panel(engine: "PoolEngine", label: str) -> PoolCallPanel | None:
         return None
     if engine.launch is None:
         return None
-    return PoolCallPanel(engine, label, shell)
+    panel = PoolCallPanel(engine, label, shell)
+    _watch(panel)
+    return panel
