@@ -49,9 +49,11 @@ POOL_START_TIMEOUT = 300.0
 #: timeout, before the pool is broken (they wait in a collective, or in C).
 GRACE = 3.0
 
-#: Factories called as a pool's cell or call begins, with the engine and the call's label:
-#: each returns a watcher whose ``end(outcome)`` is called once the call is over, or None
-#: (the live panel registers one: :mod:`air_magic.panel._pool`; plugins.py wires it).
+#: Factories called as a pool's cell or call begins in the caller's thread (not a
+#: ``submit``), with the engine and the call's label: each returns a watcher, or None.  Its
+#: ``tick()`` is called from the call's wait loop (every few tens of ms: it must be cheap)
+#: and its ``end(outcome)`` once the call is over (the live panel registers one:
+#: :mod:`air_magic.panel._pool`; plugins.py wires it).
 CALL_WATCHERS: list[Callable[["PoolEngine", str], Any]] = []
 
 _pools: list["PoolEngine"] = []  # open pools of this kernel, the most recently started last
@@ -126,6 +128,7 @@ class PoolEngine:
         self.start_seconds = 0.0
         self._ids = 0
         self._lock = threading.Lock()  # one call at a time
+        self._nvml: Any = None  # NVML, once a pool of GPU ranks was asked for its memory
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -224,6 +227,9 @@ class PoolEngine:
             return
         self._end(close_first=self.state == "idle")
         self.state = "closed"
+        if self._nvml is not None:
+            self._nvml.close()
+            self._nvml = None
         if self.launch is not None and self.launch.helper is not None:
             self.launch.helper.release_pool(self.launch.id)  # Ray: the agents kept for the pool
         with _pools_lock:
@@ -349,7 +355,8 @@ class PoolEngine:
             try:
                 self._ready()
                 payload = capture.function_payload(func, args, kwargs)
-                handle._future.set_result(self._call("call", payload.data | {"sources": payload.sources}, label))
+                data = payload.data | {"sources": payload.sources}
+                handle._future.set_result(self._call("call", data, label, background=True))
             except BaseException as exc:  # the call's outcome, for result()
                 handle._future.set_exception(exc)
             finally:
@@ -387,7 +394,9 @@ class PoolEngine:
             self._ready()
             return self._call("pull", {"name": name}, f"pull({name!r})")
 
-    def _call(self, kind: str, data: dict[str, Any], label: str, timeout: float | None = None) -> list[Any]:
+    def _call(
+        self, kind: str, data: dict[str, Any], label: str, timeout: float | None = None, background: bool = False
+    ) -> list[Any]:
         assert self.launch is not None
         self._ids += 1
         log = self.launch.ranks[0].log_path
@@ -407,11 +416,11 @@ class PoolEngine:
         self.current = label
         self.busy = set(range(len(self.conns)))
         self.cells += 1
-        watchers = _watch(self, label) if kind in ("cell", "call") else []
+        watchers = _watch(self, label) if kind in ("cell", "call") and not background else []
         outcome = "done"
         try:
             try:
-                records = self._collect(pump, label, timeout if timeout is not None else self.timeout)
+                records = self._collect(pump, label, timeout if timeout is not None else self.timeout, watchers)
             finally:
                 pump.pump(final=True)
             if self.state == "running":
@@ -429,7 +438,13 @@ class PoolEngine:
                 except Exception:  # a watcher (the panel) never changes the call's outcome
                     pass
 
-    def _collect(self, pump: OutputPump, label: str, timeout: float | None) -> dict[int, Any]:
+    def _collect(
+        self,
+        pump: OutputPump,
+        label: str,
+        timeout: float | None,
+        watchers: list[Any] = [],  # noqa: B006 - read only
+    ) -> dict[int, Any]:
         """Every rank's record, waiting for them; a fault breaks the pool."""
         assert self.launch is not None
         records: dict[int, Any] = {}
@@ -447,6 +462,11 @@ class PoolEngine:
                 pump.pump()
                 if not pending:
                     break
+                for watcher in watchers:
+                    try:
+                        watcher.tick()
+                    except Exception:  # a watcher (the panel) never changes the call's outcome
+                        pass
                 gone = self._first_gone(pending)
                 if gone is not None:
                     self._fault(records, pending, f"rank {gone} ended (exit {self.launch.ranks[gone].returncode})")
@@ -626,11 +646,9 @@ class PoolEngine:
                     family[rank] = [pid] + [child.pid for child in psutil.Process(pid).children(recursive=True)]
                 except psutil.Error:
                     family[rank] = [pid]
-            devices = NvmlDevices()
-            try:
-                sampled = devices.sample(family)
-            finally:
-                devices.close()
+            if self._nvml is None:
+                self._nvml = NvmlDevices()  # kept open: the panel asks every half second
+            sampled = self._nvml.sample(family)
             return [sampled.get(rank, (None, None, None, None))[2] for rank in range(len(self.pids))]
         except Exception:  # no NVML (a missing driver or nvidia-ml-py): the GPU numbers are left out
             return found

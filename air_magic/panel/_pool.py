@@ -3,9 +3,9 @@
 The pool's engine (:mod:`air_magic.kernel.pool`) calls the factory registered in
 ``CALL_WATCHERS`` as a call begins, and ``end(outcome)`` once it is over::
 
-    call begins  --> PoolCallPanel, handed to the kernel's one watcher thread, which waits
-                     SHOW_AFTER s (a quick cell shows nothing: the notebook's loop stays as
-                     fast as the pool)
+    call begins  --> PoolCallPanel; the cell's own wait loop calls tick(), which does nothing
+                     for SHOW_AFTER s (a quick cell shows nothing: the notebook's loop stays
+                     as fast as the pool; no thread is woken)
     still running --> one display in the cell (HTML and text): a row per rank with its state
                      (running / idle: done with this call / broken), its progress (the last
                      tqdm bar of its log since the call began), memory, its last line;
@@ -18,13 +18,10 @@ a panel (``panel_mode``): terminal IPython and plain Python show rank 0's output
 
 from __future__ import annotations
 
-import contextvars
 import html
 import os
-import queue
-import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from air_magic.panel._format import _fmt_elapsed
 from air_magic.panel._frontend import _shell, panel_mode
@@ -46,47 +43,40 @@ _STATE_COLOURS = {"running": "#1a73e8", "idle": "#188038", "broken": "#d93025"}
 class PoolCallPanel:
     """One call's view of the pool (see the module's docstring)."""
 
-    def __init__(self, engine: "PoolEngine", label: str, shell: Any) -> None:
+    def __init__(self, engine: "PoolEngine", label: str) -> None:
         self.engine = engine
         self.label = label
-        self.shell = shell
         self.began = time.monotonic()
         self.display_id = f"air-magic-pool-{id(self):x}-{engine.cells}"
         self.shown = False
         self.outcome = ""
-        self.ended = threading.Event()
-        self.lock = threading.Lock()
-        self.ctx = contextvars.copy_context()  # the cell's: its outputs go there
+        self._next = self.began + SHOW_AFTER
         # What this call writes: its bars and lines, not an earlier call's.
         ranks = engine.launch.ranks if engine.launch is not None else []
         self.logs = [LogTail(state.log_path, _size(state.log_path)) for state in ranks]
 
+    def tick(self) -> None:
+        """From the cell's own wait loop (every few tens of ms): show the panel once the call
+        has run SHOW_AFTER s, then update it every TICK s; nothing before (a clock read)."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + TICK
+        from IPython.display import display, update_display
+
+        if self.shown:
+            update_display(self.bundle(), raw=True, display_id=self.display_id)
+        else:
+            display(self.bundle(), raw=True, display_id=self.display_id)
+            self.shown = True
+
     def end(self, outcome: str) -> None:
         """The call is over (``outcome``: ``done``, ``failed (...)``, ``interrupted``, ``the pool is broken ...``)."""
-        with self.lock:
-            self.outcome = outcome
-            self.ended.set()
-            if self.shown:
-                self.ctx.run(self._update)
+        self.outcome = outcome
+        if self.shown:
+            from IPython.display import update_display
 
-    def show(self) -> None:
-        """From the watcher's thread, once the call has run SHOW_AFTER s: the display, then updates."""
-        with self.lock:
-            if self.ended.is_set():
-                return
-            from IPython.display import display
-
-            self.ctx.run(display, self.bundle(), raw=True, display_id=self.display_id)
-            self.shown = True
-        while not self.ended.wait(TICK):
-            with self.lock:
-                if not self.ended.is_set():
-                    self.ctx.run(self._update)
-
-    def _update(self) -> None:
-        from IPython.display import update_display
-
-        update_display(self.bundle(), raw=True, display_id=self.display_id)
+            update_display(self.bundle(), raw=True, display_id=self.display_id)
 
     # -- what it shows ---------------------------------------------------------------------
 
@@ -163,40 +153,6 @@ class PoolCallPanel:
         return {"text/plain": text, "text/html": markup}
 
 
-class _Watcher:
-    """The one thread that shows the panels of a kernel's pool calls (a thread per call
-    would cost every quick cell its start)."""
-
-    def __init__(self) -> None:
-        self._calls: "queue.SimpleQueue[PoolCallPanel]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="air_magic-pool-panel", daemon=True)
-        self._thread.start()
-
-    def watch(self, panel: PoolCallPanel) -> None:
-        self._calls.put(panel)
-
-    def _run(self) -> None:
-        while True:
-            panel = self._calls.get()
-            try:
-                if not panel.ended.wait(max(0.0, SHOW_AFTER - (time.monotonic() - panel.began))):
-                    panel.show()
-            except Exception:  # the panel must never disturb a call: that one just stops updating
-                pass
-
-
-_watcher: _Watcher | None = None
-_watcher_lock = threading.Lock()
-
-
-def _watch(panel: PoolCallPanel) -> None:
-    global _watcher
-    with _watcher_lock:
-        if _watcher is None:
-            _watcher = _Watcher()
-    _watcher.watch(panel)
-
-
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
@@ -211,6 +167,4 @@ def pool_call_panel(engine: "PoolEngine", label: str) -> PoolCallPanel | None:
         return None
     if engine.launch is None:
         return None
-    panel = PoolCallPanel(engine, label, shell)
-    _watch(panel)
-    return panel
+    return PoolCallPanel(engine, label)

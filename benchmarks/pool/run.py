@@ -313,8 +313,9 @@ def markdown(rows: list[dict], machine: dict) -> str:
     client = {
         (r["n"], cell): r[f"client_{cell}"]["median_ms"]
         for r in rows
-        if r["tool"] == "air_magic" and r["status"] == "ok" and f"client_{cell}" in r
+        if r["tool"] == "air_magic" and r["status"] == "ok"
         for cell in ("noop", "all_reduce")
+        if f"client_{cell}" in r
     }
     lines += [
         "",
