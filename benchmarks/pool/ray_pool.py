@@ -140,11 +140,9 @@ def report(results: dict) -> str:
     ]
     for key, name in (("noop_s", "pool call, noop"), ("all_reduce_s", "pool call, all_reduce of 1 element")):
         values = r[key]
-        lines.append(
-            f"| {name} | {ms(statistics.median(values))} | {ms(percentile(values, 0.99))} | {len(values)} |"
-        )
+        lines.append(f"| {name} | {ms(statistics.median(values))} | {ms(percentile(values, 0.99))} | {len(values)} |")
     lines += [
-        f"| fresh `backend=\"ray\"` launch, no pool | {fresh:.2f} s | {max(r['fresh_launch_s']):.2f} s (max) | "
+        f'| fresh `backend="ray"` launch, no pool | {fresh:.2f} s | {max(r["fresh_launch_s"]):.2f} s (max) | '
         f"{len(r['fresh_launch_s'])} |",
         f"| the same launch on the pool's agents | {borrowed:.2f} s | {max(r['borrowed_launch_s']):.2f} s (max) | "
         f"{len(r['borrowed_launch_s'])} |",
