@@ -31,10 +31,6 @@ Environment variable           Setting (default)
 ``AIR_MAGIC_PRELOAD``          ``preload``: modules the helper imports at start, comma
                                separated (torch and its distributed, nn, optim, data);
                                read by the helper process
-``AIR_MAGIC_PRELOAD_LATER``    ``preload_later``: modules the helper imports once it is idle
-                               (after a launch, or 5 s after start), comma separated
-                               (``mlflow``: a rank's ``import mlflow`` then costs nothing;
-                               empty: none)
 ``AIR_MAGIC_LOG_DIR``          ``log_dir``: where each launch's logs are kept after the kernel
                                exits (``$XDG_CACHE_HOME/air_magic/logs``, else
                                ``~/.cache/air_magic/logs``)
@@ -94,8 +90,6 @@ MAX_CPU_RANKS_ENV = "AIR_MAGIC_MAX_CPU_RANKS"
 CPU_RANKS_PER_CORE = 4
 PRELOAD_ENV = "AIR_MAGIC_PRELOAD"
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn,torch.optim,torch.utils.data"
-PRELOAD_LATER_ENV = "AIR_MAGIC_PRELOAD_LATER"
-DEFAULT_PRELOAD_LATER = "mlflow"
 LOG_DIR_ENV = "AIR_MAGIC_LOG_DIR"
 LOG_KEEP_DAYS_ENV = "AIR_MAGIC_LOG_KEEP_DAYS"
 LOG_KEEP_MB_ENV = "AIR_MAGIC_LOG_KEEP_MB"
@@ -227,11 +221,6 @@ class Settings:
     def preload(self) -> str:
         """Modules the helper imports at start, comma separated (``AIR_MAGIC_PRELOAD``)."""
         return self._env(PRELOAD_ENV, DEFAULT_PRELOAD)
-
-    @property
-    def preload_later(self) -> str:
-        """Modules the helper imports once idle, comma separated (``AIR_MAGIC_PRELOAD_LATER``)."""
-        return self._env(PRELOAD_LATER_ENV, DEFAULT_PRELOAD_LATER)
 
     @property
     def log_dir(self) -> str:

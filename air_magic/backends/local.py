@@ -74,7 +74,6 @@ class Helper:
         self.conn = Connection(parent_sock.detach())
         self.send_lock = threading.Lock()
         self.ready = threading.Event()  # its preload (torch) is done
-        self.busy = ""  # what it imports now that it is idle (Ready(busy=...)): a launch waits for it
         self.alive = True
         self._on_message = on_message
         self._on_gone = on_gone
@@ -103,8 +102,6 @@ class Helper:
     def waiting_for(self, world_size: int) -> str:
         if not self.ready.is_set():
             return "waiting for the helper process to import torch"
-        if self.busy:
-            return f"waiting for the helper process to import {self.busy}"
         return f"forking {world_size} rank{'s' * (world_size != 1)}"
 
     def stacks(self, launch_id: str, timeout: float) -> dict[int, str]:

@@ -227,8 +227,6 @@ class Launcher:
 
     def _dispatch(self, helper: Backend, message: ToKernel) -> None:
         if isinstance(message, Ready):
-            if hasattr(helper, "busy"):
-                helper.busy = message.busy
             helper.ready.set()
             return
         launch = self.launches.get(message.launch_id)

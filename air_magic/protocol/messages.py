@@ -82,11 +82,9 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class Ready:
-    """Helper -> kernel: its preload (torch) is done.  ``busy``: what it imports now, once
-    idle (``MLflow``), before the next launch; a ``Ready`` with no ``busy`` says that is over."""
+    """Helper -> kernel: its preload (torch) is done."""
 
     KIND: ClassVar[str] = "ready"
-    busy: str = ""
 
 
 @dataclass(frozen=True)

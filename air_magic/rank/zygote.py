@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
-import importlib.util
 import os
 import resource
 import select
@@ -138,18 +137,6 @@ def _cgroup_pid_files() -> list[str]:
     return found
 
 
-#: Seconds after the helper is ready before it imports the later modules if no launch came.
-LATER_IDLE = 5.0
-_LABELS = {"mlflow": "MLflow"}
-
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 class _StoppedWhileStarting(Exception):
     """The launch whose ranks were being forked was stopped (``reason``: the stop's)."""
 
@@ -181,10 +168,6 @@ class Zygote:
         #: Messages read while a launch's ranks were being forked, handled after it.
         self.pending: collections.deque[StartLaunch | Stop] = collections.deque()
         self._next_look = 0.0  # time.monotonic() of the next look at the kernel between forks
-        #: Modules imported once the helper is idle (``AIR_MAGIC_PRELOAD_LATER``, MLflow), and when.
-        self.later: list[str] = []
-        self.later_at = 0.0
-        self.launched = False  # a launch has ended: the helper is idle between launches now
 
     # -- start-up -------------------------------------------------------------------
 
@@ -202,48 +185,14 @@ class Zygote:
         # Import what every rank needs before it runs user code.
         from air_magic.rank import main as _rank  # noqa: F401
 
-        self.later = [n for n in (n.strip() for n in settings.preload_later.split(",")) if n and _installed(n)]
-        self.later_at = time.monotonic() + LATER_IDLE
-
-    def _maybe_preload_later(self) -> float | None:
-        """Import the modules a rank's code imports often but the helper need not wait for
-        (MLflow: each rank's ``import mlflow`` then costs nothing), once the helper is idle:
-        no launch runs or waits, and one has ended or LATER_IDLE s passed since it was ready
-        (the first launch after ``%load_ext`` does not wait for them).  The kernel is told
-        (``Ready(busy=...)``): a launch asked for meanwhile says what it waits for.  Returns
-        the seconds until it is due, or None."""
-        if not self.later:
-            return None
-        now = time.monotonic()
-        if self.launches or self.pending or (not self.launched and now < self.later_at):
-            return None if self.launches else max(0.0, self.later_at - now)
-        if self.conn.poll(0):
-            return 0.0
-        names, self.later = self.later, []
-        self._send(Ready(busy=", ".join(_LABELS.get(n, n) for n in names)))
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # an optional module: the ranks import it themselves
-                print(
-                    f"[air_magic] helper: could not preload {name}: {type(exc).__name__}: {exc}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        self._send(Ready())
-        return None
-
     # -- main loop --------------------------------------------------------------------
 
     def serve(self) -> None:
         self.selector.register(self.conn.fileno(), selectors.EVENT_READ, None)
         while True:
-            due = self._maybe_preload_later()
             timeout = self._next_timer_delay()
             if timeout is not None:
                 timeout = min(timeout, _MAX_WAIT)
-            if due is not None:
-                timeout = due if timeout is None else min(timeout, due)
             if not self.use_pidfd and self.launches:
                 timeout = 0.05 if timeout is None else min(timeout, 0.05)
             for key, _ in self.selector.select(timeout):
@@ -473,7 +422,6 @@ class Zygote:
 
     def _finish(self, launch: _Launch) -> None:
         self.launches.pop(launch.launch_id, None)
-        self.launched = True
         self.timers = [timer for timer in self.timers if timer[1] != launch.launch_id]
         if launch.port is not None:
             launch.port.close()
