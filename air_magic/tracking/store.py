@@ -17,14 +17,6 @@ thread of the kernel (the user's own MLflow calls) keeps the user's settings.
 A local sqlite store is trusted only when this user owns it (a file or link of another
 user is :class:`StoreUnusable`, said at once), and a new one is made whole in a temporary
 file beside it, then linked into place, so no kernel ever finds one half made.
-
-A new sqlite store costs MLflow seconds (its alembic migrations: 1.2 s of 1.6 s on a quiet
-machine, far more under load), every time a new folder is used.  They are paid once per
-MLflow version: the first store made is kept, empty, as a template in the user's private
-cache (``~/.cache/air_magic/stores/mlflow-<version>-<schema>.db``); a later new store is a
-copy of it whose one row that depends on the folder (the ``Default`` experiment's artifact
-location, and its times) is set as MLflow sets it, then opened by MLflow as any store of
-its version (it checks the schema: no migration runs).
 """
 
 from __future__ import annotations
@@ -32,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -287,8 +278,9 @@ def _create_sqlite_store(path: str) -> None:
     beside it (private, a name nobody can guess, opened with ``O_EXCL``), which is then
     linked into place (``link`` never replaces: a store another process made meanwhile
     wins, and is used).  A process stopped half-way leaves a temp file, never a half-made
-    store; the next creation removes such files of this user's.  The temp file is a copy
-    of the installed MLflow's empty store (:func:`store_template`), else MLflow migrates it."""
+    store; the next creation removes such files of this user's."""
+    from mlflow import MlflowClient
+
     folder, name = os.path.split(path)
     _remove_stale_temps(folder, name)
     fd, temp = tempfile.mkstemp(prefix=f".{name}{_TEMP_MARK}", suffix=".tmp", dir=folder)
@@ -297,12 +289,10 @@ def _create_sqlite_store(path: str) -> None:
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # the mode sqlite itself would have given the store
         os.close(fd)
-        template = store_template()
-        if template is not None:  # a copy of the empty store MLflow made once
-            shutil.copyfile(template, temp)
-            _place_default_experiment(temp)
-        else:
-            _migrate(temp)
+        store = MlflowClient(f"sqlite:///{temp}")._tracking_client.store
+        engine = getattr(store, "engine", None)
+        if engine is not None:
+            engine.dispose()  # no connection stays open on the temp name
         try:
             os.link(temp, path)
         except FileExistsError:
@@ -312,82 +302,6 @@ def _create_sqlite_store(path: str) -> None:
             os.unlink(temp)
         except OSError:
             pass
-
-
-def _migrate(path: str) -> None:
-    """MLflow makes its tables in the (empty) sqlite file ``path``: its own migrations."""
-    from mlflow import MlflowClient
-
-    store = MlflowClient(f"sqlite:///{path}")._tracking_client.store
-    engine = getattr(store, "engine", None)
-    if engine is not None:
-        engine.dispose()  # no connection stays open on the file
-
-
-def _schema_head() -> str:
-    """The newest migration of the installed MLflow's sqlite schema (alembic's head)."""
-    from alembic.script import ScriptDirectory
-    from mlflow.store.db.utils import _get_alembic_config
-
-    return str(ScriptDirectory.from_config(_get_alembic_config("sqlite://")).get_current_head())
-
-
-def template_path() -> str:
-    import mlflow
-
-    from air_magic.protocol.private import private_dir, user_cache_dir
-
-    folder = private_dir(os.path.join(user_cache_dir(), "stores"), "MLflow's empty stores")
-    return os.path.join(folder, f"mlflow-{mlflow.__version__}-{_schema_head()}.db")
-
-
-def store_template() -> str | None:
-    """The empty store of the installed MLflow (made now, by MLflow, if this is its first);
-    None where it cannot be kept (the cache is not private, MLflow's layout changed)."""
-    try:
-        path = template_path()
-    except Exception:  # no private cache, or MLflow's alembic layout moved: MLflow migrates each store
-        return None
-    if os.path.exists(path):
-        return path
-    fd, temp = tempfile.mkstemp(prefix=".template-", suffix=".tmp", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        _migrate(temp)
-        try:
-            os.link(temp, path)  # never half made; another kernel's, made meanwhile, wins
-        except FileExistsError:
-            pass
-    except Exception:  # MLflow could not make it here: this store is made the slow way
-        return None
-    finally:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-    return path
-
-
-def _place_default_experiment(path: str) -> None:
-    """In a copy of the template: the ``Default`` experiment (id 0) gets the artifact location
-    and the times MLflow gives it when it makes a store from this process, here, now."""
-    import sqlite3
-
-    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
-    from mlflow.utils.uri import append_to_uri_path, resolve_uri_if_local
-
-    location = append_to_uri_path(resolve_uri_if_local(DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH), "0")
-    now = int(time.time() * 1000)
-    db = sqlite3.connect(path)
-    try:
-        with db:
-            db.execute(
-                "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
-                "WHERE experiment_id = 0",
-                (location, now, now),
-            )
-    finally:
-        db.close()
 
 
 def _remove_stale_temps(folder: str, name: str) -> None:
