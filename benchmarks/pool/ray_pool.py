@@ -46,6 +46,8 @@ import run as R  # noqa: E402  (the Ray benchmark's namespace and cluster)
 
 
 def payload() -> float:
+    """The Ray benchmark's warm-launch work (``run.payload``), defined here so that it travels by
+    value as a script's function does (one in ``run`` would be imported by name on the nodes)."""
     import torch
     import torch.distributed as dist
 

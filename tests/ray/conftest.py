@@ -17,7 +17,8 @@ another address. ``python -m pytest`` needs nothing more:
 
 Fixtures: ``ray_cluster`` (session: a head and a worker node, see ``ray_support.RayCluster``),
 ``spare_worker`` (a worker node of the test's own, killed at its end if the test did not),
-``ray_kernel`` (a kernel whose environment joins ``ray_cluster``).
+``ray_kernel`` (a kernel whose environment joins ``ray_cluster``), ``kernel`` (that kernel,
+``air_magic.ray_init()`` done).
 """
 
 from __future__ import annotations
@@ -198,3 +199,12 @@ def ray_kernel(kernel_factory: Any, ray_cluster: RayCluster) -> Iterator[Any]:
     kernel = kernel_factory(extra_env=ray_cluster.env)
     yield kernel
     kernel.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_kernel: Any) -> Any:
+    """``ray_kernel`` joined to the cluster (``air_magic.ray_init()``), gloo told to use lo."""
+    ray_kernel.ok("%env GLOO_SOCKET_IFNAME=lo")
+    result = ray_kernel.ok("import air_magic\nair_magic.ray_init()", timeout=120)
+    assert "2 nodes" in result.stdout
+    return ray_kernel

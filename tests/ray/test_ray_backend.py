@@ -42,14 +42,6 @@ def submit_sleeper(kernel: Any, name: str, ranks: int, handle: str, first: str =
     )
 
 
-@pytest.fixture(scope="module")
-def kernel(ray_kernel: Any) -> Any:
-    ray_kernel.ok("%env GLOO_SOCKET_IFNAME=lo")
-    result = ray_kernel.ok("import air_magic\nair_magic.ray_init()", timeout=120)
-    assert "2 nodes" in result.stdout
-    return ray_kernel
-
-
 PLACED = """\
 %%distributed -n 2 --backend ray
 import os, socket

@@ -18,14 +18,6 @@ from ray_support import GLOO, RayCluster, assert_nothing_left, live_agents, ray_
 pytestmark = [pytest.mark.kernel, pytest.mark.process]
 
 
-@pytest.fixture(scope="module")
-def kernel(ray_kernel: Any) -> Any:
-    ray_kernel.ok("%env GLOO_SOCKET_IFNAME=lo")
-    result = ray_kernel.ok("import air_magic\nair_magic.ray_init()", timeout=120)
-    assert "2 nodes" in result.stdout
-    return ray_kernel
-
-
 @pytest.fixture
 def pool(kernel: Any) -> Any:
     """A 2-rank pool on Ray, started with the line magic; stopped (nothing left) at the end."""
