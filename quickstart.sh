@@ -7,4 +7,5 @@ cd "$(dirname "$0")"
 bash scripts/setup_env.sh
 . .venv/bin/activate
 mkdir -p .quickstart && cd .quickstart
+echo "[quickstart] running notebooks/quickstart.ipynb in a real kernel; each cell's output shows as it runs" >&2
 python ../scripts/run_notebook.py ../notebooks/quickstart.ipynb --output quickstart.executed.ipynb

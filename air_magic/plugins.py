@@ -32,8 +32,21 @@ _registered = False
 _lock = threading.Lock()
 
 
+def flush_tracking(timeout: float | None) -> bool:
+    """Wait (bounded, said after a second) for the ended launches' points to be stored;
+    nothing to do where tracking was never used (nothing is imported for it)."""
+    observer = sys.modules.get("air_magic.tracking.observer")
+    if observer is None:
+        return True
+    return bool(observer.flush(timeout))
+
+
 def tracking(launch: "Launch") -> "LaunchObserver | None":
-    """MLflow tracking (imported only when a launch has tracking on)."""
+    """MLflow tracking (imported only when a launch has tracking on).  A launch first waits
+    for the previous launches' points to be stored (bounded)."""
+    observer = sys.modules.get("air_magic.tracking.observer")
+    if observer is not None:
+        observer.flush(observer.FLUSH_BEFORE_LAUNCH)
     if not launch.spec.tracking:
         return None
     from air_magic.tracking import tracking_observer

@@ -224,8 +224,12 @@ class Kernel:
         """Send a cell without waiting; returns its msg_id."""
         return self.kc.execute(code, store_history=True, allow_stdin=False)
 
-    def collect(self, msg_id: str, timeout: float = 60.0, until: Any = None) -> CellResult:
-        """Read the cell's output until the kernel is idle again (or ``until(result)`` is true)."""
+    def collect(
+        self, msg_id: str, timeout: float = 60.0, until: Any = None, earlier: dict[str, CellResult] | None = None
+    ) -> CellResult:
+        """Read the cell's output until the kernel is idle again (or ``until(result)`` is true);
+        what comes meanwhile for the cells in ``earlier`` (by msg_id: an update of a display
+        made by a thread after its cell ended) is added to their results."""
         res = CellResult()
         deadline = time.monotonic() + timeout
         idle = False
@@ -240,7 +244,11 @@ class Kernel:
                 msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0))
             except queue.Empty:
                 continue
-            if msg["parent_header"].get("msg_id") != msg_id:
+            parent = msg["parent_header"].get("msg_id")
+            if earlier is not None and parent in earlier:
+                earlier[parent].record(msg)
+                continue
+            if parent != msg_id:
                 continue
             idle = res.record(msg)
             if until is not None and until(res):

@@ -143,6 +143,12 @@ class Launch:
         self.run_name: str | None = None
         self.run_url: str | None = None
         self.run_command: str | None = None
+        #: What an observer still stores after the end ("storing 1,234 points…", set by the
+        #: tracking plug-in): the values come back at once, the rest is stored behind them.
+        #: None once stored; :meth:`when_stored` runs its hooks then.
+        self.storing: str | None = None
+        self._stored_hooks: list[Callable[[list[tuple[str, str]]], None]] = []
+        self._stored_lock = threading.Lock()
         self.ended_at: float | None = None
         self.status = "starting"
         # Only the cell/function sources stay (for the panel's linter): the pickled
@@ -220,6 +226,36 @@ class Launch:
         is called, in turn with the lines, by the thread that prints them; for a cell that
         waits, after the last of rank 0's output and before the cell's value."""
         self._notices.append((show, ""))
+
+    def set_storing(self, text: str | None, notes: list[tuple[str, str]] | None = None) -> None:
+        """What is still stored after the end (``text``), or None once it is; ``notes``: the
+        lines to tell then, as (line, "stdout" or "stderr"): the run made after the end, what
+        the store refused or kept for later.  The hooks show them; without hooks they are
+        printed here."""
+        with self._stored_lock:
+            self.storing = text
+            hooks = [] if text is not None else self._stored_hooks
+            if text is None:
+                self._stored_hooks = []
+        if text is None and not hooks:
+            for line, stream in notes or ():
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                out.write(line + "\n")
+                out.flush()
+        for hook in hooks:
+            try:
+                hook(list(notes or ()))
+            except Exception as exc:  # a display must never stop the others' hooks
+                sys.stderr.write(f"[air_magic] could not show that launch {self.id} was stored: {exc}\n")
+
+    def when_stored(self, hook: Callable[[list[tuple[str, str]]], None]) -> bool:
+        """Call ``hook(notes)`` once nothing is left to store (from the thread that stored it);
+        False, and nothing registered, if nothing is being stored now."""
+        with self._stored_lock:
+            if self.storing is None:
+                return False
+            self._stored_hooks.append(hook)
+            return True
 
     def print_notices(self, final: bool = True) -> None:
         """Print the lines :meth:`notify` queued (from the thread that shows the launch);

@@ -91,6 +91,7 @@ def summary_data(state: "LaunchState") -> dict[str, Any]:
         "charts": charts,
         "tracking": state.tracking,
         "run": {"id": run_id, "name": run_name, "url": run_url, "command": run_command} if run_id or run_name else None,
+        "storing": getattr(launch, "storing", None) or "",
         "lint": findings,
         "logs": os.path.dirname(state.logs[0].path) if state.logs else "",
     }

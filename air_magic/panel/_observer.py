@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import functools
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 _TICK = 0.5  # seconds between refreshes
 _FIRST_TICK = 0.2
 _LINT_WAIT = 0.3  # seconds the end of a launch waits for the linter at most
+_TERMINAL_STORE_WAIT = 30.0  # terminal IPython: how long its summary waits for the run's points
 
 
 class PanelObserver(WidgetPanel):
@@ -68,6 +70,9 @@ class PanelObserver(WidgetPanel):
         self._registered = False
         self._keep_busy: Callable[[], None] = _nothing
         self.summary: LaunchSummary | None = None
+        self._end_lock = threading.Lock()
+        self._end_display: str | None = None  # how the summary was shown: "panel", "end", "text"
+        self._stored = threading.Event()  # nothing (more) to store for the launch's run
 
     # -- observer --------------------------------------------------------------------------
 
@@ -121,6 +126,17 @@ class PanelObserver(WidgetPanel):
         self.state.close()
         summary = LaunchSummary(self.state)
         self.summary = summary
+        try:
+            self._show_end(summary)
+        finally:
+            # The run's last points are stored behind the values: the summary says so
+            # (``launch.storing``) and is shown again, in place, once they are.
+            if not launch.when_stored(self._on_stored):
+                self._stored.set()
+                if summary.storing:  # stored between the summary and the hook: show it now
+                    self._on_stored([])
+
+    def _show_end(self, summary: LaunchSummary) -> None:
         if self._error is not None:
             self._run(lambda: print(f"[air_magic] the panel stopped updating: {self._error}", file=sys.stderr))
         if self.mode == "widget":
@@ -131,20 +147,23 @@ class PanelObserver(WidgetPanel):
         if not self.background:
             if self.mode == "widget":
                 self._show(summary, update=True)  # in place of the panel
+                self._end_display = "panel"
                 self._retire()
             elif self.launch.waited_on:
                 # Text lines: the summary comes last, after the status lines and the last
                 # of rank 0's output (the cell's thread shows it), before the cell's value.
-                self.launch.notify_call(lambda: self._show_last(summary))
+                self.launch.notify_call(self._show_last)
             elif terminal:
-                self._after_cell(summary)
+                self._after_cell()
             else:
                 self._show(summary, update=True)
+                self._end_display = "panel"
             return
         # A background launch: the launching cell is over; its display gives way to the
         # summary, so that a saved notebook keeps the outcome, not a live panel's first state.
         if not terminal and self.shell is not None:
             self._show(summary, update=True, current=True)
+            self._end_display = "background"
         if self.mode == "widget":
             self._keep_open()
         else:
@@ -219,14 +238,53 @@ class PanelObserver(WidgetPanel):
             return fn()
         return self._ctx.copy().run(fn)
 
-    def _show_last(self, summary: LaunchSummary) -> None:
+    def _show_last(self) -> None:
         """The summary as the cell's last display: the lines written before it (the status
         lines, rank 0's output, buffered by the kernel's streams) are sent first."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        self._show(summary, update=False, new=True)
+        with self._end_lock:
+            summary = self._fresh_summary()
+            self._show(summary, update=False, new=True)
+            self._end_display = "end"
 
-    def _show(self, obj: Any, *, update: bool, new: bool = False, current: bool = False) -> None:
+    def _fresh_summary(self) -> LaunchSummary:
+        """The summary, made again where what is stored of the run changed since."""
+        summary = self.summary
+        if summary is None or summary.storing != getattr(self.launch, "storing", None):
+            summary = self.summary = LaunchSummary(self.state)
+        return summary
+
+    def _on_stored(self, notes: list[tuple[str, str]]) -> None:
+        """The run's last points are stored (from the writer's thread): the summary, in
+        place, with the run; the lines tracking tells then, in the launch's cell."""
+        self._stored.set()
+        with self._end_lock:
+            shown = self._end_display
+            summary = None if shown is None else self._fresh_summary()  # else made when shown
+        for line, stream in notes:
+            self._run(functools.partial(print, line, file=getattr(sys, stream), flush=True))
+        if summary is None or self.shell is None or shown == "text":  # no display to update
+            return
+        self._show(
+            summary, update=True, current=shown == "background", display_id=self._end_id() if shown == "end" else None
+        )
+
+    def _end_id(self) -> str:
+        return f"{self.display_id}-end"
+
+    def wait_stored(self, timeout: float) -> bool:
+        """Wait for the run's last points (bounded), saying so after a second."""
+        if self._stored.wait(1.0):
+            return True
+        print(
+            f"[air_magic] waiting for {getattr(self.launch, 'storing', None) or 'MLflow'}", file=sys.stderr, flush=True
+        )
+        return self._stored.wait(max(0.0, timeout - 1.0))
+
+    def _show(
+        self, obj: Any, *, update: bool, new: bool = False, current: bool = False, display_id: str | None = None
+    ) -> None:
         """Display ``obj`` as the launch's display (``update``: in its place); ``new``: a
         display of its own; ``current``: also with the parent of the cell that runs now.
 
@@ -238,18 +296,21 @@ class PanelObserver(WidgetPanel):
         if self.shell is None:  # plain Python: progress goes where tqdm's goes
             text = obj.text if isinstance(obj, LaunchSummary) else obj.get("text/plain", "")
             print(text, file=sys.stderr, flush=True)
+            if isinstance(obj, LaunchSummary):
+                self._end_display = "text"
             return
         from IPython.display import display, update_display
 
         raw = isinstance(obj, dict)
+        shown_as = display_id or self.display_id
 
         def show() -> None:
             if update:
-                update_display(obj, display_id=self.display_id, raw=raw)
-            elif new:
-                display(obj, raw=raw)
+                update_display(obj, display_id=shown_as, raw=raw)
+            elif new:  # the summary of a cell that printed text lines: a display of its own
+                display(obj, raw=raw, display_id=self._end_id())
             else:
-                display(obj, display_id=self.display_id, raw=raw)
+                display(obj, display_id=shown_as, raw=raw)
 
         self._run(show)
         if current:
@@ -266,11 +327,13 @@ class PanelObserver(WidgetPanel):
     #: runs no more cells, as in a test process, does not collect them forever).
     _pending: collections.deque[Callable[..., None]] = collections.deque(maxlen=8)
 
-    def _after_cell(self, summary: LaunchSummary) -> None:
+    def _after_cell(self) -> None:
         """Terminal IPython: show the summary once the cell has printed all of rank 0's output.
 
         A terminal has no display to update in place, and the launch ends before the cell
         has copied the last of rank 0's output; printed now, the summary would come first.
+        The cell's values came back already; the summary waits (bounded, said after a
+        second) for the run's last points, so that it is printed once, whole.
         """
         shell = self.shell
 
@@ -281,7 +344,11 @@ class PanelObserver(WidgetPanel):
                 pass
             from IPython.display import display
 
-            display(summary)
+            self.wait_stored(_TERMINAL_STORE_WAIT)
+            with self._end_lock:
+                summary = self._fresh_summary()
+                display(summary)
+                self._end_display = "text"
 
         if len(PanelObserver._pending) == PanelObserver._pending.maxlen:
             try:

@@ -57,6 +57,9 @@ def _title_html(state: LaunchState) -> str:
     run = _run_html(launch)
     if run:
         parts.append(run)
+    storing = getattr(launch, "storing", None)
+    if storing:
+        parts.append(f'<span data-air-magic-storing="1" style="{_MUTED}">{_esc(storing)}</span>')
     if state.lint is not None and state.lint.findings:
         n = len(state.lint.findings)
         parts.append(f'<span style="color:#d97706">lint: {n} finding{"s" if n != 1 else ""}</span>')
@@ -352,6 +355,8 @@ class LaunchSummary:
     and the data the lab extension draws it from (``application/vnd.air-magic.summary+json``)."""
 
     def __init__(self, state: LaunchState) -> None:
+        #: What was still being stored of the launch's run when this was made (None: all).
+        self.storing: str | None = getattr(state.launch, "storing", None)
         self.text = self._text(state)
         self.html = self._html(state)
         self.data = summary_data(state)
@@ -385,6 +390,9 @@ class LaunchSummary:
             lines.append(
                 f"  MLflow run {run}" + (f": {url}" if url else f"; open it with: {command}" if command else "")
             )
+        storing = getattr(launch, "storing", None)
+        if storing:
+            lines.append(f"  {storing}")
         if state.lint is not None and state.lint.findings:
             first = state.lint.items[0] if state.lint.items else _Finding(state.lint.findings[0])
             hint = f" ({first.hint})" if first.hint else ""

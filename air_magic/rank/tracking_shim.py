@@ -25,8 +25,10 @@ import fcntl
 import importlib.abc
 import importlib.machinery
 import os
+import re
 import shutil
 import sys
+import threading
 import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -45,6 +47,9 @@ from air_magic.protocol import (
 )
 from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run
 
+#: ``0``: a rank's ``import mlflow`` imports the real package at once (no stand-in).
+LAZY_ENV = "AIR_MAGIC_LAZY_MLFLOW"
+
 _FD: int | None = None
 _RUN_ID: str | None = None
 _FOLDER: str | None = None  # the spool folder: the kernel publishes the run's id there
@@ -60,9 +65,18 @@ _GOOD_NAMES: set[tuple[str, object]] = set()
 _NAME_CHECKS = {METRIC: "_validate_metric_name", PARAM: "_validate_param_name", TAG: "_validate_tag_name"}
 
 
+#: A name every MLflow accepts (letters, digits, ``_ - . : /`` and spaces, at most 250, no
+#: ``..``, no ``.`` path part, no leading or doubled ``/``): taken without asking MLflow, so that
+#: logging needs no import of it.  Any other name is for MLflow's own check to accept or refuse.
+_PLAIN_NAME = re.compile(r"(?!/)(?!.*//)(?!.*\.\.)(?!(?:.*/)?\.(?:/|$))[A-Za-z0-9_\-. :/]{1,250}")
+
+
 def _check_name(kind: str, name: object) -> None:
     # A name MLflow would refuse raises here, in the rank, at the call, as MLflow's own
     # call does; reaching the kernel it would only be skipped there.
+    if isinstance(name, str) and _PLAIN_NAME.fullmatch(name) and not name.endswith("/"):
+        _GOOD_NAMES.add((kind, name))
+        return
     from mlflow.utils import validation
 
     getattr(validation, _NAME_CHECKS[kind])(name)
@@ -103,10 +117,18 @@ def launch_run_id() -> str | None:
     wait = float(os.environ.get("AIR_MAGIC_RUN_WAIT") or 30)
     deadline = time.monotonic() + wait
     pause = 0.001
+    told_at = time.monotonic() + 1.0  # a wait over a second says what it waits for
     while True:
         text = read_run(_FOLDER)
         if text:
             break
+        if told_at and time.monotonic() > told_at:
+            told_at = 0.0
+            sys.stderr.write(
+                f"[air_magic] rank {os.environ.get('RANK', '?')}: waiting for MLflow to make the launch's run "
+                "(this call needs its id)…\n"
+            )
+            sys.stderr.flush()
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"air_magic: the launch's MLflow run was not made within {wait:g} s (its store does not answer), "
@@ -279,6 +301,53 @@ class _PatchingLoader(importlib.abc.Loader):
         patch(module)
 
 
+class _LazyMlflow(ModuleType):
+    """``mlflow`` in a rank until something needs the real package: the fluent calls above
+    are answered at once (an ``import mlflow`` costs nothing, the logging nothing more);
+    any other attribute (``mlflow.pytorch``, ``MlflowClient``, ``__version__``, a submodule's
+    import, which asks for ``__path__``) imports the real package (patched on import by
+    :class:`_MlflowFinder`) in its place and is read from it."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_real_mlflow(), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(_real_mlflow())
+
+
+_REAL_LOCK = threading.RLock()
+
+
+def _real_mlflow() -> ModuleType:
+    with _REAL_LOCK:
+        module = sys.modules.get("mlflow")
+        if isinstance(module, _LazyMlflow):
+            del sys.modules["mlflow"]
+            try:
+                return importlib.import_module("mlflow")
+            except BaseException:
+                sys.modules.setdefault("mlflow", module)
+                raise
+        return importlib.import_module("mlflow")
+
+
+def _lazy_mlflow() -> ModuleType | None:
+    """The stand-in, where the real package is installed (its spec found, nothing imported)."""
+    try:
+        spec = importlib.machinery.PathFinder.find_spec("mlflow")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    module = _LazyMlflow("mlflow", "MLflow (air_magic's stand-in until more than its fluent logging is used)")
+    module.__spec__ = spec  # find_spec("mlflow") works as for the real one (transformers asks)
+    module.__loader__ = spec.loader
+    module.__file__ = spec.origin
+    for name, function in _PATCHES.items():
+        setattr(module, name, function)
+    return module
+
+
 class _MlflowFinder(importlib.abc.MetaPathFinder):
     """Patches ``mlflow`` the moment the user's code imports it."""
 
@@ -312,5 +381,9 @@ def install(work_dir: str, rank: int, run_id: str | None) -> None:
         os.makedirs(_ARTIFACT_DIR, mode=0o700, exist_ok=True)
     if "mlflow" in sys.modules:
         patch(sys.modules["mlflow"])
-    else:
-        sys.meta_path.insert(0, _MlflowFinder())
+        return
+    sys.meta_path.insert(0, _MlflowFinder())
+    if os.environ.get(LAZY_ENV, "1") != "0":
+        lazy = _lazy_mlflow()
+        if lazy is not None:
+            sys.modules["mlflow"] = lazy

@@ -20,7 +20,10 @@ on the launch's path: the ranks start at once and the run is made beside them::
                                             every 0.5 s: new lines -> log_batch <--  the run's id
                                             (air_magic.tracking.upload)               reads <spool>/run)
     after_end: the launch's status  ------> last lines, system metrics, rank logs,
-    waits while the store takes things <--  status; the spool folder is deleted
+    returns at once; launch.storing says    status; the spool folder is deleted;
+      "MLflow: storing 1,234 points…"       launch.set_storing(None): the summary
+                                            turns into the run line, in place
+    the next launch, flush(), the exit  -->  wait for the writers (bounded, said after 1 s)
 
 MLflow's own log lines from these threads go to the launch's log folder
 (:mod:`air_magic.tracking.mlflow_logs`), never into a cell.
@@ -58,7 +61,9 @@ from __future__ import annotations
 from air_magic.tracking.observer import (
     TrackingObserver,
     current_uri,
+    flush,
     open_command,
+    pending,
     tracking_observer,
     tracking_off_notice,
     unreachable_line,
@@ -68,6 +73,8 @@ from air_magic.tracking.recovery import Recovered, recover_in_background, upload
 
 __all__ = [
     "TrackingObserver",
+    "flush",
+    "pending",
     "tracking_observer",
     "tracking_off_notice",
     "upload_pending",

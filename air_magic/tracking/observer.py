@@ -30,11 +30,13 @@ _MONITOR_AFTER = 2.0
 #: waits for the run: the writer retries a store that does not answer every few seconds.
 #: Nothing else waits for the run.
 RUN_WAIT = 30.0
-#: At the end, how long a launch waits for the store to open when it has not yet: MLflow's
-#: import and a new sqlite store's migrations take seconds on a loaded machine.
-OPEN_WAIT = 30.0
-#: At the end, how long without anything taken by the store before the launch returns.
-END_WAIT = 5.0
+#: How long the next launch waits for the last one's points to be stored (seconds); it then
+#: goes on, and the rest stays on disk for the writer that still sends it.
+FLUSH_BEFORE_LAUNCH = 60.0
+#: How long the kernel's exit (shutdown, %unload_ext, the end of a script) waits for them.
+FLUSH_AT_EXIT = 30.0
+#: A wait longer than this says what it waits for, on a line of its own.
+SAY_AFTER = 1.0
 #: Set for the ranks: how long their calls that need the run's id wait for it (seconds).
 RUN_WAIT_ENV = "AIR_MAGIC_RUN_WAIT"
 
@@ -247,27 +249,27 @@ class TrackingObserver:
         launch.run_name = self.writer.spool.journal.get("run_name") if self.writer is not None else None
         launch.run_url = self._run_url(run_id)
         launch.run_command = None if launch.run_url else open_command(self.uri)
-        launch.notify(self.describe(), "stdout")
+        if self.writer is not None and self.writer.status is not None:  # made after the end
+            self.writer.late_lines.append((self.describe(), "stdout"))
+        else:
+            launch.notify(self.describe(), "stdout")
 
     def after_end(self, launch: "Launch") -> None:
+        """The values come back now: the last points, the logs and the run's status are
+        stored behind them by the writer; ``launch.storing`` says so until it is done.
+        The spool is the write-ahead log: a kernel that dies meanwhile loses nothing."""
         writer = self.writer
         if writer is None:
             return
+        launch.set_storing(writer.storing_text())  # before the end: the writer may finish at once
+        with _pending_lock:
+            _pending.add(writer)
+        _flush_at_exit()
         writer.end(_STATUS.get(launch.status, "FAILED"), launch.log_paths)
-        # Until the store is open (MLflow still importing, a new sqlite store migrating) the
-        # launch waits as long as a rank's call waits for the run; then while it takes things.
-        first = END_WAIT if writer.uploader is not None else OPEN_WAIT
-        deadline = time.monotonic() + first
-        while not writer.finished.wait(0.1):
-            # A store that takes things keeps the launch waiting: everything is stored before
-            # .distributed() returns.  One that stops answering does not.
-            deadline = max(deadline, writer.progress_at() + END_WAIT)
-            if time.monotonic() > deadline:
-                writer.abandon(f"no answer in {END_WAIT if writer.uploader is not None else first:g} s")
-                break
-        if writer.fatal is not None:
-            writer.spool.remove()  # no run to send them to: the configuration is what to fix
-        writer.report()
+        if not writer.spool.durable:
+            # Its files are in the launch's session folder, which goes with the launch: the
+            # values wait for them (bounded), as they did before there was a spool of its own.
+            writer.finished.wait(FLUSH_AT_EXIT)
 
     # -- showing the run ---------------------------------------------------------------------
 
@@ -343,6 +345,9 @@ class _Writer:
         self.fatal: Exception | None = None  # no run can be made (a bad URI or experiment)
         self.error: str | None = None  # the first unexpected failure, told at the end
         self._told = False
+        self._kept_for_later = False  # the end found the store unreachable: the spool stays
+        self._fatal_line: str | None = None  # no run could be made, found after the end
+        self.late_lines: list[tuple[str, str]] = []  # the run's announcement, made after the end
         self._monitor: Any = None
         self._monitor_tried = False
         launch = observer.launch
@@ -356,30 +361,45 @@ class _Writer:
     def start(self) -> None:
         self._thread.start()
 
-    def progress_at(self) -> float:
-        return self.uploader.progress_at if self.uploader is not None else 0.0
-
     # -- from the launcher's threads ---------------------------------------------------------
 
     def end(self, status: str, log_paths: list[str]) -> None:
         self.log_paths = list(log_paths)
-        self.spool.update(status=status)  # what recovery marks the run with, if it comes to that
+        # What recovery marks the run with and sends, if it comes to that (the logs are in
+        # the user's log folder, which outlives the kernel).
+        self.spool.update(status=status, log_paths=self.log_paths)
         self.status = status
         self._wake.set()
 
-    def abandon(self, reason: str) -> None:
-        """The launch returns now; the writer keeps what it has not sent for later."""
+    def storing_text(self) -> str:
+        """What is left to store, for the summary: ``MLflow: storing 1,234 points…``."""
+        if self.uploader is None or self.run_id is None:
+            return "MLflow: opening the store…"
         try:
-            self.spool.copy_logs(self.log_paths)  # the kernel may exit before the writer can
+            points = self.spool.pending_points()
+        except OSError:  # the writer removed the folder meanwhile: all sent
+            points = 0
+        if points:
+            return f"MLflow: storing {points:,} point{'s' * (points != 1)}…"
+        return "MLflow: storing the logs and the run's status…"
+
+    def unsent(self) -> int:
+        """Points not stored yet (0 once the spool is gone)."""
+        try:
+            return self.spool.pending_points()
         except OSError:
-            pass  # the writer finished meanwhile and deleted the folder, or copies them itself
-        self.tell_unreachable(self.unreachable or reason)
+            return 0
 
     def tell_unreachable(self, reason: str) -> None:
+        if self.status is not None:  # after the end: said once when the storing is over
+            return
         with self.lock:
             if self._told:
                 return
             self._told = True
+        self.observer.launch.notify(self.kept_line(reason), "stderr")
+
+    def kept_line(self, reason: str) -> str:
         if self.spool.durable:
             line = unreachable_line(self.observer.store_uri, reason)
         else:
@@ -389,18 +409,33 @@ class _Writer:
                 f"[air_magic] {store_name(self.observer.store_uri)} is unreachable ({reason}): this launch's "
                 "points are only in the kernel's session folder and are lost if it does not answer by the end."
             )
-        self.observer.launch.notify(line, "stderr")
+        return line
 
-    def report(self) -> None:
-        """What did not reach the run, told once, at the end of the launch."""
+    def report(self) -> list[tuple[str, str]]:
+        """The run, where it was made after the end, then what did not reach it, told once,
+        when the storing is over: (line, stream)."""
+        notes = list(self.late_lines)
         uploader = self.uploader
         if uploader is not None and uploader.skipped:
-            _say(
-                f"[air_magic] not everything the ranks logged reached MLflow run {self.run_id}: skipped what "
-                f"the store refused: {uploader.skipped_text()}. Everything else was stored."
+            notes.append(
+                (
+                    f"[air_magic] not everything the ranks logged reached MLflow run {self.run_id}: skipped what "
+                    f"the store refused: {uploader.skipped_text()}. Everything else was stored.",
+                    "stderr",
+                )
             )
         if self.error is not None:
-            _say(f"[air_magic] not everything the ranks logged reached MLflow run {self.run_id}: {self.error}")
+            notes.append(
+                (
+                    f"[air_magic] not everything the ranks logged reached MLflow run {self.run_id}: {self.error}",
+                    "stderr",
+                )
+            )
+        if self.fatal is None and self._kept_for_later and not self._told:
+            notes.append((self.kept_line(self.unreachable or "no answer"), "stderr"))
+        if self._fatal_line is not None:
+            notes.append((self._fatal_line, "stderr"))
+        return notes
 
     def _note(self, exc: BaseException) -> None:
         if self.error is None:  # the first failure is the one to fix
@@ -419,7 +454,13 @@ class _Writer:
             self._note(exc)
             self._leave()
         finally:
+            if self.fatal is not None:
+                self.spool.remove()  # no run to send them to: the configuration is what to fix
+            notes = self.report()
             self.finished.set()
+            with _pending_lock:
+                _pending.discard(self)
+            self.observer.launch.set_storing(None, notes)
 
     def _loop(self) -> None:
         from air_magic.tracking import mlflow_logs as _mlflow_logs
@@ -462,6 +503,10 @@ class _Writer:
             except Exception as exc:  # MLflow's errors are of any type: no run means tracking off
                 if self.run_id is None:
                     self._no_run(exc)
+                    # The ranks read why from the spool folder: it goes once they are done.
+                    while self.status is None:
+                        self._wake.wait(_INTERVAL)
+                        self._wake.clear()
                     return
                 raise
             self._wake.wait(_INTERVAL if self.unreachable is None else _RETRY)
@@ -479,9 +524,11 @@ class _Writer:
             publish_run(self.spool.folder, "!" + reason)
         except OSError:
             pass
-        self.observer.launch.notify(
-            f"[air_magic] tracking is off for this launch: MLflow could not make its run: {reason}", "stderr"
-        )
+        line = f"[air_magic] tracking is off for this launch: MLflow could not make its run: {reason}"
+        if self.status is not None:  # the launch has ended: said when the storing is over
+            self._fatal_line = line
+        else:
+            self.observer.launch.notify(line, "stderr")
 
     def _make_run(self) -> None:
         assert self.uploader is not None
@@ -532,6 +579,7 @@ class _Writer:
 
     def _leave(self) -> None:
         """Keep the spool (and the ranks' logs) for recovery, and let go of it."""
+        self._kept_for_later = True
         self._stop_monitor(wait=False)
         try:
             if self.status is not None:
@@ -539,6 +587,69 @@ class _Writer:
         except OSError as exc:
             self._note(exc)
         self.spool.release()
+
+
+_pending_lock = threading.Lock()
+_pending: set[_Writer] = set()  # writers still storing an ended launch's points
+_exit_registered = False
+
+
+def pending() -> list["Launch"]:
+    """The ended launches whose points, logs or status are still being stored."""
+    with _pending_lock:
+        return [writer.observer.launch for writer in _pending]
+
+
+def flush(timeout: float | None = 60.0, *, quiet: bool = False) -> bool:
+    """Wait until every ended launch's points, logs and status are in MLflow (or, a store
+    that does not answer, kept on disk for later); True if nothing is left to wait for.
+
+    A wait longer than a second says what it waits for, on stderr (``quiet``: not).
+    After ``timeout`` seconds it returns False; the writers go on in the background and
+    nothing is lost (see :func:`air_magic.tracking.upload_pending`)."""
+    with _pending_lock:
+        writers = list(_pending)
+    if not writers:
+        return True
+    began = time.monotonic()
+    deadline = None if timeout is None else began + max(0.0, timeout)
+    told = quiet
+    for writer in writers:
+        while not writer.finished.wait(0.05):
+            now = time.monotonic()
+            if not told and now - began >= SAY_AFTER:
+                told = True
+                _say(f"[air_magic] waiting for {_waiting_for(writers)}")
+            if deadline is not None and now >= deadline:
+                if told and not quiet:
+                    _say(
+                        f"[air_magic] gave up waiting after {timeout:g} s: {_waiting_for(writers)} goes on "
+                        "in the background; nothing is lost."
+                    )
+                return False
+    return True
+
+
+def _waiting_for(writers: list[_Writer]) -> str:
+    left = [w for w in writers if not w.finished.is_set()] or writers
+    points = sum(w.unsent() for w in left)
+    ids = ", ".join(w.observer.launch.id for w in left)
+    what = f"{points:,} point{'s' * (points != 1)}" if points else "the logs and the run's status"
+    if any(w.uploader is None for w in left):
+        return f"MLflow to open the store and store {what} of launch {ids}…"
+    return f"MLflow to store {what} of launch {ids}…"
+
+
+def _flush_at_exit() -> None:
+    """Once: the interpreter's exit (a kernel's shutdown, a script's end) waits, bounded."""
+    global _exit_registered
+    with _pending_lock:
+        if _exit_registered:
+            return
+        _exit_registered = True
+    import atexit
+
+    atexit.register(flush, FLUSH_AT_EXIT)
 
 
 def tracking_observer(launch: "Launch") -> TrackingObserver | None:

@@ -141,7 +141,8 @@ def _recover(spool: Spool) -> Recovered | None:
             uploader.ensure_run()
             uploader.pump(until_empty=True)
             if not journal.get("logs_sent"):
-                uploader.send_logs(spool.logs())
+                # Copies in the spool, else the launch's own logs (kept in the user's log folder)
+                uploader.send_logs(spool.logs() or [p for p in journal.get("log_paths") or () if os.path.exists(p)])
                 spool.update(logs_sent=True)
             uploader.finish(status)
         except Unreachable as exc:

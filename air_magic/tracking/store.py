@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -273,14 +274,93 @@ def _creation_lock(path: str) -> threading.Lock:
         return _creation_locks.setdefault(path, threading.Lock())
 
 
-def _create_sqlite_store(path: str) -> None:
-    """Make a new sqlite store whole: MLflow creates and migrates its tables in a temp file
-    beside it (private, a name nobody can guess, opened with ``O_EXCL``), which is then
-    linked into place (``link`` never replaces: a store another process made meanwhile
-    wins, and is used).  A process stopped half-way leaves a temp file, never a half-made
-    store; the next creation removes such files of this user's."""
+def _migrate(path: str) -> None:
+    """MLflow creates and migrates its tables in the sqlite file ``path`` (seconds)."""
     from mlflow import MlflowClient
 
+    store = MlflowClient(f"sqlite:///{path}")._tracking_client.store
+    engine = getattr(store, "engine", None)
+    if engine is not None:
+        engine.dispose()  # no connection stays open on the file
+
+
+#: ``0``: every new sqlite store is migrated by MLflow itself, not copied from the template.
+TEMPLATE_ENV = "AIR_MAGIC_STORE_TEMPLATE"
+
+
+def template_path() -> str | None:
+    """The empty store of the installed MLflow, made by MLflow once per machine and user,
+    in the user's private cache (``~/.cache/air_magic/stores/mlflow-<version>.db``); None
+    where it cannot be had (no cache folder of the user's own, MLflow not installed)."""
+    if os.environ.get(TEMPLATE_ENV, "1") == "0":
+        return None
+    import importlib.metadata
+
+    from air_magic.protocol.private import private_dir, user_cache_dir
+
+    try:
+        version = importlib.metadata.version("mlflow")
+        folder = private_dir(os.path.join(user_cache_dir(), "stores"), "the empty MLflow stores new folders start from")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    path = os.path.join(folder, f"mlflow-{version}.db")
+    if not os.path.lexists(path):
+        fd, temp = tempfile.mkstemp(prefix=f".mlflow-{version}{_TEMP_MARK}", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            _migrate(temp)
+            try:
+                os.link(temp, path)
+            except FileExistsError:
+                pass  # another process made it meanwhile: the same store
+        finally:
+            os.unlink(temp)
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        return None  # the folder is the user's own: this cannot be another's file
+    return path
+
+
+def _copy_template(temp: str) -> bool:
+    """Fill the new store ``temp`` from the template, as MLflow would have made it here: its
+    Default experiment's artifact location and times are set as MLflow sets them (the
+    location is MLflow's default artifact root, resolved in the working folder, + ``/0``).
+    False where there is no template or it cannot be used (MLflow then makes the store)."""
+    import shutil
+    import sqlite3
+
+    try:
+        template = template_path()
+        if template is None:
+            return False
+        from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+        from mlflow.utils.uri import append_to_uri_path, resolve_uri_if_local
+
+        location = append_to_uri_path(resolve_uri_if_local(DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH), "0")
+        shutil.copyfile(template, temp)
+        now = int(time.time() * 1000)
+        db = sqlite3.connect(temp)
+        try:
+            changed = db.execute(
+                "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                "WHERE experiment_id = 0",
+                (location, now, now),
+            ).rowcount
+            db.commit()
+        finally:
+            db.close()
+        return changed == 1
+    except Exception:  # MLflow's own creation is the way that always works
+        return False
+
+
+def _create_sqlite_store(path: str) -> None:
+    """Make a new sqlite store whole: a copy of the template (:func:`template_path`; MLflow's
+    migrations run once per machine, not per folder), else MLflow creates and migrates its
+    tables; either in a temp file beside it (private, a name nobody can guess, opened
+    with ``O_EXCL``), which is then linked into place (``link`` never replaces: a store
+    another process made meanwhile wins, and is used).  A process stopped half-way leaves
+    a temp file, never a half-made store; the next creation removes such files of this user's."""
     folder, name = os.path.split(path)
     _remove_stale_temps(folder, name)
     fd, temp = tempfile.mkstemp(prefix=f".{name}{_TEMP_MARK}", suffix=".tmp", dir=folder)
@@ -289,10 +369,8 @@ def _create_sqlite_store(path: str) -> None:
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # the mode sqlite itself would have given the store
         os.close(fd)
-        store = MlflowClient(f"sqlite:///{temp}")._tracking_client.store
-        engine = getattr(store, "engine", None)
-        if engine is not None:
-            engine.dispose()  # no connection stays open on the temp name
+        if not _copy_template(temp):
+            _migrate(temp)
         try:
             os.link(temp, path)
         except FileExistsError:

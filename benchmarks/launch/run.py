@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -613,6 +614,12 @@ def main() -> int:
         default=None,
         help="seconds per (tool, N) session before warm runs stop (default 600; quick 180)",
     )
+    ap.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        help="busy loops (one process each) kept running beside the whole run: the machine under load",
+    )
     ap.add_argument("--out", default=str(RESULTS / "launch.json"))
     ap.add_argument(
         "--merge",
@@ -648,6 +655,13 @@ def main() -> int:
         signal.signal(sig, lambda s, f: sys.exit(128 + s))
 
     env = Env(run_id, root, Path(cfg.out).parent / "logs")
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], env={**os.environ, H.RUN_VAR: run_id})
+        for _ in range(cfg.load)
+    ]
+    atexit.register(lambda: [p.kill() for p in busy])
+    if busy:
+        log(f"{len(busy)} busy loop(s) run beside the whole run (pids {[p.pid for p in busy]})")
     data = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": machine_info(),
@@ -658,6 +672,7 @@ def main() -> int:
             "warm_fresh": cfg.warm_fresh,
             "big_reps": cfg.big_reps,
             "tools": names,
+            "load": cfg.load,
         },
         "launch": [],
         "bigreturn": None,

@@ -355,6 +355,18 @@ class AirMagicTracking(AirMagicCell):
         return f'_bench_out = get_ipython().run_cell_magic("distributed", {f"-n {c.n}"!r}, {cell!r})'
 
 
+class AirMagicTrackingImport(AirMagicTracking):
+    name = "air_magic_import_mlflow"
+    model = (
+        "as air_magic_tracking, the cell's code also does `import mlflow` (the documentation's "
+        "example does), after the first-user-line stamp: its cost is in the time to result"
+    )
+
+    def launch_body(self, c, port):
+        cell = payload_cell(c.sd, pre="import mlflow")
+        return f'_bench_out = get_ipython().run_cell_magic("distributed", {f"-n {c.n}"!r}, {cell!r})'
+
+
 class AirMagicSettled(AirMagicCell):
     name = "air_magic+3s"
     model = "as air_magic, the first launch 3 s after %load_ext (a user reading the next cell)"
@@ -424,6 +436,7 @@ ALL_TOOLS = [
     AirMagicSettled(),
     AirMagicTracking(),
     AirMagicTrackingSettled(),
+    AirMagicTrackingImport(),
     AirMagicDecorator(),
 ]
 TOOLS_BY_NAME = {t.name: t for t in ALL_TOOLS}

@@ -37,6 +37,8 @@ interface ISummary {
   charts: { [key: string]: { [rank: string]: [number, number][] } };
   tracking: boolean;
   run: { id: string; name: string; url: string; command: string } | null;
+  /** What is still stored of the run after the end ("MLflow: storing 1,234 points…"); '' once stored. */
+  storing?: string;
   lint: { text: string; hint: string; fix: string }[];
   logs: string;
 }
@@ -89,6 +91,9 @@ function renderSummary(data: ISummary): HTMLElement {
       run.appendChild(el('code', { class: 'air-magic-command' }, data.run.command));
     }
     root.appendChild(run);
+  }
+  if (data.storing) {
+    root.appendChild(el('div', { class: 'air-magic-muted', 'data-air-magic-storing': '1' }, data.storing));
   }
   root.appendChild(rankTable(data));
   root.appendChild(el('div', { class: `air-magic-outcome air-magic-status-${data.status.replace(' ', '-')}`,

@@ -59,3 +59,21 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def capsys(capsys: pytest.CaptureFixture[str]) -> Iterator[pytest.CaptureFixture[str]]:
+    """pytest's ``capsys``, whose ``readouterr()`` first waits for the launches' MLflow
+    storing to be over (``air_magic.tracking.flush()``): a launch's values come back before
+    its last points are stored, and these tests read what the store and the lines end with.
+    What is shown while storing goes on is tested in test_tracking_background.py."""
+    read = capsys.readouterr
+
+    def readouterr() -> Any:
+        from air_magic import tracking
+
+        assert tracking.flush(120), "the launches' points were not stored in 120 s"
+        return read()
+
+    capsys.readouterr = readouterr  # type: ignore[method-assign]
+    yield capsys

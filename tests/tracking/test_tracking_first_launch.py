@@ -64,8 +64,14 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
 ) -> None:
     folder = tmp_path / "notebook"
     folder.mkdir()
+    # A machine where MLflow never made a store: its own cache (the empty store's template).
     kernel = Kernel(
-        str(folder), {"AIR_MAGIC_STATE_DIR": str(tmp_path / "state"), "AIR_MAGIC_LOG_DIR": str(tmp_path / "logs")}
+        str(folder),
+        {
+            "AIR_MAGIC_STATE_DIR": str(tmp_path / "state"),
+            "AIR_MAGIC_LOG_DIR": str(tmp_path / "logs"),
+            "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        },
     )
     try:
         # The launch straight after %load_ext: torch, MLflow and the new store are still loading.
@@ -91,18 +97,20 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         ours = [line for line in lines if line.startswith("[air_magic]") or line == command]
         assert [line for line in lines if line not in ours] == ["ranks done"], lines
 
-        # Every point stored before the cell returned, in the run the cell announced.
+        # Every point stored once the kernel's storing is over, in the run the cell announced.
         stdout = "".join(text for i, text in streams if messages[i]["content"]["name"] == "stdout")
         run_id = one_run_id(stdout)
         [result] = [m for m in messages if m["msg_type"] == "execute_result"]
         assert result["content"]["data"]["text/plain"] == repr([run_id, run_id])
+        assert kernel.value("import air_magic.tracking\nair_magic.tracking.flush(120)", timeout=180) is True
         store = Store(sqlite_uri(folder))
         assert store.run(run_id).info.status == "FINISHED"
         assert store.by_rank(run_id, "loss", 2) == {
             rank: [(step, rank + step / 100) for step in range(50)] for rank in (0, 1)
         }
-        # MLflow's lines (the new store's tables) went to a log file: the session's, when the
-        # warm-up at %load_ext made the store, else the launch's, when its writer did.
+        # MLflow's lines (the tables of the empty store, made once on this machine, that the
+        # new store is a copy of) went to a log file: the session's, when the warm-up at
+        # %load_ext made it, else the launch's, when its writer did.
         session = kernel.value("__import__('air_magic.kernel.launcher').kernel.launcher.get_launcher().session_dir")
         logs = glob.glob(os.path.join(session, "mlflow.log")) + glob.glob(
             os.path.join(str(tmp_path / "logs"), "*", "mlflow.log")

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 from harness import Kernel
-from tracking_support import Store, one_run_id, run_ids_in, sqlite_uri
+from tracking_support import Store, one_run_id, run_ids_in, sqlite_uri, stored, stored_run
 
 pytestmark = pytest.mark.kernel
 
@@ -63,7 +63,7 @@ EXPECTED_LOSS = {rank: [(step, rank + step / 10) for step in range(3)] for rank 
 def test_cell_launch_is_one_finished_run_in_the_notebooks_experiment(tk: Kernel) -> None:
     store = store_of(tk)
     before = {r.info.run_id for r in store.runs()}
-    res = tk.run(f"%%distributed -n 2 --timeout 600\n{LOGGING_CELL}", timeout=180)
+    res = stored_run(tk, f"%%distributed -n 2 --timeout 600\n{LOGGING_CELL}", timeout=180)
     assert out_value(res) == [0, 1]
     run_id = one_run_id(res.stdout)
     lines = res.stdout.splitlines()
@@ -96,7 +96,7 @@ def test_decorated_function_in_the_kernel_logs_to_its_run(tk: Kernel) -> None:
         "    mlflow.log_param('lr', lr)\n"
         "    return lr\n"
     )
-    res = tk.run("train.distributed(0.25)", timeout=180)
+    res = stored_run(tk, "train.distributed(0.25)", timeout=180)
     assert out_value(res) == [0.25, 0.25]
     run_id = one_run_id(res.stdout)
     assert tk.value("train.last_launch.run_id") == run_id
@@ -112,7 +112,7 @@ def test_launch_nests_under_the_kernels_active_run(tk: Kernel) -> None:
     tk.ok("import mlflow\nparent = mlflow.start_run(run_name='notebook-run')")
     try:
         parent_id = tk.value("parent.info.run_id")
-        res = tk.run(f"%%distributed -n 2\n{LOGGING_CELL}", timeout=180)
+        res = stored_run(tk, f"%%distributed -n 2\n{LOGGING_CELL}", timeout=180)
         assert out_value(res) == [0, 1]
         run_id = one_run_id(res.stdout)
         child = store.run(run_id)
@@ -144,7 +144,7 @@ def test_interrupt_marks_the_run_killed_and_keeps_what_was_logged(tk: Kernel) ->
         assert time.monotonic() < deadline, "the ranks never got going"
         time.sleep(0.1)
     tk.km.interrupt_kernel()
-    res = tk.collect(msg_id, timeout=60)
+    res = stored(tk, msg_id, tk.collect(msg_id, timeout=60))
     assert res.error is not None and res.error["ename"] == "KeyboardInterrupt", res.error_text
     run_id = one_run_id(res.stdout)
     store = store_of(tk)
@@ -181,7 +181,7 @@ def test_experiment_choice_kernel_then_environment_flag_wins(kernel_factory: Any
     try:
 
         def launch(flags: str = "") -> str:
-            res = kernel.run(f"%%distributed -n 2 {flags}\n{LOGGING_CELL}", timeout=180)
+            res = stored_run(kernel, f"%%distributed -n 2 {flags}\n{LOGGING_CELL}", timeout=180)
             assert out_value(res) == [0, 1]
             return one_run_id(res.stdout)
 
@@ -233,6 +233,7 @@ def test_two_kernels_first_launches_at_once_into_a_fresh_store(tmp_path: Any) ->
         cell = f"time.sleep(max(0.0, {start_at!r} - time.time()))\nlen(train.distributed())"
         msg_ids = [kernel.execute(cell) for kernel in kernels]
         results = [kernel.collect(msg_id, timeout=240) for kernel, msg_id in zip(kernels, msg_ids)]
+        results = [stored(kernel, msg_id, res) for kernel, msg_id, res in zip(kernels, msg_ids, results)]
         run_ids = []
         for res in results:
             assert out_value(res) == 2

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import cloudpickle
 import pytest
-from tracking_support import Server, one_run_id, rank_key
+from tracking_support import Server, one_run_id, rank_key, stored_run
 
 from air_magic import distributed
 
@@ -109,7 +109,8 @@ def test_decorator_output_links_to_the_run_on_the_server(server_env: Server, cap
 def test_cell_output_links_to_the_run_on_the_server(mlflow_server: Server, kernel_factory: Any) -> None:
     kernel = kernel_factory(extra_env={"MLFLOW_TRACKING_URI": mlflow_server.uri}, tracking=True)
     try:
-        res = kernel.run(
+        res = stored_run(
+            kernel,
             "%%distributed -n 2 --experiment served-cells\n"
             "import os, mlflow\n"
             "mlflow.log_metric('loss', float(os.environ['RANK']))\n"

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from harness import Kernel, wait_until
+from tracking_support import stored_run
 
 from air_magic.tracking.store import StoreUnusable, make_client
 
@@ -153,7 +154,7 @@ def test_a_store_file_of_another_user_is_said_at_once_and_the_launch_returns(ker
     try:
         make_client(f"sqlite:///{_store_path(kernel)}")
         os.chown(_store_path(kernel), NOBODY, NOBODY)
-        res = kernel.run(CELL, timeout=120)
+        res = stored_run(kernel, CELL, timeout=120)
         assert res.error is None and res.result == "[42]", res.error_text
         [line] = [line for line in res.stderr.splitlines() if "cannot be used" in line]
         assert line.startswith(
@@ -175,7 +176,7 @@ def test_a_half_made_store_is_told_once_in_one_line_and_its_points_wait_for_the_
     first = kernel_factory(tracking=True)
     store = _store_path(first)
     _half_made(store)
-    res = first.run(CELL, timeout=120)
+    res = stored_run(first, CELL, timeout=120)
     assert res.error is None and res.result == "[42]", res.error_text
     told = [line for line in res.stderr.splitlines() if "half-made" in line]
     assert told == [

@@ -50,6 +50,12 @@ class Store:
         # Made on first use: creating a client for a sqlite URI creates the database.
         from mlflow import MlflowClient
 
+        # A launch of this process stores its last points after its values came back: what
+        # the store holds is read once that is over (what shows meanwhile is tested apart).
+        observer = sys.modules.get("air_magic.tracking.observer")
+        if observer is not None:
+            assert observer.flush(120), "the launches' points were not stored in 120 s"
+
         return MlflowClient(self.uri)
 
     def runs(self) -> list[Any]:
@@ -214,3 +220,24 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
             pass
     psutil.wait_procs(alive, timeout=10)
     proc.wait(10)
+
+
+# -- a kernel's launches, once their MLflow storing is over ---------------------------------------
+
+
+def stored(kernel: Any, msg_id: str, res: Any, timeout: float = 120.0) -> Any:
+    """``res``, the result of the kernel's cell ``msg_id``, once the kernel has stored its
+    launches' last points (``air_magic.tracking.flush()`` in a next cell): what the launch's
+    cell was sent meanwhile (the run's lines, an updated summary) is added to ``res``.  A
+    launch's values come back before its last points are stored (what shows meanwhile is
+    tested in test_tracking_background.py); these tests read what things end with."""
+    flush = "import air_magic.tracking\nassert air_magic.tracking.flush(%r)" % timeout
+    after = kernel.collect(kernel.execute(flush), timeout=timeout + 60, earlier={msg_id: res})
+    assert after.error is None, after.error_text
+    return res
+
+
+def stored_run(kernel: Any, code: str, timeout: float = 60.0) -> Any:
+    """Run a cell, then wait for its launches' MLflow storing (see :func:`stored`)."""
+    msg_id = kernel.execute(code)
+    return stored(kernel, msg_id, kernel.collect(msg_id, timeout=timeout))
