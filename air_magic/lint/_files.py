@@ -113,6 +113,13 @@ def summary(diagnostics: Sequence[Diagnostic], *, fixing: bool, unsafe_hint: boo
     if safe and not fixing:
         notes.append(f"{safe} fixable with --fix")
     if unsafe and unsafe_hint:
-        notes.append(f"{unsafe} more with --fix --unsafe-fixes")
-    text = f"{found} left to fix by hand" if fixing else f"Found {found}"
+        # Each finding counted once: "more" only beside the safe ones, else "of them".
+        if notes:
+            notes.append(f"{unsafe} more with --fix --unsafe-fixes")
+        else:
+            notes.append(f"{unsafe} of them fixable with --fix --unsafe-fixes")
+    if fixing:
+        text = f"{found} left" if unsafe and unsafe_hint else f"{found} left to fix by hand"
+    else:
+        text = f"Found {found}"
     return text + (f" ({'; '.join(notes)})" if notes else "") + "."

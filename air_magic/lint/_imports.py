@@ -29,6 +29,7 @@ from air_magic.lint.rules import (
     DEEPSPEED_DISTRIBUTOR_NAMES,
     LEGACY_ENV_VARS,
     MOVES,
+    PACKAGE_NAMES,
     TORCH_DISTRIBUTOR_NAMES,
     Applicability,
     Move,
@@ -129,7 +130,11 @@ def check_imports(src: Source) -> None:
         }
         for alias in aliases:
             if not alias.references and (alias in legacy or alias in leftovers):
-                why = "; the legacy package is not installed outside Databricks" if alias in legacy else ""
+                why = ""
+                if alias in legacy:
+                    why = (
+                        f"; {PACKAGE_NAMES[legacy_package(alias.qualified) or '']} is not installed outside Databricks"
+                    )
                 f = src.report("AM106", alias.node, old=alias.qualified, why=why)
                 f.edits = plans[Applicability.SAFE]
                 continue
@@ -150,7 +155,7 @@ def check_imports(src: Source) -> None:
 def _move_fields(qualified: str, move: Move) -> dict[str, Any]:
     return {
         "old": qualified,
-        "package": legacy_package(qualified) or "",
+        "package": PACKAGE_NAMES.get(legacy_package(qualified) or "", ""),
         "new": f"{move.module}.{move.name}",
         "difference": move.difference,
     }

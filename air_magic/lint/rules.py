@@ -94,7 +94,7 @@ RULES: tuple[Rule, ...] = (
         code="AM101",
         name="legacy-import",
         kind="imports",
-        message="`{old}` comes from the legacy `{package}` package, which is not installed outside Databricks",
+        message="`{old}` comes from {package}, which is not installed outside Databricks",
         fix_title="Use `{new}` (the same API)",
         fix=SAFE,
         before="from serverless_gpu import distributed\n\n@distributed()\ndef train():\n    return 0\n",
@@ -394,6 +394,11 @@ def rule(code: str) -> Rule:
 #: Packages whose code this linter migrates; ``databricks.air`` is the package that
 #: replaced ``serverless_gpu`` on Databricks.
 LEGACY_PACKAGES: tuple[str, ...] = ("serverless_gpu", "databricks.air")
+#: How AM101 names each: ``databricks.air`` is Databricks' current SDK, ``serverless_gpu`` the legacy one.
+PACKAGE_NAMES: dict[str, str] = {
+    "serverless_gpu": "the legacy `serverless_gpu` package",
+    "databricks.air": "Databricks' `databricks.air` SDK (`databricks-sdk-air`)",
+}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from air_magic.panel._format import _clip, _progress_text, _where
+from air_magic.panel._svg import chart_model
 
 if TYPE_CHECKING:
     from air_magic.panel._state import LaunchState
@@ -66,9 +67,8 @@ def summary_data(state: "LaunchState") -> dict[str, Any]:
                 "log_path": log.path,
             }
         )
-    charts = {
-        key: {str(rank): _thin(points) for rank, points in lines.items()} for key, lines in state.chart_series().items()
-    }
+    series = state.chart_series()
+    charts = {key: {str(rank): _thin(points) for rank, points in lines.items()} for key, lines in series.items()}
     run_id, run_name, run_url, run_command = (
         str(getattr(launch, name, None) or "") for name in ("run_id", "run_name", "run_url", "run_command")
     )
@@ -89,6 +89,8 @@ def summary_data(state: "LaunchState") -> dict[str, Any]:
         "elapsed": state.elapsed(),
         "ranks": ranks,
         "charts": charts,
+        # The one chart model the panel's SVG is drawn from too (_svg.chart_model).
+        "chart_models": {key: model for key in series if (model := chart_model(key, series[key])) is not None},
         "tracking": state.tracking,
         "run": {"id": run_id, "name": run_name, "url": run_url, "command": run_command} if run_id or run_name else None,
         "storing": getattr(launch, "storing", None) or "",

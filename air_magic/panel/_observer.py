@@ -243,10 +243,15 @@ class PanelObserver(WidgetPanel):
         lines, rank 0's output, buffered by the kernel's streams) are sent first."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        terminal = self.shell is not None and getattr(self.shell, "kernel", None) is None
+        if terminal:
+            # A terminal cannot show it again in place: it waits (bounded, said after a
+            # second) for the run's last points, and is printed once, whole.
+            self.wait_stored(_TERMINAL_STORE_WAIT)
         with self._end_lock:
             summary = self._fresh_summary()
             self._show(summary, update=False, new=True)
-            self._end_display = "end"
+            self._end_display = "text" if terminal else "end"
 
     def _fresh_summary(self) -> LaunchSummary:
         """The summary, made again where what is stored of the run changed since."""

@@ -28,7 +28,6 @@ from air_magic.panel._format import (
     _clip,
     _esc,
     _fmt_clock,
-    _fmt_elapsed,
     _metrics_text,
     _progress_text,
     _status_text,
@@ -47,13 +46,13 @@ def _title_html(state: LaunchState) -> str:
     launch = state.launch
     icon, color = _STATUS_STYLE.get(launch.status, ("●", "#6b7280"))
     where = _where(launch)
-    elapsed = _fmt_elapsed(state.elapsed()) if launch.ended_at else _fmt_clock(state.elapsed())
     parts = [
         f"<b>{_esc(launch.label)}</b> on {where}",
         f'<span style="color:{color};font-weight:bold">{icon} {_esc(_status_text(launch))}</span>',
-        f'<span title="elapsed">{elapsed}</span>',
-        f'<span style="{_MUTED}">launch {_esc(launch.id)}</span>',
     ]
+    if not launch.ended_at:  # once it has ended, its outcome line says how long it took
+        parts.append(f'<span title="elapsed">{_fmt_clock(state.elapsed())}</span>')
+    parts.append(f'<span style="{_MUTED}">launch {_esc(launch.id)}</span>')
     run = _run_html(launch)
     if run:
         parts.append(run)
@@ -106,11 +105,13 @@ def _overall_html(state: LaunchState) -> str:
     if overall is None:
         return ""
     pct = overall.fraction * 100
+    # What it measures: the slowest rank's current bar (an epoch's, say), not the whole run.
+    label = f"slowest bar {_esc(overall.desc)!s}" if overall.desc else "slowest bar"
     bits = [f"{pct:.0f}% {_esc(overall.n)}/{_esc(overall.total)}"]
     if overall.ranks > 1:
-        bits[0] += f" (slowest: rank {overall.slowest})"
+        bits[0] += f" (rank {overall.slowest})"
     if overall.eta:
-        bits.append(f"eta {_esc(overall.eta)}")
+        bits.append(f"this bar's eta {_esc(overall.eta)}")
     if overall.throughput:
         bits.append(f'<span title="the running ranks\' rates added up">{_esc(overall.throughput)} in all</span>')
     behind = (
@@ -120,16 +121,19 @@ def _overall_html(state: LaunchState) -> str:
     )
     return (
         f'<div data-air-magic-overall="1" style="overflow-wrap:anywhere"><progress max="100" value="{pct:.0f}" '
-        f'style="width:120px;height:10px;vertical-align:middle"></progress> overall {" · ".join(bits)}{behind}</div>'
+        f'style="width:120px;height:10px;vertical-align:middle"></progress> '
+        f'<span title="the slowest rank\'s current progress bar, not the whole run">{label}:</span> '
+        f"{' · '.join(bits)}{behind}</div>"
     )
 
 
 def _overall_text(state: LaunchState) -> str:
-    """``all 45% eta 00:02 600 it/s in all`` and the straggler, for the text line."""
+    """``slowest Epoch 2: 45% eta 00:02 600 it/s`` and the straggler, for the text line (the
+    slowest rank's current bar, by its description: not the whole run)."""
     overall = state.overall()
     if overall is None:
         return ""
-    text = f"all {overall.fraction * 100:.0f}%"
+    text = f"slowest {overall.desc + ': ' if overall.desc else 'bar '}{overall.fraction * 100:.0f}%"
     if overall.eta:
         text += f" eta {overall.eta}"
     if overall.throughput:
@@ -169,17 +173,21 @@ def _table_html(state: LaunchState) -> str:
                 'style="width:80px;height:10px;vertical-align:middle"></progress> '
             )
         returncode = launch.ranks[rank].returncode
-        exit_note = _exit_note(returncode)
+        # A rank stopped (by you, or because another failed) did not crash: its exit code,
+        # the stop's own doing, is on hover only; the KeyboardInterrupt it printed is muted.
+        exit_note = _exit_note(returncode) if rank_state != "stopped" else ""
+        stopped_title = f' title="exit {returncode}"' if rank_state == "stopped" and returncode else ""
         running = rank_state == "running"
         line = _clip(log.last_line)
+        line_style = f";{_MUTED}" if rank_state == "stopped" and line.startswith("KeyboardInterrupt") else ""
         rows.append(
             f'<tr data-rank="{rank}" data-state="{_esc(rank_state)}">'
             f'<td style="{_CELL};{_WRAP}">{rank}{_node_html(launch.ranks[rank].node)}</td>'
-            f'<td style="{_CELL};{_WRAP};color:{color}">{icon} {_esc(rank_state)}{exit_note}</td>'
+            f'<td style="{_CELL};{_WRAP};color:{color}"{stopped_title}>{icon} {_esc(rank_state)}{exit_note}</td>'
             f'<td style="{_CELL};{_WRAP}">{bar}{_esc(_progress_text(progress, metrics.max_step, running))}</td>'
             f'<td style="{_CELL};{_WRAP}">{_esc(_metrics_text(metrics.latest))}</td>'
             f'<td style="{_CELL};{_WRAP}">{_esc(state.usage_text(rank))}</td>'
-            f'<td style="{_CELL};{_ELLIPSIS};{_MONO}" title="{_esc(line)}">{_esc(line)}</td>'
+            f'<td style="{_CELL};{_ELLIPSIS};{_MONO}{line_style}" title="{_esc(line)}">{_esc(line)}</td>'
             "</tr>"
         )
     return (
@@ -373,7 +381,8 @@ class LaunchSummary:
         for rank, log in enumerate(state.logs):
             bits = [state.rank_state(rank)]
             returncode = launch.ranks[rank].returncode
-            bits[0] += _exit_note(returncode)
+            if bits[0] != "stopped":  # a stopped rank's exit code is the stop's doing
+                bits[0] += _exit_note(returncode)
             progress = _progress_text(log.progress, state.metrics[rank].max_step, bits[0] == "running")
             if progress:
                 bits.append(progress)
@@ -406,7 +415,10 @@ class LaunchSummary:
         details = []
         for rank, log in enumerate(state.logs):
             tail = log.lines[-_SUMMARY_LOG_LINES:]
-            body = _esc("\n".join(tail)) if tail else "(nothing printed)"
+            if not tail:  # no disclosure to open onto nothing: one quiet line says so
+                details.append(f'<div style="{_MUTED}">rank {rank} printed nothing · {_log_where(state, rank)}</div>')
+                continue
+            body = _esc("\n".join(tail))
             details.append(
                 f"<details><summary>rank {rank} log (last {len(tail)} lines)</summary>"
                 f'<div style="{_MUTED}">{_log_where(state, rank)}</div>'

@@ -42,7 +42,10 @@ STRAGGLER_ITEMS = 2
 
 @dataclass(frozen=True)
 class Overall:
-    """One line for the whole launch: the slowest rank's bar, the summed rate, a straggler."""
+    """One line across ranks: the slowest rank's current bar, the summed rate, a straggler.
+
+    It measures that bar (one epoch's, say), not the whole run: it is labelled with the
+    bar's own description, and its ETA is the bar's."""
 
     slowest: int  # the rank furthest behind
     fraction: float  # its progress, 0..1
@@ -52,6 +55,7 @@ class Overall:
     throughput: str  # "600 it/s": the running ranks' rates summed ("" when they cannot be added)
     ranks: int  # ranks with a bar
     behind: str  # "rank 3 is behind: 40% while the others are at 75%" (or "")
+    desc: str = ""  # the bar's description as tqdm shows it ("Epoch 2", "train"; "" when it has none)
 
 
 class LaunchState:
@@ -154,6 +158,7 @@ class LaunchState:
             throughput=throughput,
             ranks=len(bars),
             behind=behind,
+            desc=str(progress.get("desc") or ""),
         )
 
     def outcome(self) -> str:

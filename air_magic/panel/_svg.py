@@ -16,6 +16,7 @@ so no label is cut at the SVG's edge.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from air_magic.panel._format import _RANK_COLORS, _esc, _fmt_value
 
@@ -114,11 +115,20 @@ def chart_caption(key: str, series: dict[int, list[tuple[float, float]]], limit:
     )
 
 
-def chart_svg(key: str, series: dict[int, list[tuple[float, float]]], width: int = 300, height: int = 130) -> str:
-    """One inline SVG: a polyline per rank of one metric against its step (no scripts, no CDN)."""
+def chart_model(
+    key: str, series: dict[int, list[tuple[float, float]]], width: int = 300, height: int = 130
+) -> dict[str, Any] | None:
+    """What a chart of one metric draws, in the chart's own pixels: the one model the live
+    panel's and the summary's SVG (:func:`chart_svg`) and the lab extension's renderer
+    (``labextension/src/mime.ts``, from the summary's data) draw the same way.
+
+    ``left`` fits the longest y label; a metric logged without ``step=`` (every point at
+    step 0) is drawn by the order of its calls (``by_index``); ``lines`` holds each rank's
+    thinned points, already scaled; ``last`` each rank's last point (its marker)."""
     clean = _clean(series)
     if not clean:
-        return ""
+        return None
+    by_index = _all_at_one_step(series)
     xs = [x for points in clean.values() for x, _ in points]
     ys = [y for points in clean.values() for _, y in points]
     x0, x1 = min(xs), max(xs)
@@ -134,42 +144,77 @@ def chart_svg(key: str, series: dict[int, list[tuple[float, float]]], width: int
     plot_w, plot_h = width - left - right, height - top - bottom
 
     def sx(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * plot_w
+        return round(left + (x - x0) / (x1 - x0) * plot_w, 1)
 
     def sy(y: float) -> float:
-        return top + (1 - (y - y0) / (y1 - y0)) * plot_h
+        return round(top + (1 - (y - y0) / (y1 - y0)) * plot_h, 1)
 
-    lines = []
-    markers = []
-    for index, rank in enumerate(sorted(clean)):
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for rank in sorted(clean):
         points = clean[rank]
         if len(points) > _CHART_POINTS:
             step = len(points) / (_CHART_POINTS - 1)
             points = [points[int(i * step)] for i in range(_CHART_POINTS - 1)] + [points[-1]]
+        lines[str(rank)] = [(sx(x), sy(y)) for x, y in points]
+    return {
+        "key": key,
+        "title": _clip_label(key, plot_w, 11),
+        "caption": chart_caption(key, series),
+        "width": width,
+        "height": height,
+        "plot": {"left": left, "top": top, "width": plot_w, "height": plot_h},
+        "labels": {
+            "y_top": y_labels[0],
+            "y_bottom": y_labels[1],
+            "x_left": _fmt_value(x0),
+            "x_right": f"{'call' if by_index else 'step'} {_fmt_value(x1)}",
+        },
+        "by_index": by_index,
+        "lines": lines,
+    }
+
+
+def _all_at_one_step(series: dict[int, list[tuple[float, float]]]) -> bool:
+    """Several points of a rank, all at one step: logged without ``step=`` (drawn by call)."""
+    finite = _finite(series)
+    xs = {x for points in finite.values() for x, _ in points}
+    return len(xs) == 1 and any(len(points) > 1 for points in finite.values())
+
+
+def chart_svg(key: str, series: dict[int, list[tuple[float, float]]], width: int = 300, height: int = 130) -> str:
+    """One inline SVG of :func:`chart_model`: a polyline per rank of one metric (no scripts, no CDN)."""
+    model = chart_model(key, series, width, height)
+    if model is None:
+        return ""
+    plot, labels = model["plot"], model["labels"]
+    left, top, plot_w, plot_h = plot["left"], plot["top"], plot["width"], plot["height"]
+    lines = []
+    markers = []
+    for index, (rank_text, points) in enumerate(model["lines"].items()):
+        rank = int(rank_text)
         color = _rank_color(rank)
         dash = _rank_dash(rank)
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
         stroke = max(1.0, 2.6 - 0.5 * index)  # later lines thinner: the one below shows at their sides
-        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
+        coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
         lines.append(
             f'<polyline data-rank="{rank}" fill="none" stroke="{color}" stroke-width="{stroke:.1f}"{dash_attr} '
             f'stroke-linejoin="round" points="{coords}"/>'
         )
         x, y = points[-1]
-        markers.append(_marker(rank, sx(x), sy(y), max(1.8, 4.0 - 0.6 * index)))
+        markers.append(_marker(rank, x, y, max(1.8, 4.0 - 0.6 * index)))
     label = f'font-size="{_LABEL_SIZE}" fill="currentColor"'
-    caption = chart_caption(key, series)
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" data-metric="{_esc(key)}" style="margin:2px 8px 2px 0;max-width:100%">'
-        f"<title>{_esc(caption)}</title>"
-        f'<text x="{left}" y="12" font-size="11" font-weight="bold" fill="currentColor">{_esc(_clip_label(key, plot_w, 11))}</text>'
+        f"<title>{_esc(model['caption'])}</title>"
+        f'<text x="{left}" y="12" font-size="11" font-weight="bold" fill="currentColor">{_esc(model["title"])}</text>'
         f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" '
         f'stroke="currentColor" stroke-opacity="0.25"/>'
-        f'<text x="{left - 4}" y="{top + 8}" text-anchor="end" {label}>{_esc(y_labels[0])}</text>'
-        f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end" {label}>{_esc(y_labels[1])}</text>'
-        f'<text x="{left}" y="{height - 3}" {label}>{_esc(_fmt_value(x0))}</text>'
-        f'<text x="{left + plot_w}" y="{height - 3}" text-anchor="end" {label}>step {_esc(_fmt_value(x1))}</text>'
+        f'<text x="{left - 4}" y="{top + 8}" text-anchor="end" {label}>{_esc(labels["y_top"])}</text>'
+        f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end" {label}>{_esc(labels["y_bottom"])}</text>'
+        f'<text x="{left}" y="{height - 3}" {label}>{_esc(labels["x_left"])}</text>'
+        f'<text x="{left + plot_w}" y="{height - 3}" text-anchor="end" {label}>{_esc(labels["x_right"])}</text>'
         + "".join(lines)
         + "".join(markers)
         + "</svg>"

@@ -456,11 +456,13 @@ class _Writer:
         finally:
             if self.fatal is not None:
                 self.spool.remove()  # no run to send them to: the configuration is what to fix
-            notes = self.report()
-            self.finished.set()
-            with _pending_lock:
-                _pending.discard(self)
-            self.observer.launch.set_storing(None, notes)
+            # The hooks first (the summary shown again with the run): flush() returns after them.
+            try:
+                self.observer.launch.set_storing(None, self.report())
+            finally:
+                self.finished.set()
+                with _pending_lock:
+                    _pending.discard(self)
 
     def _loop(self) -> None:
         from air_magic.tracking import mlflow_logs as _mlflow_logs

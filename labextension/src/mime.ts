@@ -8,7 +8,7 @@
 import { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import { Widget } from '@lumino/widgets';
 
-import { el, formatElapsed, formatValue, RANK_COLORS, STATUS_ICON, svg } from './dom';
+import { el, formatValue, RANK_COLORS, STATUS_ICON, svg } from './dom';
 
 export const SUMMARY_MIME = 'application/vnd.air-magic.summary+json';
 const VERSION = 1;
@@ -39,8 +39,22 @@ interface ISummary {
   run: { id: string; name: string; url: string; command: string } | null;
   /** What is still stored of the run after the end ("MLflow: storing 1,234 points…"); '' once stored. */
   storing?: string;
+  /** The chart model the kernel's panel draws its SVG from too (air_magic/panel/_svg.py chart_model). */
+  chart_models?: { [key: string]: IChartModel };
   lint: { text: string; hint: string; fix: string }[];
   logs: string;
+}
+
+interface IChartModel {
+  key: string;
+  title: string;
+  caption: string;
+  width: number;
+  height: number;
+  plot: { left: number; top: number; width: number; height: number };
+  labels: { y_top: string; y_bottom: string; x_left: string; x_right: string };
+  by_index: boolean;
+  lines: { [rank: string]: [number, number][] };
 }
 
 export class SummaryRenderer extends Widget implements IRenderMime.IRenderer {
@@ -72,7 +86,8 @@ function renderSummary(data: ISummary): HTMLElement {
   title.appendChild(document.createTextNode(` on ${data.where} · `));
   title.appendChild(el('span', { class: `air-magic-status air-magic-status-${data.status.replace(' ', '-')}` },
     `${STATUS_ICON[data.status] ?? '●'} ${data.status}`));
-  title.appendChild(document.createTextNode(` · ${formatElapsed(data.elapsed)} · `));
+  // How long it took is in the outcome line ("finished in 38.0 s"): said once.
+  title.appendChild(document.createTextNode(' · '));
   title.appendChild(el('span', { class: 'air-magic-muted' }, `launch ${data.launch}`));
   root.appendChild(title);
   if (data.run) {
@@ -114,7 +129,8 @@ function renderSummary(data: ISummary): HTMLElement {
     details.appendChild(legend);
     const charts = el('div', { class: 'air-magic-charts', 'data-air-magic-chart': '1' });
     for (const key of keys) {
-      charts.appendChild(chart(key, data.charts[key]));
+      const model = data.chart_models?.[key];
+      charts.appendChild(model ? modelChart(model) : chart(key, data.charts[key]));
     }
     details.appendChild(charts);
     root.appendChild(details);
@@ -133,6 +149,10 @@ function renderSummary(data: ISummary): HTMLElement {
     root.appendChild(lint);
   }
   for (const rank of data.ranks) {
+    if (!rank.log_tail.length) { // nothing to open: one quiet line says so
+      root.appendChild(el('div', { class: 'air-magic-muted' }, `rank ${rank.rank} printed nothing · full log: ${rank.log_path}`));
+      continue;
+    }
     const details = el('details');
     details.appendChild(el('summary', {}, `rank ${rank.rank} log (last ${rank.log_tail.length} lines)`));
     details.appendChild(el('div', { class: 'air-magic-muted' }, `full log: ${rank.log_path}`));
@@ -218,6 +238,43 @@ function chart(key: string, lines: { [rank: string]: [number, number][] }): HTML
   const last = Object.entries(lines).map(([rank, points]) =>
     `rank ${rank} ${formatValue(points[points.length - 1][1])}`).join(' · ');
   figure.appendChild(el('figcaption', {}, `${key}: ${last}`));
+  return figure;
+}
+
+/** One metric drawn from the kernel's chart model: the same title, margins, labels and
+ * points (already scaled) as the panel's SVG, so the three views of a launch agree. */
+function modelChart(model: IChartModel): HTMLElement {
+  const figure = el('figure', { class: 'air-magic-chart', 'data-air-magic-metric': model.key });
+  const { width, height, plot, labels } = model;
+  const root = svg('svg', { viewBox: `0 0 ${width} ${height}`, width, height, role: 'img' });
+  const title = svg('title', {});
+  title.textContent = model.caption;
+  root.appendChild(title);
+  const text = (x: number, y: number, value: string, attrs: { [k: string]: string | number } = {}) => {
+    const t = svg('text', { x, y, 'font-size': 10, fill: 'currentColor', ...attrs });
+    t.textContent = value;
+    root.appendChild(t);
+  };
+  text(plot.left, 12, model.title, { 'font-size': 11, 'font-weight': 'bold', 'data-air-magic-chart-title': '1' });
+  root.appendChild(svg('rect', { x: plot.left, y: plot.top, width: plot.width, height: plot.height,
+    fill: 'none', stroke: 'currentColor', 'stroke-opacity': 0.25 }));
+  text(plot.left - 4, plot.top + 8, labels.y_top, { 'text-anchor': 'end' });
+  text(plot.left - 4, plot.top + plot.height, labels.y_bottom, { 'text-anchor': 'end' });
+  text(plot.left, height - 3, labels.x_left);
+  text(plot.left + plot.width, height - 3, labels.x_right, { 'text-anchor': 'end' });
+  let index = 0;
+  for (const [rank, points] of Object.entries(model.lines)) {
+    const color = RANK_COLORS[Number(rank) % RANK_COLORS.length];
+    const coords = points.map(([x, y]) => `${Number(x).toFixed(1)},${Number(y).toFixed(1)}`).join(' ');
+    root.appendChild(svg('polyline', { points: coords, fill: 'none', stroke: color,
+      'stroke-width': Math.max(1, 2.6 - 0.5 * index), 'stroke-linejoin': 'round', 'data-rank': rank }));
+    const [lx, ly] = points[points.length - 1];
+    root.appendChild(svg('circle', { cx: Number(lx), cy: Number(ly), r: Math.max(1.8, 4 - 0.6 * index),
+      fill: Number(rank) === 0 ? color : 'none', stroke: color, 'data-rank': rank }));
+    index++;
+  }
+  figure.appendChild(root);
+  figure.appendChild(el('figcaption', {}, model.caption));
   return figure;
 }
 

@@ -92,6 +92,9 @@ def run(fault, n, **options):
     return LAST.distributed(fault)
 
 def outcome():
+    # The run as it ends: its last points and status are stored behind the launch's values.
+    import air_magic.tracking
+    assert air_magic.tracking.flush(120)
     from mlflow import MlflowClient
     client = MlflowClient()
     launch = LAST.last_launch

@@ -290,8 +290,18 @@ def test_metrics_feed_the_table_and_the_chart(kernel_factory: Any) -> None:
             "rank",
             timeout=120,
         )
-        panel = wire.panel(_last_launch_id(msgs))
-        assert "MLflow run" in panel.html
+        # The run's last points are stored behind the values: the summary is shown again,
+        # in place, with the run once they are (flush() waits for that).
+        wire.ok("import air_magic.tracking\nassert air_magic.tracking.flush(120)", timeout=180)
+        launch_id = _last_launch_id(msgs)
+        summaries = [
+            m["content"]["data"]
+            for m in wire.messages
+            if m["msg_type"] == "update_display_data"
+            and m["content"].get("transient", {}).get("display_id") == f"air-magic-{launch_id}"
+        ]
+        assert "MLflow: storing" not in summaries[-1]["text/plain"], summaries[-1]["text/plain"]
+        panel = wire.panel(launch_id)
         assert re.search(r"loss=1\.01[0-9]*", panel.html), panel.html  # rank 1's last loss: 1 + 1/60
         assert "step 59" in panel.html  # progress from metric steps when there is no bar
         # The live chart is redrawn every 2 s while the ranks log (3 s here); what it holds at
@@ -300,7 +310,7 @@ def test_metrics_feed_the_table_and_the_chart(kernel_factory: Any) -> None:
         live_charts = [value for value in panel.tab(0).history("value") if "<polyline" in value]
         assert live_charts, panel.tab(0).history("value")
         assert 'data-metric="loss"' in live_charts[-1] and 'data-metric="acc"' in live_charts[-1]
-        summary = displays(msgs, "update_display_data")[-1]["data"]
+        summary = summaries[-1]
         assert "MLflow run" in summary["text/plain"]
         final_chart = summary["text/html"][summary["text/html"].index("<svg") :]
         assert 'data-metric="loss"' in final_chart and 'data-metric="acc"' in final_chart
@@ -333,7 +343,8 @@ def test_text_lines_where_no_widget_front_end(kernel_factory: Any) -> None:
         # order, as a notebook saved by nbconvert keeps them), not in the first line's place.
         assert not displays(msgs, "update_display_data")
         summary = displays(msgs)[-1]
-        assert "display_id" not in summary.get("transient", {})
+        # A display of its own (its id is the one the storing of the run's last points updates).
+        assert summary.get("transient", {}).get("display_id") != start.get("transient", {}).get("display_id")
         data = summary["data"]
         assert status_of(data["text/html"]) == "finished"
         assert "100% 90/90" in data["text/plain"]

@@ -173,7 +173,7 @@ def test_summary_and_status_line(tmp_path: Path) -> None:
     state.refresh(tick=0)
     line = panel.text_status(state)
     # each rank, then the overall part (rank 0's bar is the only one: it is the slowest)
-    assert line == "[air_magic] train 0:12 running · r0 30% 3/10 loss=0.125 · all 30% eta 00:02 3 it/s", line
+    assert line == "[air_magic] train 0:12 running · r0 30% 3/10 loss=0.125 · slowest bar 30% eta 00:02 3 it/s", line
     launch.status, launch.ended_at = "failed", launch.started_at + 12.5
     launch.ranks[1].returncode = 1
     launch._outcome = (False, RuntimeError("boom\nsecond line"))
@@ -428,11 +428,15 @@ def test_the_overall_line_is_the_slowest_ranks_with_the_rates_summed(tmp_path: P
     assert overall.behind == "rank 2 is behind: 40% while the others are at 75%"
     top = panel._top_html(state)
     assert top.index("data-air-magic-overall") < top.index("<table")  # at the top
-    assert "overall 40% 40/100 (slowest: rank 2) · eta 00:60 · " in top and "20 it/s in all" in top
+    # Labelled by what it measures: the slowest rank's current bar (its description), not the run.
+    assert "slowest bar train:</span> 40% 40/100 (rank 2) · this bar's eta 00:60 · " in top, top
+    assert "20 it/s in all" in top
     assert "rank 2 is behind" in top and "data-air-magic-behind" in top
     line = panel.text_status(state)
     assert line.startswith("[air_magic] train 0:12 running · r0 train 76% 76/100 · r1 train 75% 75/100 · "), line
-    assert line.endswith(" · all 40% eta 00:60 20 it/s (rank 2 is behind: 40% while the others are at 75%)"), line
+    assert line.endswith(
+        " · slowest train: 40% eta 00:60 20 it/s (rank 2 is behind: 40% while the others are at 75%)"
+    ), line
 
 
 def test_the_overall_part_of_a_text_line_is_never_cut(tmp_path: Path) -> None:
@@ -639,3 +643,43 @@ def test_a_rank_a_timeout_ended_reads_as_a_timeout_not_a_signal_number() -> None
     assert _exit_note(-FINAL_STACK_SIGNAL) == " (timeout)"
     assert _exit_note(-9) == " (exit -9)"
     assert _exit_note(0) == _exit_note(None) == ""
+
+
+def test_one_chart_model_for_the_panel_the_summary_and_the_extension(tmp_path: Path) -> None:
+    from air_magic.panel._svg import _text_width, chart_model, chart_svg
+
+    # Logged without step= (the documentation's total_loss): every point at step 0.
+    series = {0: [(0.0, 1.808e-6), (0.0, 2.5e-6), (0.0, 1.1e-6)], 1: [(0.0, 3.0e-6), (0.0, 2.0e-6), (0.0, 1.5e-6)]}
+    model = chart_model("total_loss", series)
+    assert model is not None
+    assert model["by_index"] is True and model["labels"]["x_right"] == "call 2"  # by the order of the calls
+    assert model["title"] == "total_loss"
+    xs = sorted({x for points in model["lines"].values() for x, _ in points})
+    assert len(xs) == 3 and xs[0] == model["plot"]["left"]  # spread across the plot, not one vertical line
+    # The left margin holds the longest y label whole (the extension once cut 1.808e-6 to ..808e-6).
+    longest = max(_text_width(model["labels"]["y_top"]), _text_width(model["labels"]["y_bottom"]))
+    assert model["plot"]["left"] - 4 >= longest
+    svg = chart_svg("total_loss", series)
+    assert ">total_loss</text>" in svg and ">call 2</text>" in svg
+    for points in model["lines"].values():  # the SVG draws the model's own points
+        assert " ".join(f"{x:.1f},{y:.1f}" for x, y in points) in svg
+    # With steps: drawn against them.
+    stepped = chart_model("loss", {0: [(1.0, 0.5), (2.0, 0.25)]})
+    assert stepped is not None and stepped["by_index"] is False and stepped["labels"]["x_right"] == "step 2"
+
+
+def test_the_summary_data_carries_the_chart_model(tmp_path: Path) -> None:
+    from air_magic.panel._mime import summary_data
+    from air_magic.panel._svg import chart_model
+    from air_magic.protocol import metric_line, spool_file
+
+    launch = fake_launch(tmp_path, n=2)
+    for rank in range(2):
+        with open(spool_file(launch.work_dir, rank), "w") as handle:
+            handle.write("".join(metric_line("loss", 1.0 / (step + 1) + rank, step, 0) for step in range(5)))
+    state = LaunchState(launch)
+    state.refresh(tick=0, final=True)
+    data = summary_data(state)
+    assert set(data["chart_models"]) == set(data["charts"]) == {"loss"}
+    for key, model in data["chart_models"].items():
+        assert model == chart_model(key, state.chart_series()[key])
