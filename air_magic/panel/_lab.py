@@ -65,6 +65,7 @@ def describe(launch: "Launch", cell: dict[str, Any] | None = None) -> dict[str, 
     """One launch as the extension lists it (JSON-able)."""
     ended = launch.ended_at
     elapsed = (ended or time.time()) - launch.started_at
+    progress = _progress(launch) if not ended else {}
     run = None
     if launch.run_id or launch.run_name:
         run = {"id": launch.run_id or "", "name": launch.run_name or "", "url": launch.run_url or ""}
@@ -76,7 +77,13 @@ def describe(launch: "Launch", cell: dict[str, Any] | None = None) -> dict[str, 
         "where": _where(launch),
         "world_size": launch.world_size,
         "ranks": [
-            {"rank": s.rank, "state": rank_state(launch, s.rank), "pid": s.pid, "returncode": s.returncode}
+            {
+                "rank": s.rank,
+                "state": rank_state(launch, s.rank),
+                "pid": s.pid,
+                "returncode": s.returncode,
+                "progress": progress.get(s.rank, ""),
+            }
             for s in launch.ranks
         ],
         "started_at": launch.started_at,
@@ -88,6 +95,20 @@ def describe(launch: "Launch", cell: dict[str, Any] | None = None) -> dict[str, 
         "run": run,
         "logs": len(launch.ranks),
     }
+
+
+def _progress(launch: "Launch") -> dict[int, str]:
+    """Each running rank's tqdm bar as ``45%``, from the launch's panel where it has one."""
+    for observer in getattr(launch, "observers", ()):
+        logs = getattr(getattr(observer, "state", None), "logs", None)
+        if logs:
+            shown = {}
+            for rank, log in enumerate(logs):
+                bar = getattr(log, "progress", None)
+                if bar and bar.get("pct") is not None:
+                    shown[rank] = f"{bar['pct']:.0f}%"
+            return shown
+    return {}
 
 
 class LabChannel:

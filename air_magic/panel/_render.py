@@ -145,7 +145,7 @@ def _overall_text(state: LaunchState) -> str:
 
 # The rank table's columns: fixed widths but the last line's, which takes the rest and
 # cuts its text with an ellipsis (table-layout: fixed), so the table never outgrows the cell.
-_COLUMNS = (("rank", "4em"), ("state", "8.5em"), ("progress", "27%"), ("metrics", "17%"), ("usage", "11em"))
+_COLUMNS = (("rank", "4em"), ("state", "8.5em"), ("progress", "33%"), ("metrics", "14%"), ("usage", "11em"))
 _WRAP = "white-space:normal;overflow-wrap:anywhere"
 _ELLIPSIS = "white-space:pre;overflow:hidden;text-overflow:ellipsis"
 

@@ -34,6 +34,8 @@ export interface IRank {
   state: string;
   pid: number | null;
   returncode: number | null;
+  /** The rank's tqdm bar, "45%" ('' when it shows none). */
+  progress?: string;
 }
 
 export interface ILaunch {

@@ -21,12 +21,22 @@ import { KernelChannel } from './channel';
 import { LaunchesPanel, LaunchesStatus } from './launches';
 import { migrate } from './migrate';
 
+/** The launches: four ranks (a 2x2 grid of chips, joined), not three bars that read as "pause". */
 const ICON_SVG =
   '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24"><g class="jp-icon3" fill="#616161">' +
-  '<rect x="3" y="4" width="4" height="16" rx="1"/><rect x="10" y="4" width="4" height="16" rx="1"/>' +
-  '<rect x="17" y="4" width="4" height="16" rx="1"/></g></svg>';
+  '<rect x="3" y="3" width="7" height="7" rx="1.5"/><rect x="14" y="3" width="7" height="7" rx="1.5"/>' +
+  '<rect x="3" y="14" width="7" height="7" rx="1.5"/><rect x="14" y="14" width="7" height="7" rx="1.5"/>' +
+  '<rect x="10" y="6" width="4" height="1.5"/><rect x="10" y="16.5" width="4" height="1.5"/>' +
+  '<rect x="6" y="10" width="1.5" height="4"/><rect x="16.5" y="10" width="1.5" height="4"/></g></svg>';
+
+/** Migrate: a page with an arrow into it (code rewritten), its own glyph. */
+const MIGRATE_SVG =
+  '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24"><g class="jp-icon3" fill="#616161">' +
+  '<path d="M13 3h6a2 2 0 0 1 2 2v14a2 2 0 0 1-2 2h-6v-2h6V5h-6z"/>' +
+  '<path d="M3 11h9V7.5l5 4.5-5 4.5V13H3z"/></g></svg>';
 
 export const airMagicIcon = new LabIcon({ name: 'air-magic:ranks', svgstr: ICON_SVG });
+export const migrateIcon = new LabIcon({ name: 'air-magic:migrate', svgstr: MIGRATE_SVG });
 
 const MIGRATE = 'air-magic:migrate';
 const SHOW = 'air-magic:show-launches';
@@ -106,7 +116,7 @@ const migration: JupyterFrontEndPlugin<void> = {
     app.commands.addCommand(MIGRATE, {
       label: 'Migrate from serverless_gpu',
       caption: 'Rewrite serverless_gpu code for air_magic (air-magic lint --fix), showing the changes first',
-      icon: airMagicIcon,
+      icon: migrateIcon,
       isEnabled: () => !!tracker.currentWidget,
       execute: async () => {
         const panel = tracker.currentWidget;
@@ -118,7 +128,7 @@ const migration: JupyterFrontEndPlugin<void> = {
     app.docRegistry.addWidgetExtension('Notebook', {
       createNew: (panel: NotebookPanel) => {
         const button = new ToolbarButton({
-          icon: airMagicIcon,
+          icon: migrateIcon,
           className: 'air-magic-migrate-button',
           tooltip: 'Migrate from serverless_gpu',
           onClick: () => {

@@ -101,14 +101,16 @@ export class LaunchesPanel extends Widget {
           'data-state': rank.state,
           title: `rank ${rank.rank} (${rank.state}${rank.pid ? `, pid ${rank.pid}` : ''}): open its log`
         },
-        `r${rank.rank} ${rank.state}`
+        `r${rank.rank} ${rank.state}${rank.progress ? ` ${rank.progress}` : ''}`
       );
       button.onclick = () => void this._showLog(channel, launch, rank.rank);
       ranks.appendChild(button);
     }
     item.appendChild(ranks);
     if (launch.outcome) {
-      item.appendChild(el('div', { class: 'air-magic-outcome' }, launch.outcome));
+      // A narrow sidebar: "cancelled after 6.2 s", the error's sentence on hover (the cell has it whole).
+      const short = launch.outcome.split(': ')[0];
+      item.appendChild(el('div', { class: 'air-magic-Launch-outcome', title: launch.outcome }, short));
     }
     if (launch.run) {
       const run = el('div', { class: 'air-magic-run' }, 'MLflow run ');

@@ -8,7 +8,7 @@
  *   a dialog shows them; Apply writes the changed cells' sources into the model (one
  *   change per cell, each undoable in its cell); outputs and metadata are not touched
  */
-import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { NotebookPanel } from '@jupyterlab/notebook';
 import { ServerConnection } from '@jupyterlab/services';
 import { Widget } from '@lumino/widgets';
@@ -71,7 +71,24 @@ export function applyMigration(panel: NotebookPanel, before: (string | null)[], 
   return true;
 }
 
-function body(migration: IMigration): Widget {
+/** A cell as the notebook numbers it: "code cell 3 (In [2])", markdown cells not counted. */
+export function cellName(panel: NotebookPanel, index: number): string {
+  const cells = panel.content.model?.cells;
+  if (!cells || index < 0 || index >= cells.length) {
+    return `cell ${index + 1}`;
+  }
+  let ordinal = 0;
+  for (let i = 0; i <= index; i++) {
+    if (cells.get(i).type === 'code') {
+      ordinal++;
+    }
+  }
+  const cell = cells.get(index);
+  const count = cell.type === 'code' ? (cell as unknown as { executionCount: number | null }).executionCount : null;
+  return `code cell ${ordinal}${count ? ` (In [${count}])` : ''}`;
+}
+
+function body(migration: IMigration, panel: NotebookPanel): Widget {
   const widget = new Widget();
   widget.addClass('air-magic-Migration');
   const node = widget.node;
@@ -82,7 +99,7 @@ function body(migration: IMigration): Widget {
         : 'Nothing to fix automatically.')
   );
   for (const change of migration.changes) {
-    node.appendChild(el('h4', {}, `cell ${change.cell}`));
+    node.appendChild(el('h4', {}, cellName(panel, change.index)));
     const pre = el('pre', { class: 'air-magic-diff', 'data-air-magic-diff': String(change.index) });
     for (const line of change.diff.split('\n').slice(2)) {
       const kind = line.startsWith('+') ? 'add' : line.startsWith('-') ? 'del' : line.startsWith('@@') ? 'hunk' : 'same';
@@ -94,7 +111,7 @@ function body(migration: IMigration): Widget {
     node.appendChild(el('h4', {}, 'Left to fix by hand'));
     const list = el('ul', { 'data-air-magic-migration': 'remaining' });
     for (const finding of migration.remaining) {
-      const where = finding.cell !== null ? `cell ${finding.cell}: ` : '';
+      const where = finding.index !== null ? `${cellName(panel, finding.index)}: ` : '';
       const li = el('li', {}, `${where}${finding.code} ${finding.message}`);
       if (finding.hint) {
         li.appendChild(el('div', { class: 'air-magic-muted' }, `→ ${finding.hint}`));
@@ -127,7 +144,7 @@ export async function migrate(panel: NotebookPanel): Promise<IMigration | null> 
   const buttons = migration.changes.length
     ? [Dialog.cancelButton(), Dialog.okButton({ label: 'Apply' })]
     : [Dialog.okButton({ label: 'Close' })];
-  const result = await showDialog({ title: 'Migrate from serverless_gpu', body: body(migration), buttons });
+  const result = await showDialog({ title: 'Migrate from serverless_gpu', body: body(migration, panel), buttons });
   if (!migration.changes.length || !result.button.accept) {
     return migration;
   }
@@ -137,6 +154,25 @@ export async function migrate(panel: NotebookPanel): Promise<IMigration | null> 
       body: 'The notebook changed while the fixes were shown: nothing was applied. Run the command again.',
       buttons: [Dialog.okButton()]
     });
+    return migration;
   }
+  const n = migration.changes.length;
+  Notification.success(`Migrated: ${migration.fixed} fix${migration.fixed === 1 ? '' : 'es'} in ${n} cell${n === 1 ? '' : 's'}.`, {
+    autoClose: 10000,
+    actions: [
+      {
+        label: 'Undo',
+        callback: () => {
+          const model = panel.content.model;
+          for (const change of migration.changes) {
+            const source = before[change.index];
+            if (model && source !== null && change.index < model.cells.length) {
+              model.cells.get(change.index).sharedModel.setSource(source);
+            }
+          }
+        }
+      }
+    ]
+  });
   return migration;
 }

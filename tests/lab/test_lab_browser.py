@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -313,8 +314,41 @@ def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], pag
         time.sleep(0.2)
     shown = tools.evaluate("document.querySelector('.air-magic-Migration').innerText")
     assert "17 fixes in" in shown and "Left to fix by hand" in shown and "AM001" in shown, shown
+    # Cells named as the notebook numbers them: code cells, with their In [n] (markdown not counted).
+    headings = tools.evaluate("[...document.querySelectorAll('.air-magic-Migration h4')].map(h => h.innerText)")
+    named = [h for h in headings if h != "Left to fix by hand"]
+    assert named and all(re.fullmatch(r"code cell \d+( \(In \[\d+\]\))?", h) for h in named), headings
+    # What is visible, at the sizes people use: every diff as tall as its lines (never squashed
+    # to one clipped line), and the body scrolls as a whole.
+    for width, height in ((1280, 900), (1024, 768)):
+        tools.page.set_viewport_size({"width": width, "height": height})
+        time.sleep(0.5)
+        geometry = json.loads(
+            tools.evaluate(
+                "JSON.stringify((() => { const body = document.querySelector('.air-magic-Migration');"
+                " const diffs = [...body.querySelectorAll('[data-air-magic-diff]')].map(d => ({"
+                " height: d.getBoundingClientRect().height, content: d.scrollHeight,"
+                " lines: d.querySelectorAll('span').length}));"
+                " return {diffs, overflow: getComputedStyle(body).overflowY, client: body.clientHeight,"
+                " scroll: body.scrollHeight, dialog: document.querySelector('.jp-Dialog-content')"
+                ".getBoundingClientRect().height, viewport: window.innerHeight}; })())"
+            )
+        )
+        for diff in geometry["diffs"]:
+            assert diff["height"] >= diff["content"] - 1, (width, geometry)  # nothing clipped inside a diff
+            assert diff["height"] >= 12 * min(diff["lines"], 3), (width, geometry)  # a line is ~12 px or more
+        assert geometry["overflow"] in ("auto", "scroll"), geometry
+        assert geometry["dialog"] <= geometry["viewport"], geometry  # the dialog fits; its body scrolls
+        tools.shot(".jp-Dialog-content", shots / f"lab-migrate-dialog-{width}x{height}.png")
+    tools.page.set_viewport_size({"width": 1280, "height": 1000})
     tools.shot(".jp-Dialog-content", shots / "lab-migrate-dialog.png")
     tools.page.locator(".jp-Dialog .jp-mod-accept").click()
+    # After Apply, a notification says what was done and offers Undo.
+    deadline = time.monotonic() + 20
+    while "Migrated:" not in (tools.evaluate("document.body.innerText") or ""):
+        assert time.monotonic() < deadline, "no notification after Apply"
+        time.sleep(0.2)
+    assert tools.page.get_by_role("button", name="Undo").count() >= 1
 
     # Undoable, cell by cell: the first changed cell's edit is undone and done again.
     undo = json.loads(
