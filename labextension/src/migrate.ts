@@ -101,7 +101,11 @@ function body(migration: IMigration, panel: NotebookPanel): Widget {
   for (const change of migration.changes) {
     node.appendChild(el('h4', {}, cellName(panel, change.index)));
     const pre = el('pre', { class: 'air-magic-diff', 'data-air-magic-diff': String(change.index) });
-    for (const line of change.diff.split('\n').slice(2)) {
+    const lines = change.diff.split('\n').slice(2);
+    while (lines.length && lines[lines.length - 1] === '') {
+      lines.pop(); // the diff's last newline: no empty line under it
+    }
+    for (const line of lines) {
       const kind = line.startsWith('+') ? 'add' : line.startsWith('-') ? 'del' : line.startsWith('@@') ? 'hunk' : 'same';
       pre.appendChild(el('span', { class: `air-magic-diff-${kind}` }, line + '\n'));
     }

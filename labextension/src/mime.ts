@@ -165,7 +165,7 @@ function renderSummary(data: ISummary): HTMLElement {
 function rankTable(data: ISummary): HTMLElement {
   const table = el('table', { class: 'air-magic-ranks' });
   const colgroup = el('colgroup');
-  for (const width of ['4em', '9em', '30%', '22%', '']) {
+  for (const width of ['4em', '9em', '33%', '14%', '']) {
     const col = el('col');
     if (width) {
       col.style.width = width;
@@ -182,14 +182,23 @@ function rankTable(data: ISummary): HTMLElement {
   for (const rank of data.ranks) {
     const row = el('tr', { 'data-rank': String(rank.rank), 'data-state': rank.state });
     row.appendChild(el('td', {}, String(rank.rank)));
-    const exit = rank.returncode !== null && rank.returncode !== 0 ? ` (exit ${rank.returncode})` : '';
-    const shown = rank.state === 'stopped' ? 'cancelled' : rank.state;
-    row.appendChild(el('td', { class: `air-magic-status-${shown.replace(' ', '-')}` },
-      `${STATUS_ICON[rank.state] ?? '●'} ${rank.state}${exit}`));
+    // A stopped rank did not crash: its exit code (the stop's doing) is on hover only, and
+    // the KeyboardInterrupt it printed is muted, as in the panel.
+    const stopped = rank.state === 'stopped';
+    const failedExit = rank.returncode !== null && rank.returncode !== 0;
+    const exit = failedExit && !stopped ? ` (exit ${rank.returncode})` : '';
+    const shown = stopped ? 'cancelled' : rank.state;
+    const state = el('td', { class: `air-magic-status-${shown.replace(' ', '-')}` },
+      `${STATUS_ICON[rank.state] ?? '●'} ${rank.state}${exit}`);
+    if (stopped && failedExit) {
+      state.title = `exit ${rank.returncode}`;
+    }
+    row.appendChild(state);
     row.appendChild(el('td', {}, rank.progress));
     const metrics = Object.entries(rank.metrics ?? {}).slice(-3).map(([k, v]) => `${k}=${formatValue(v)}`).join(' ');
     row.appendChild(el('td', {}, metrics));
-    row.appendChild(el('td', { class: 'air-magic-lastline', title: rank.last_line }, rank.last_line));
+    const muted = stopped && rank.last_line.startsWith('KeyboardInterrupt') ? ' air-magic-muted' : '';
+    row.appendChild(el('td', { class: `air-magic-lastline${muted}`, title: rank.last_line }, rank.last_line));
     body.appendChild(row);
   }
   table.appendChild(body);
