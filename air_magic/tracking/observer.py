@@ -239,7 +239,7 @@ class TrackingObserver:
         # need the run's id read it from there when the writer has made the run.
         env.pop("MLFLOW_RUN_ID", None)
         env["AIR_MAGIC_MLFLOW_RUN_ID"] = ""
-        env[RUN_WAIT_ENV] = str(RUN_WAIT)
+        env[RUN_WAIT_ENV] = os.environ.get(RUN_WAIT_ENV) or str(RUN_WAIT)  # the user may set it shorter
         self.writer.start()
         recover_in_background()
 

@@ -224,3 +224,28 @@ def test_a_server_still_down_is_said_once_and_its_points_stay(
         "1 earlier launch stay on disk; air_magic.tracking.upload_pending() sends them once it is back.\n"
     )
     assert spooled_points(os.environ["AIR_MAGIC_STATE_DIR"], "loss") == 60
+
+
+@distributed(num_accelerators=1, experiment="outages")
+def needs_the_run_id() -> str:
+    import mlflow
+
+    try:
+        return str(mlflow.active_run().info.run_id)
+    except RuntimeError as exc:
+        return f"raised: {exc}"
+
+
+def test_a_rank_that_waits_for_the_run_says_so_after_a_second(
+    server_root: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    # No server on this port: the run cannot be made, and a call that needs its id waits.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AIR_MAGIC_RUN_WAIT", "3")
+    [value] = needs_the_run_id.distributed()
+    assert value.startswith("raised: air_magic: the launch's MLflow run was not made within 3 s"), value
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if line.startswith("[air_magic] rank 0: waiting")]
+    assert said == ["[air_magic] rank 0: waiting for MLflow to make the launch's run (this call needs its id)…"], (
+        out.out + out.err
+    )
