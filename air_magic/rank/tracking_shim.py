@@ -47,7 +47,9 @@ from air_magic.protocol import (
 )
 from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run
 
-#: ``0``: a rank's ``import mlflow`` imports the real package at once (no stand-in).
+#: ``1``: a rank's ``import mlflow`` gives the stand-in (:class:`_LazyMlflow`) until more than
+#: the logging calls is asked of it.  Off by default: a DeepSpeed launch hung with it (not
+#: understood yet); until that is, the real package is imported as before.
 LAZY_ENV = "AIR_MAGIC_LAZY_MLFLOW"
 
 _FD: int | None = None
@@ -383,7 +385,7 @@ def install(work_dir: str, rank: int, run_id: str | None) -> None:
         patch(sys.modules["mlflow"])
         return
     sys.meta_path.insert(0, _MlflowFinder())
-    if os.environ.get(LAZY_ENV, "1") != "0":
+    if os.environ.get(LAZY_ENV, "0") == "1":
         lazy = _lazy_mlflow()
         if lazy is not None:
             sys.modules["mlflow"] = lazy
