@@ -48,8 +48,8 @@ from air_magic.protocol import (
 from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run
 
 #: ``1``: a rank's ``import mlflow`` gives the stand-in (:class:`_LazyMlflow`) until more than
-#: the logging calls is asked of it.  Off by default: a DeepSpeed launch hung with it (not
-#: understood yet); until that is, the real package is imported as before.
+#: the logging calls is asked of it.  Off by default for now: a DeepSpeed notebook's launch
+#: hung in the suite, with it on and with it off; until that is understood, as before.
 LAZY_ENV = "AIR_MAGIC_LAZY_MLFLOW"
 
 _FD: int | None = None
