@@ -129,7 +129,6 @@ class SpoolUploader:
         self.names = _load_names(spool.journal.get("names"))  # params and tags sent, by rank
         self.skipped: dict[str, list[Any]] = {}  # what the store refused: label -> [count, error]
         self.points = 0  # metric points sent by this uploader
-        self.progress_at = time.monotonic()  # last time the store took something
         self._store_answers = False  # the store answered a probe since the last refusal
         #: A pool's calls: the call each rank's next lines are of ("0": the pool's own run)...
         self.calls: dict[str, int] = {str(k): int(v) for k, v in (spool.journal.get("calls") or {}).items()}
@@ -155,7 +154,6 @@ class SpoolUploader:
             if reason is not None:
                 raise Unreachable(reason) from exc
             raise
-        self.progress_at = time.monotonic()
         return value
 
     # -- the run --------------------------------------------------------------------------------
