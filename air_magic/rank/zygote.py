@@ -116,6 +116,33 @@ def fork_refused(rank: int, world_size: int, exc: OSError) -> str:
     )
 
 
+#: Shared-memory segments a library names after the launch's rendezvous: DeepSpeed's CPU
+#: all-reduce creates ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
+#: (about 66 MB each) in /dev/shm and never unlinks them.  Left there they fill a small
+#: /dev/shm (a container's 64 MB) and a later launch that draws the same port would map a
+#: dead launch's flags and wait on them forever.
+_PEER_SEGMENT_PATTERNS = ("deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_",)
+
+
+def remove_peer_segments(port: int, shm: str = "/dev/shm") -> list[str]:
+    """Delete the shared-memory segments named after loopback port ``port`` that ranks
+    of this user left in ``shm``; the names removed."""
+    prefixes = tuple(pattern.format(uid=os.getuid(), port=port) for pattern in _PEER_SEGMENT_PATTERNS)
+    try:
+        names = os.listdir(shm)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if name.startswith(prefixes) and name[len(name.rstrip("0123456789")) :].isdigit():
+            try:
+                os.unlink(os.path.join(shm, name))
+            except OSError:
+                continue
+            removed.append(name)
+    return removed
+
+
 def _cgroup_pid_files() -> list[str]:
     """This process's cgroup folders (v2 and v1's pids controller), innermost first."""
     found: list[str] = []
@@ -135,6 +162,14 @@ def _cgroup_pid_files() -> list[str]:
                 break
             path = os.path.dirname(path)
     return found
+
+
+def _release_port(launch: _Launch) -> None:
+    """The launch's ranks are gone: free its port and what its ranks named after it."""
+    if launch.port is not None:
+        remove_peer_segments(launch.port.getsockname()[1])
+        launch.port.close()
+        launch.port = None
 
 
 class _StoppedWhileStarting(Exception):
@@ -271,6 +306,7 @@ class Zygote:
         reserved.bind(("127.0.0.1", 0))
         launch.port = reserved
         port = reserved.getsockname()[1]
+        remove_peer_segments(port)  # a launch of this user that drew the port before and died
         close_in_child = [self.conn.fileno(), reserved.fileno(), self.selector_fd()]
         for other in self.launches.values():
             if other is launch:
@@ -352,8 +388,7 @@ class Zygote:
             os.close(fd)
         launch.running.clear()
         launch.pidfds.clear()
-        if launch.port is not None:
-            launch.port.close()
+        _release_port(launch)
 
     def selector_fd(self) -> int:
         fileno = getattr(self.selector, "fileno", None)
@@ -423,8 +458,7 @@ class Zygote:
     def _finish(self, launch: _Launch) -> None:
         self.launches.pop(launch.launch_id, None)
         self.timers = [timer for timer in self.timers if timer[1] != launch.launch_id]
-        if launch.port is not None:
-            launch.port.close()
+        _release_port(launch)
         self._send(Done(launch.launch_id))
 
     def _reap_orphans(self) -> None:
@@ -454,6 +488,8 @@ class Zygote:
                 except ChildProcessError:
                     pass
         ended = list(self.launches)
+        for launch in self.launches.values():
+            _release_port(launch)
         self.launches.clear()
         self._reap_orphans()
         for launch_id in ended:  # what left the ranks' sessions and was not handed to us yet

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -92,8 +93,17 @@ def test_fsdp2_shards_are_split_and_the_checkpoint_round_trips(tmp_path: Path, m
     assert "plain model loaded from the sharded checkpoint gives the same outputs: True" in everything
 
 
+def _deepspeed_segments() -> set[str]:
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
+
+
 def test_deepspeed_zero1_and_zero3_run_on_cpu_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _deepspeed_segments()
     everything = _execute("deepspeed", tmp_path, monkeypatch, DEEPSPEED_STEPS="60")
+    # DeepSpeed's CPU all-reduce maps ~66 MB of /dev/shm per rank and never unlinks it:
+    # the helper removes each launch's segments when its ranks are gone.
+    assert _deepspeed_segments() - before == set()
     assert "2 ranks on CPU" in everything
     rows = re.findall(
         r"^rank (\d): ZeRO stage (\d) \((\w+), (\w+)/(\w+)\), loss ([0-9.]+) -> ([0-9.]+), "

@@ -74,3 +74,20 @@ def _child_that_waits() -> int:
         signal.pause()
         os._exit(0)
     return pid
+
+
+def test_a_launchs_peer_segments_go_with_it_and_nothing_else(tmp_path: Any) -> None:
+    uid = os.getuid()
+    mine = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_41234_{rank}" for rank in (0, 1, 12)]
+    kept = [
+        f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_412345_0",  # another port that starts alike
+        f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_41235_0",  # another launch
+        f"deepspeed_allreduce_buffer_{uid + 1}_127.0.0.1_41234_0",  # another user's
+        f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_41234_x",
+        "air_magic-1-abc",
+    ]
+    for name in mine + kept:
+        (tmp_path / name).write_bytes(b"")
+    assert sorted(_zygote.remove_peer_segments(41234, str(tmp_path))) == sorted(mine)
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+    assert _zygote.remove_peer_segments(41234, str(tmp_path / "missing")) == []
