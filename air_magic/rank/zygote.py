@@ -134,7 +134,7 @@ def remove_peer_segments(port: int, shm: str = "/dev/shm") -> list[str]:
         return []
     removed = []
     for name in names:
-        if name.startswith(prefixes) and name[len(name.rstrip("0123456789")) :].isdigit():
+        if any(name.startswith(prefix) and name[len(prefix) :].isdigit() for prefix in prefixes):
             try:
                 os.unlink(os.path.join(shm, name))
             except OSError:
