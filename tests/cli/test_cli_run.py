@@ -231,16 +231,44 @@ def test_a_decorated_module_function_keeps_its_settings_and_options_override_the
     assert program_lines(done.stdout) == ["rank 0: '0'"]
 
 
+#: Beside the notebook: rank 1 of ``fails`` raises once rank 0 has ended (its process reaped by
+#: air_magic's helper), so that rank 0 is told as finished, not as stopped by rank 1's failure,
+#: however loaded the machine.
+RANK_ORDER = """import os
+import time
+
+
+def rank_0_pid_written():
+    with open('rank-0.pid', 'w') as f:
+        f.write(str(os.getpid()))
+    return 0
+
+
+def rank_0_has_ended():
+    for _ in range(1200):
+        try:
+            os.kill(int(open('rank-0.pid').read()), 0)
+        except (OSError, ValueError):
+            if os.path.exists('rank-0.pid') and open('rank-0.pid').read():
+                return True
+        time.sleep(0.05)
+    return True
+"""
+
+
 def write_notebook(path: Path) -> None:
+    (path.parent / "rank_order.py").write_text(RANK_ORDER)
     cells = [
         nbformat.v4.new_markdown_cell("# Training"),
         nbformat.v4.new_code_cell(
-            "%load_ext air_magic\nimport os\nfrom air_magic import distributed\nSCALE = 10\n!echo hello\nlisting = !ls"
+            "%load_ext air_magic\nimport os\nfrom air_magic import distributed\nSCALE = 10\n!echo hello\nlisting = !ls\n"
+            "import rank_order"
         ),
         nbformat.v4.new_code_cell(
             "def scaled(x):\n    return x * SCALE\n\n\n@distributed(num_accelerators=2, tracking=False)\n"
             "def train():\n    return scaled(int(os.environ['RANK']))\n\n\n"
-            "def fails():\n    if os.environ['RANK'] == '1':\n        raise KeyError('no such key')\n    return 0"
+            "def fails():\n    if os.environ['RANK'] == '1' and rank_order.rank_0_has_ended():\n"
+            "        raise KeyError('no such key')\n    return rank_order.rank_0_pid_written()"
         ),
         nbformat.v4.new_code_cell("results = train.distributed()\nprint(results)"),
         nbformat.v4.new_code_cell("%%distributed -n 2\nraise SystemExit('a %%distributed cell never runs here')"),
