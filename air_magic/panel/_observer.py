@@ -79,6 +79,9 @@ class PanelObserver(WidgetPanel):
     def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
         self._ctx = contextvars.copy_context()
         shell = self.shell
+        if shell is not None and getattr(shell, "kernel", None) is None:
+            # Terminal IPython: the summary waits for the run and says it; nobody else does.
+            launch.run_shown = True
         if shell is not None:
             self.cell = getattr(shell, "execution_count", None)
             events = getattr(shell, "events", None)
@@ -263,12 +266,17 @@ class PanelObserver(WidgetPanel):
     def _on_stored(self, notes: list[tuple[str, str]]) -> None:
         """The run's last points are stored (from the writer's thread): the summary, in
         place, with the run; the lines tracking tells then, in the launch's cell."""
-        self._stored.set()
         with self._end_lock:
             shown = self._end_display
+            told_run = self.summary is not None and self.summary.run is not None
             summary = None if shown is None else self._fresh_summary()  # else made when shown
+        if shown == "text" and not told_run and summary is not None and summary.run is not None:
+            # A summary printed as text before the run was made: the run, once, on a line of its own.
+            notes = [(f"[air_magic] {summary.run}", "stdout" if self.shell is not None else "stderr"), *notes]
         for line, stream in notes:
             self._run(functools.partial(print, line, file=getattr(sys, stream), flush=True))
+        # Only now: a terminal's summary waits for this, and its lines must not run into these.
+        self._stored.set()
         if summary is None or self.shell is None or shown == "text":  # no display to update
             return
         self._show(

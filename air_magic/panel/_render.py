@@ -365,6 +365,8 @@ class LaunchSummary:
     def __init__(self, state: LaunchState) -> None:
         #: What was still being stored of the launch's run when this was made (None: all).
         self.storing: str | None = getattr(state.launch, "storing", None)
+        #: The run's line (``MLflow run NAME (ID); open it with: ...``), None before it is made.
+        self.run = self.run_text(state.launch)
         self.text = self._text(state)
         self.html = self._html(state)
         self.data = summary_data(state)
@@ -372,6 +374,15 @@ class LaunchSummary:
     def bundle(self) -> dict[str, Any]:
         """Every form of the summary, as a display's MIME bundle."""
         return {"text/plain": self.text, "text/html": self.html, SUMMARY_MIME: self.data}
+
+    @staticmethod
+    def run_text(launch: Any) -> str | None:
+        """``MLflow run NAME (ID)``, then the link to it or the command that opens its store."""
+        run_id, name, url, command = _run(launch)
+        if not run_id and not name:
+            return None
+        run = f"{name} ({run_id})" if name and run_id else (name or run_id)
+        return f"MLflow run {run}" + (f": {url}" if url else f"; open it with: {command}" if command else "")
 
     @staticmethod
     def _text(state: LaunchState) -> str:
@@ -393,12 +404,9 @@ class LaunchSummary:
                 bits.append(repr(_clip(log.last_line, 80)))
             node = launch.ranks[rank].node
             lines.append(f"  rank {rank}{f' on {node}' if node else ''}: " + " · ".join(bits))
-        run_id, name, url, command = _run(launch)
-        if run_id or name:
-            run = f"{name} ({run_id})" if name and run_id else (name or run_id)
-            lines.append(
-                f"  MLflow run {run}" + (f": {url}" if url else f"; open it with: {command}" if command else "")
-            )
+        run = LaunchSummary.run_text(launch)
+        if run is not None:
+            lines.append(f"  {run}")
         storing = getattr(launch, "storing", None)
         if storing:
             lines.append(f"  {storing}")

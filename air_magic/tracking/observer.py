@@ -249,6 +249,8 @@ class TrackingObserver:
         launch.run_name = self.writer.spool.journal.get("run_name") if self.writer is not None else None
         launch.run_url = self._run_url(run_id)
         launch.run_command = None if launch.run_url else open_command(self.uri)
+        if launch.run_shown:  # the launch's panel says it, in its place
+            return
         if self.writer is not None and self.writer.status is not None:  # made after the end
             self.writer.late_lines.append((self.describe(), "stdout"))
         else:

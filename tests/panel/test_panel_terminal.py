@@ -163,8 +163,9 @@ def test_the_summary_comes_before_the_value_with_tracking(term: Terminal) -> Non
     outcome_order(rows, n, "[1, 2]")
     text = shown(rows)
     out = next(i for i, row in enumerate(rows) if row.startswith("Out["))
-    run = [i for i, row in enumerate(rows) if row.startswith("[air_magic] MLflow run")]
-    assert run and max(run) < out, text  # the run's lines too come before the value
+    run = [i for i, row in enumerate(rows) if re.match(r"\[air_magic\] +MLflow run ", row)]
+    assert len(run) == 1, text  # the run is said once: in the summary, not also in a block of its own
+    assert run[0] < out, text  # the run's line too comes before the value
 
 
 def test_an_interrupt_in_a_tqdm_loop_leaves_one_line_and_a_clean_screen(term: Terminal) -> None:
