@@ -52,8 +52,8 @@ Set by air_magic for its own child processes, not settings: ``AIR_MAGIC_TRACKING
 launch's MLflow run), ``AIR_MAGIC_LAUNCH_ID``, ``AIR_MAGIC_MLFLOW_RUN_ID``.  Two switches
 for comparisons and for a store or package that misbehaves, read where they act:
 ``AIR_MAGIC_STORE_TEMPLATE=0`` (MLflow makes every new sqlite store itself, no copy of the
-empty store in the user's cache) and ``AIR_MAGIC_LAZY_MLFLOW=1`` (a rank's ``import mlflow``
-gives a stand-in until more than logging is used; off by default for now).
+empty store in the user's cache) and ``AIR_MAGIC_LAZY_MLFLOW=0`` (a rank's ``import mlflow``
+imports the real package at once, no stand-in).
 
 Standard library only (and :mod:`air_magic.errors`).
 """

@@ -47,9 +47,8 @@ from air_magic.protocol import (
 )
 from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run
 
-#: ``1``: a rank's ``import mlflow`` gives the stand-in (:class:`_LazyMlflow`) until more than
-#: the logging calls is asked of it.  Off by default for now: a DeepSpeed notebook's launch
-#: hung in the suite, with it on and with it off; until that is understood, as before.
+#: ``0``: a rank's ``import mlflow`` imports the real package at once (no stand-in,
+#: :class:`_LazyMlflow`, answering the logging calls until more is asked of it).
 LAZY_ENV = "AIR_MAGIC_LAZY_MLFLOW"
 
 _FD: int | None = None
@@ -385,7 +384,7 @@ def install(work_dir: str, rank: int, run_id: str | None) -> None:
         patch(sys.modules["mlflow"])
         return
     sys.meta_path.insert(0, _MlflowFinder())
-    if os.environ.get(LAZY_ENV, "0") == "1":
+    if os.environ.get(LAZY_ENV, "1") != "0":
         lazy = _lazy_mlflow()
         if lazy is not None:
             sys.modules["mlflow"] = lazy

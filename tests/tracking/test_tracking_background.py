@@ -232,12 +232,8 @@ def import_mlflow() -> dict[str, Any]:
     return seen
 
 
-def test_a_ranks_import_mlflow_is_answered_without_the_package_until_more_is_needed(
-    store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_ranks_import_mlflow_is_answered_without_the_package_until_more_is_needed(store: Store) -> None:
     from air_magic import tracking
-
-    monkeypatch.setenv("AIR_MAGIC_LAZY_MLFLOW", "1")  # opt-in for now (see rank/tracking_shim.py)
 
     [seen] = import_mlflow.distributed()
     assert seen["real_before"] is False  # the logging calls did not import MLflow
