@@ -143,8 +143,8 @@ class Launch:
         self.run_name: str | None = None
         self.run_url: str | None = None
         self.run_command: str | None = None
-        #: A panel says the run (terminal IPython: in its summary): the tracking plug-in then
-        #: prints no announcement of its own, so that the run is said once in the cell.
+        #: A panel says the run (live, and in its summary): the tracking plug-in then prints
+        #: no announcement of its own, so that the run is said once in the cell.
         self.run_shown = False
         #: What an observer still stores after the end ("storing 1,234 points…", set by the
         #: tracking plug-in): the values come back at once, the rest is stored behind them.

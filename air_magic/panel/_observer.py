@@ -79,9 +79,9 @@ class PanelObserver(WidgetPanel):
     def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
         self._ctx = contextvars.copy_context()
         shell = self.shell
-        if shell is not None and getattr(shell, "kernel", None) is None:
-            # Terminal IPython: the summary waits for the run and says it; nobody else does.
-            launch.run_shown = True
+        # The panel says the run, live and in its summary (updated in place, or, as text, on
+        # a line of its own when the run comes after it): the tracking plug-in says nothing.
+        launch.run_shown = True
         if shell is not None:
             self.cell = getattr(shell, "execution_count", None)
             events = getattr(shell, "events", None)
@@ -254,7 +254,7 @@ class PanelObserver(WidgetPanel):
         with self._end_lock:
             summary = self._fresh_summary()
             self._show(summary, update=False, new=True)
-            self._end_display = "text" if terminal else "end"
+            self._end_display = "text" if terminal or self.shell is None else "end"
 
     def _fresh_summary(self) -> LaunchSummary:
         """The summary, made again where what is stored of the run changed since."""
@@ -272,7 +272,8 @@ class PanelObserver(WidgetPanel):
             summary = None if shown is None else self._fresh_summary()  # else made when shown
         if shown == "text" and not told_run and summary is not None and summary.run is not None:
             # A summary printed as text before the run was made: the run, once, on a line of its own.
-            notes = [(f"[air_magic] {summary.run}", "stdout" if self.shell is not None else "stderr"), *notes]
+            # (indented as the summary's own line of it is: it is that line, come late)
+            notes = [(f"[air_magic]  {summary.run}", "stdout" if self.shell is not None else "stderr"), *notes]
         for line, stream in notes:
             self._run(functools.partial(print, line, file=getattr(sys, stream), flush=True))
         # Only now: a terminal's summary waits for this, and its lines must not run into these.

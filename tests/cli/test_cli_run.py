@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -455,15 +456,17 @@ def test_tracking_makes_a_finished_run_in_the_default_store_with_the_ranks_metri
     done = air_magic_run(tmp_path, "tracked.py", "-n", "2", timeout=180)
     assert done.returncode == 0, done.stderr
     store = tmp_path / "mlflow.db"
-    found = re.search(
-        r"^\[air_magic\] MLflow run '[^']+' \(id ([0-9a-f]{32}), experiment \d+, in (.+)\)\.", done.stdout, re.M
-    )
-    assert found is not None, done.stdout
-    assert found.group(2) == str(store)
+    # The run is said once, on stderr with air_magic's other lines: the summary's line, with
+    # the command that opens the store; stdout has the program's output only.
+    assert "MLflow run" not in done.stdout, done.stdout
+    found = re.findall(r"^\[air_magic\]  MLflow run \S+ \(([0-9a-f]{32})\); open it with: (.+)$", done.stderr, re.M)
+    assert len(found) == 1, done.stderr
+    found_id, command = found[0]
+    assert shlex.split(command)[1:] == ["-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{store}"], command
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{store}")
-    run = client.get_run(found.group(1))
+    run = client.get_run(found_id)
     assert run.info.status == "FINISHED"
     assert client.get_experiment(run.info.experiment_id).name == "tracked"  # named after the script
     metrics = {key: value for key, value in run.data.metrics.items() if not key.startswith("system/")}

@@ -22,8 +22,8 @@ from typing import Any
 
 import cloudpickle
 import pytest
-from harness import Kernel, wait_until
-from tracking_support import Store, one_run_id, sqlite_uri
+from harness import CellResult, Kernel, wait_until
+from tracking_support import Store, one_run_id, shown, sqlite_uri, stored
 
 from air_magic import distributed
 
@@ -91,18 +91,20 @@ def test_first_launch_in_a_fresh_folder_shows_the_panel_at_once_and_nothing_of_m
         lines = [
             line for m in loaded + messages if m["msg_type"] == "stream" for line in m["content"]["text"].splitlines()
         ]
-        # (air_magic's own too: the command that opens the store, on the line after the run's.)
-        command = f"    {shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri '{sqlite_uri(folder)}'"
-        assert command in lines and lines[lines.index(command) - 1].startswith("[air_magic] MLflow run '"), lines
-        ours = [line for line in lines if line.startswith("[air_magic]") or line == command]
+        ours = [line for line in lines if line.startswith("[air_magic]")]
         assert [line for line in lines if line not in ours] == ["ranks done"], lines
+        assert not [line for line in lines if "MLflow run" in line], lines  # the summary says it
 
-        # Every point stored once the kernel's storing is over, in the run the cell announced.
-        stdout = "".join(text for i, text in streams if messages[i]["content"]["name"] == "stdout")
-        run_id = one_run_id(stdout)
+        # Every point stored once the kernel's storing is over, in the run the cell's summary
+        # names (updated in place when the run's last points are stored).
+        res = CellResult()
+        for message in messages:
+            res.record(message)
+        run_id = one_run_id(stored(kernel, launch, res, timeout=120))
+        command = f"{shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri '{sqlite_uri(folder)}'"
+        assert f"({run_id}); open it with: {command}" in shown(res)
         [result] = [m for m in messages if m["msg_type"] == "execute_result"]
         assert result["content"]["data"]["text/plain"] == repr([run_id, run_id])
-        assert kernel.value("import air_magic.tracking\nair_magic.tracking.flush(120)", timeout=180) is True
         store = Store(sqlite_uri(folder))
         assert store.run(run_id).info.status == "FINISHED"
         assert store.by_rank(run_id, "loss", 2) == {

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shlex
 import time
 from typing import Any, Iterator
 
 import pytest
 from harness import Kernel
-from tracking_support import Store, one_run_id, run_ids_in, sqlite_uri, stored, stored_run
+from tracking_support import Store, one_run_id, run_ids_in, shown, sqlite_uri, stored, stored_run
 
 pytestmark = pytest.mark.kernel
 
@@ -65,13 +66,14 @@ def test_cell_launch_is_one_finished_run_in_the_notebooks_experiment(tk: Kernel)
     before = {r.info.run_id for r in store.runs()}
     res = stored_run(tk, f"%%distributed -n 2 --timeout 600\n{LOGGING_CELL}", timeout=180)
     assert out_value(res) == [0, 1]
-    run_id = one_run_id(res.stdout)
-    lines = res.stdout.splitlines()
-    at = next(i for i, line in enumerate(lines) if run_id in line)
-    assert lines[at].startswith("[air_magic] MLflow run '"), lines[at]
-    assert lines[at].endswith("(with the mlflow of the kernel's environment):"), lines[at]
-    command = shlex.split(lines[at + 1])
-    assert command[1:] == ["-m", "mlflow", "ui", "--backend-store-uri", store.uri], lines[at + 1]
+    run_id = one_run_id(res)
+    # Said once, in the launch's summary (updated in place once the run is stored), with the
+    # command that opens its store: not also in the cell's stream.
+    assert run_id not in res.stdout + res.stderr
+    [line] = [line for line in shown(res).splitlines() if run_id in line]
+    assert re.match(rf"\[air_magic\]  MLflow run \S+ \({run_id}\); open it with: ", line), line
+    command = shlex.split(line.split("; open it with: ", 1)[1])
+    assert command[1:] == ["-m", "mlflow", "ui", "--backend-store-uri", store.uri], line
     assert os.path.isabs(command[0]) and os.access(command[0], os.X_OK), command
 
     assert {r.info.run_id for r in store.runs()} == before | {run_id}
@@ -98,7 +100,7 @@ def test_decorated_function_in_the_kernel_logs_to_its_run(tk: Kernel) -> None:
     )
     res = stored_run(tk, "train.distributed(0.25)", timeout=180)
     assert out_value(res) == [0.25, 0.25]
-    run_id = one_run_id(res.stdout)
+    run_id = one_run_id(res)
     assert tk.value("train.last_launch.run_id") == run_id
     run = store_of(tk).run(run_id)
     assert run.info.status == "FINISHED"
@@ -114,7 +116,7 @@ def test_launch_nests_under_the_kernels_active_run(tk: Kernel) -> None:
         parent_id = tk.value("parent.info.run_id")
         res = stored_run(tk, f"%%distributed -n 2\n{LOGGING_CELL}", timeout=180)
         assert out_value(res) == [0, 1]
-        run_id = one_run_id(res.stdout)
+        run_id = one_run_id(res)
         child = store.run(run_id)
         assert child.data.tags["mlflow.parentRunId"] == parent_id
         assert child.info.experiment_id == store.run(parent_id).info.experiment_id
@@ -146,7 +148,7 @@ def test_interrupt_marks_the_run_killed_and_keeps_what_was_logged(tk: Kernel) ->
     tk.km.interrupt_kernel()
     res = stored(tk, msg_id, tk.collect(msg_id, timeout=60))
     assert res.error is not None and res.error["ename"] == "KeyboardInterrupt", res.error_text
-    run_id = one_run_id(res.stdout)
+    run_id = one_run_id(res)
     store = store_of(tk)
     assert store.run(run_id).info.status == "KILLED"
     points = store.by_rank(run_id, "before_interrupt", 2)
@@ -168,7 +170,7 @@ def test_no_tracking_creates_no_run_and_rank_calls_do_nothing(tk: Kernel) -> Non
     )
     assert out_value(res) == [(None, None), (None, None)]
     assert "[air_magic] tracking is off" in res.stdout
-    assert run_ids_in(res.stdout) == []
+    assert run_ids_in(res) == []
     assert sorted(r.info.run_id for r in store.runs()) == before
 
 
@@ -183,7 +185,7 @@ def test_experiment_choice_kernel_then_environment_flag_wins(kernel_factory: Any
         def launch(flags: str = "") -> str:
             res = stored_run(kernel, f"%%distributed -n 2 {flags}\n{LOGGING_CELL}", timeout=180)
             assert out_value(res) == [0, 1]
-            return one_run_id(res.stdout)
+            return one_run_id(res)
 
         # MLFLOW_EXPERIMENT_NAME beats the notebook's name ...
         assert store.experiment_name(launch()) == "from-environment"
@@ -238,7 +240,7 @@ def test_two_kernels_first_launches_at_once_into_a_fresh_store(tmp_path: Any) ->
         for res in results:
             assert out_value(res) == 2
             assert "is off for this launch" not in res.stderr, res.stderr
-            run_ids.append(one_run_id(res.stdout))
+            run_ids.append(one_run_id(res))
         assert run_ids[0] != run_ids[1]
         store = Store(uri)
         assert sorted(r.info.run_id for r in store.runs()) == sorted(run_ids)

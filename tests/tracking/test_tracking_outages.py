@@ -99,7 +99,7 @@ def test_a_server_that_is_down_costs_seconds_and_gets_the_points_when_back(
     took = time.monotonic() - started
     assert took < BOUND, f"the launch took {took:.1f} s with its server down"
     captured = capsys.readouterr()
-    assert run_ids_in(captured.out) == []
+    assert run_ids_in(captured) == []
     assert unreachable_line(server.uri, "connection refused") in captured.err.splitlines()
     launch = log_points.last_launch
     assert launch.run_id is None
@@ -172,7 +172,7 @@ def test_a_server_that_dies_mid_launch_costs_seconds_and_gets_the_points_when_ba
     took = time.monotonic() - started
     assert took < BOUND, f"the launch took {took:.1f} s to end after its server died"
     captured = capsys.readouterr()
-    run_id = one_run_id(captured.out)
+    run_id = one_run_id(captured)
     assert launch.run_id == run_id
     unreachable = [line for line in captured.err.splitlines() if "is unreachable" in line]
     assert unreachable in (

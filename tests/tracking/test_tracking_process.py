@@ -45,17 +45,17 @@ def log_a_little() -> int:
 
 def test_a_launch_is_one_finished_run_with_its_configuration(store: Store, capsys: Any) -> None:
     assert log_a_little.distributed() == [0, 1]
-    out = capsys.readouterr().out
-    run_id = one_run_id(out)
+    captured = capsys.readouterr()
+    run_id = one_run_id(captured)
     assert log_a_little.last_launch.run_id == run_id
     launch = log_a_little.last_launch
     assert launch.run_name == store.run(run_id).info.run_name and launch.run_name
     assert launch.run_url is None
     assert launch.run_command == f"{shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri '{store.uri}'"
-    lines = out.splitlines()
-    at = next(i for i, line in enumerate(lines) if run_id in line)
-    assert lines[at].startswith(f"[air_magic] MLflow run {launch.run_name!r} (id {run_id}, experiment "), lines[at]
-    assert lines[at + 1] == f"    {launch.run_command}"
+    # Said once, by the panel's summary, with air_magic's other lines on stderr.
+    assert run_id not in captured.out
+    said = [line for line in captured.err.splitlines() if run_id in line]
+    assert said == [f"[air_magic]  MLflow run {launch.run_name} ({run_id}); open it with: {launch.run_command}"], said
 
     runs = store.runs()
     assert [r.info.run_id for r in runs] == [run_id]
@@ -92,7 +92,7 @@ def steps_of_every_number_type() -> None:
 
 def test_steps_and_timestamps_of_any_number_type_are_stored(store: Store, capsys: Any) -> None:
     steps_of_every_number_type.distributed()
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     assert store.by_rank(run_id, "loss", 2) == {rank: [(s, s + rank / 10) for s in (1, 2, 3, 4)] for rank in (0, 1)}
 
 
@@ -110,7 +110,7 @@ def run_ids_seen_by_the_rank() -> tuple[str, str, str, str]:
 
 def test_start_run_inside_a_rank_is_the_launchs_run(store: Store, capsys: Any) -> None:
     values = run_ids_seen_by_the_rank.distributed()
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     assert values == [(run_id,) * 4, (run_id,) * 4]
     assert [r.info.run_id for r in store.runs()] == [run_id]
     assert store.run(run_id).info.status == "FINISHED"
@@ -125,7 +125,7 @@ def test_launch_nests_under_the_active_run_which_stays_active(store: Store, caps
     parent = mlflow.start_run(run_name="outer")
     try:
         assert log_a_little.distributed() == [0, 1]
-        run_id = one_run_id(capsys.readouterr().out)
+        run_id = one_run_id(capsys.readouterr())
         active = mlflow.active_run()
         assert active is not None and active.info.run_id == parent.info.run_id
         child = store.run(run_id)
@@ -152,11 +152,11 @@ def test_experiment_from_environment_and_keyword_wins(
 ) -> None:
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-environment")
     log_a_little.distributed()
-    from_env = one_run_id(capsys.readouterr().out)
+    from_env = one_run_id(capsys.readouterr())
     assert store.experiment_name(from_env) == "from-environment"
 
     log_into_chosen_experiment.distributed()
-    chosen = one_run_id(capsys.readouterr().out)
+    chosen = one_run_id(capsys.readouterr())
     run = store.run(chosen)
     assert store.experiment_name(chosen) == "from-keyword"
     assert run.info.run_name == "named-by-keyword"
@@ -165,10 +165,12 @@ def test_experiment_from_environment_and_keyword_wins(
 
 
 def test_the_run_line_names_the_run_and_the_command_that_opens_its_store(store: Store, capsys: Any) -> None:
-    log_into_chosen_experiment.distributed()
+    # Without a panel (whose summary says the run), tracking announces it on lines of its own.
+    unpaneled = log_into_chosen_experiment.with_overrides(panel=False)
+    unpaneled.distributed()
     out = capsys.readouterr().out
     run_id = one_run_id(out)
-    launch = log_into_chosen_experiment.last_launch
+    launch = unpaneled.last_launch
     assert (launch.run_id, launch.run_name, launch.run_url) == (run_id, "named-by-keyword", None)
     experiment_id = store.run(run_id).info.experiment_id
     path = store.uri[len("sqlite:///") :]
@@ -212,7 +214,7 @@ def test_the_chart_of_a_key_is_rank_0s_curve_and_each_other_rank_has_its_own(
 ) -> None:
     launch = log_the_same_keys_on_every_rank.with_overrides(num_accelerators=ranks)
     assert launch.distributed(str(tmp_path / "rank-0-logged")) == list(range(ranks))
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     # One point a step under "loss": rank 0's, not one per rank zigzagging between them.
     assert metric_points(store, run_id, "loss") == [(step, step / 10) for step in range(20)]
     for rank in range(1, ranks):
@@ -234,10 +236,10 @@ def test_experiment_set_in_this_process_is_used_and_keyword_wins(store: Store, c
 
     mlflow.set_experiment("set-here")
     log_a_little.distributed()
-    assert store.experiment_name(one_run_id(capsys.readouterr().out)) == "set-here"
+    assert store.experiment_name(one_run_id(capsys.readouterr())) == "set-here"
     # experiment= on the decorator wins over it
     log_into_chosen_experiment.distributed()
-    assert store.experiment_name(one_run_id(capsys.readouterr().out)) == "from-keyword"
+    assert store.experiment_name(one_run_id(capsys.readouterr())) == "from-keyword"
 
 
 # -- statuses ------------------------------------------------------------------------------------
@@ -260,7 +262,7 @@ def log_then_fail(points: int) -> None:
 def test_points_logged_before_a_rank_fails_are_stored_and_run_failed(store: Store, capsys: Any) -> None:
     with pytest.raises(ValueError, match="diverged after 100 steps"):
         log_then_fail.distributed(100)
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     assert store.run(run_id).info.status == "FAILED"
     assert metric_points(store, run_id, "loss") == [(step, 1.0 / (step + 1)) for step in range(100)]
     assert store.artifacts(run_id, "logs") == ["logs/rank-0.log", "logs/rank-1.log"]
@@ -296,7 +298,7 @@ def test_cancel_of_a_submitted_launch_marks_the_run_killed(store: Store, capsys:
     assert launch.cancel() is True
     with pytest.raises(LaunchCancelledError):
         launch.result(timeout=60)
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     assert launch.run_id == run_id
     assert store.run(run_id).info.status == "KILLED"
     assert store.by_rank(run_id, "before_stop", 2) == {
@@ -307,7 +309,7 @@ def test_cancel_of_a_submitted_launch_marks_the_run_killed(store: Store, capsys:
 def test_timeout_marks_the_run_killed(store: Store, capsys: Any) -> None:
     with pytest.raises(LaunchTimeoutError):
         log_then_wait.with_overrides(timeout=10).distributed("never-read")
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     assert store.run(run_id).info.status == "KILLED"
     assert len(store.all_ranks(run_id, "before_stop", 2)) == 20
 
@@ -340,7 +342,7 @@ def log_everything(points: int) -> int:
 def test_eight_ranks_every_point_param_tag_and_artifact_is_stored(store: Store, capsys: Any) -> None:
     points = 500
     assert log_everything.distributed(points) == list(range(8))
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     # Read back at once: everything was written before .distributed() returned.
     loss = store.by_rank(run_id, "loss", 8)
     assert sum(len(curve) for curve in loss.values()) == 8 * points
@@ -390,7 +392,7 @@ def median_log_metric_seconds(calls: int) -> float:
 
 def test_log_metric_in_a_rank_costs_microseconds(store: Store, capsys: Any) -> None:
     medians = median_log_metric_seconds.distributed(2000)
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     # A direct write to a sqlite store costs milliseconds; a line in a file, microseconds.
     assert all(m < 200e-6 for m in medians), [f"{m * 1e6:.1f} us" for m in medians]
     assert len(store.all_ranks(run_id, "loss", 2)) == 2 * 2000
@@ -409,7 +411,7 @@ def set_experiment_inside() -> None:
 def test_set_experiment_inside_a_rank_says_to_call_it_in_the_notebook(store: Store, capsys: Any) -> None:
     with pytest.raises(RuntimeError, match=r"call mlflow\.set_experiment\(\.\.\.\) in the notebook"):
         set_experiment_inside.distributed()
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     assert store.run(run_id).info.status == "FAILED"
     assert "chosen-on-a-rank" not in [e.name for e in store.client.search_experiments()]
 
@@ -424,7 +426,7 @@ def log_to_another_run() -> None:
 def test_log_metric_to_another_run_inside_a_rank_names_the_launchs_run(store: Store, capsys: Any) -> None:
     with pytest.raises(RuntimeError) as info:
         log_to_another_run.distributed()
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     message = str(info.value)
     assert f"this rank logs to the launch's MLflow run {run_id}" in message
     assert "run_id='other'" in message
@@ -451,7 +453,7 @@ def test_a_name_mlflow_refuses_raises_at_the_call_and_earlier_points_are_kept(st
     with pytest.raises(MlflowException, match=r'Invalid value "loss@rank0".*Names may only contain') as info:
         log_then_use_a_bad_name.distributed()
     assert 'mlflow.log_metric("loss@rank0", 1.0)' in str(info.value.__cause__)
-    run_id = one_run_id(capsys.readouterr().out)
+    run_id = one_run_id(capsys.readouterr())
     run = store.run(run_id)
     assert run.info.status == "FAILED"
     assert metric_points(store, run_id, "loss") == [(step, step / 100) for step in range(100)]
@@ -475,7 +477,7 @@ def log_and_change_a_launch_param() -> int:
 def test_what_the_store_refuses_is_reported_and_the_run_still_ends(store: Store, capsys: Any) -> None:
     assert log_and_change_a_launch_param.distributed() == [0, 1]
     captured = capsys.readouterr()
-    run_id = one_run_id(captured.out)
+    run_id = one_run_id(captured)
     run = store.run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["air_magic.timeout"] == "10800.0"
@@ -507,9 +509,9 @@ def test_tracking_off_creates_nothing_and_rank_calls_do_nothing(store: Store, ca
     db = store.uri[len("sqlite:///") :]
     assert not os.path.exists(db)
     assert untracked.distributed() == [(3, None, None), (3, None, None)]
-    out = capsys.readouterr().out
-    assert "[air_magic] tracking is off" in out
-    assert run_ids_in(out) == []
+    captured = capsys.readouterr()
+    assert "[air_magic] tracking is off" in captured.out
+    assert run_ids_in(captured) == []
     assert untracked.last_launch.run_id is None
     assert not os.path.exists(db), "the sqlite store was created with tracking off"
     assert sorted(os.listdir(tmp_path)) == ["note.txt"]  # no mlruns/, no mlflow.db

@@ -53,7 +53,7 @@ def log_one_bad_step_and_one_bad_artifact_path() -> int:
 def test_a_refused_point_and_artifact_are_skipped_by_name_and_the_rest_is_stored(store: Store, capsys: Any) -> None:
     assert log_one_bad_step_and_one_bad_artifact_path.distributed() == [0, 1]
     captured = capsys.readouterr()
-    run_id = one_run_id(captured.out)
+    run_id = one_run_id(captured)
     run = store.run(run_id)
     assert run.info.status == "FINISHED"
     assert store.by_rank(run_id, "loss", 2) == {
@@ -89,7 +89,7 @@ def log_text_of_every_kind(values: dict[str, str]) -> None:
 def test_params_and_tags_keep_every_character(store: Store, capsys: Any) -> None:
     log_text_of_every_kind.distributed(NASTY)
     captured = capsys.readouterr()
-    run = store.run(one_run_id(captured.out))
+    run = store.run(one_run_id(captured))
     assert {k: v for k, v in run.data.params.items() if k in NASTY} == NASTY
     assert {k[len("tag.") :]: v for k, v in run.data.tags.items() if k.startswith("tag.")} == NASTY
     assert "reached MLflow" not in captured.err
@@ -116,7 +116,7 @@ def test_a_state_folder_others_can_read_is_refused_and_tracking_still_works(
     monkeypatch.setenv("AIR_MAGIC_STATE_DIR", str(state))
     assert log_a_few.distributed() == [0, 1]
     captured = capsys.readouterr()
-    run_id = one_run_id(captured.out)
+    run_id = one_run_id(captured)
     assert [line for line in captured.err.splitlines() if "for MLflow points" in line] == [
         f"[air_magic] cannot use {state} for MLflow points: others may read or write it (mode 0o755); "
         "chmod 700 it. Set AIR_MAGIC_STATE_DIR to a folder only you can use; until then this launch's points "

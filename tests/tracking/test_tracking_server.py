@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import cloudpickle
 import pytest
-from tracking_support import Server, one_run_id, rank_key, stored_run
+from tracking_support import Server, one_run_id, rank_key, shown, stored_run
 
 from air_magic import distributed
 
@@ -21,23 +21,26 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def link_pattern(server: Server) -> re.Pattern[str]:
+    """The summary's line for a run on a server: its name and id, then the link to it."""
     return re.compile(
-        rf"\[air_magic\] MLflow run '([^\n]*)' \(id ([0-9a-f]{{32}}), experiment (\d+)\), open it at:\n"
-        rf"    (http://127\.0\.0\.1:{server.port}/#/experiments/(\d+)/runs/([0-9a-f]{{32}}))$",
+        rf"^\[air_magic\] +MLflow run ([^\n]*) \(([0-9a-f]{{32}})\): "
+        rf"(http://127\.0\.0\.1:{server.port}/#/experiments/(\d+)/runs/([0-9a-f]{{32}}))$",
         re.MULTILINE,
     )
 
 
-def check_link_opens_the_run(server: Server, output: str) -> dict[str, Any]:
-    """The link in ``output`` names a run the server knows; return that run (REST JSON)."""
-    match = link_pattern(server).search(output)
-    assert match, f"no link to {server.uri} in:\n{output}"
-    name, run_id, experiment_id, _, linked_experiment, linked_run = match.groups()
-    assert (linked_run, linked_experiment) == (run_id, experiment_id)
+def check_link_opens_the_run(server: Server, output: Any) -> dict[str, Any]:
+    """The link in ``output`` (see ``shown``), said once, names a run the server knows;
+    return that run (REST JSON)."""
+    text = shown(output)
+    matches = link_pattern(server).findall(text)
+    assert len(matches) == 1, f"not one link to {server.uri} in:\n{text}"
+    name, run_id, _, linked_experiment, linked_run = matches[0]
+    assert linked_run == run_id
     run = server.get("/api/2.0/mlflow/runs/get", run_id=run_id)["run"]
     assert run["info"]["run_id"] == run_id
     assert run["info"]["run_name"] == name
-    assert run["info"]["experiment_id"] == experiment_id
+    assert run["info"]["experiment_id"] == linked_experiment
     return run  # type: ignore[no-any-return]
 
 
@@ -76,7 +79,7 @@ def log_to_server(points: int) -> int:
 @pytest.mark.process
 def test_decorator_output_links_to_the_run_on_the_server(server_env: Server, capsys: Any) -> None:
     assert log_to_server.distributed(50) == [0, 1]
-    out = capsys.readouterr().out
+    out = capsys.readouterr()
     run = check_link_opens_the_run(server_env, out)
     run_id = one_run_id(out)
     assert log_to_server.last_launch.run_url.endswith(f"/runs/{run_id}")
@@ -119,7 +122,7 @@ def test_cell_output_links_to_the_run_on_the_server(mlflow_server: Server, kerne
         )
         assert res.error is None, res.error_text
         assert ast.literal_eval(res.result) == [0, 1]
-        run = check_link_opens_the_run(mlflow_server, res.stdout)
+        run = check_link_opens_the_run(mlflow_server, res)
         assert run["info"]["status"] == "FINISHED"
         for rank in (0, 1):
             history = mlflow_server.get(

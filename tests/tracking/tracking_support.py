@@ -18,8 +18,23 @@ from typing import Any
 
 import psutil
 
-#: The line air_magic prints when a launch starts its run: its name (quoted), then its id.
-RUN_LINE = re.compile(r"\[air_magic\] MLflow run [^\n]*?\(id ([0-9a-f]{32}), ")
+#: The line that says a launch's run: the summary's ``[air_magic]  MLflow run NAME (ID); ...``,
+#: or, for a launch without a panel, ``[air_magic] MLflow run 'NAME' (id ID, ...``.
+RUN_LINE = re.compile(r"^\[air_magic\] +MLflow run [^\n(]*\((?:id )?([0-9a-f]{32})[,)]", re.M)
+
+
+def shown(output: Any) -> str:
+    """What a launch showed: a kernel cell's streams and the last state of each of its
+    displays (a summary updated in place counts once), or a process's stdout and stderr
+    (pytest's captured output); a string as it is."""
+    if isinstance(output, str):
+        return output
+    if hasattr(output, "displays"):
+        last: dict[Any, str] = {}
+        for number, (_, data, display_id) in enumerate(output.displays):
+            last[display_id if display_id is not None else number] = data.get("text/plain", "")
+        return "\n".join([output.stdout, output.stderr, *last.values()])
+    return f"{output.out}\n{output.err}"
 
 
 def rank_key(rank: int, key: str) -> str:
@@ -28,14 +43,14 @@ def rank_key(rank: int, key: str) -> str:
     return key if rank == 0 else f"rank{rank}/{key}"
 
 
-def run_ids_in(text: str) -> list[str]:
-    return RUN_LINE.findall(text)
+def run_ids_in(output: Any) -> list[str]:
+    return RUN_LINE.findall(shown(output))
 
 
-def one_run_id(text: str) -> str:
-    """The id of the one run announced in ``text``."""
-    ids = run_ids_in(text)
-    assert len(ids) == 1, f"expected one '[air_magic] MLflow run' line, got {ids} in:\n{text}"
+def one_run_id(output: Any) -> str:
+    """The id of the one run said in ``output`` (see :func:`shown`)."""
+    ids = run_ids_in(output)
+    assert len(ids) == 1, f"expected one '[air_magic] MLflow run' line, got {ids} in:\n{shown(output)}"
     return ids[0]
 
 
