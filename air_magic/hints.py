@@ -63,6 +63,18 @@ CPU_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
         "GPUs and gloo on CPU), and DDP(model, device_ids=None) on CPU. `air-magic lint --fix` "
         "makes these changes (rules AM4xx).",
     ),
+    (
+        (
+            "Cannot access accelerator device when none is available",
+            "device_id parameter must be an accelerator with an index",
+        ),
+        "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for an "
+        "accelerator: a rank's number as a device (model.to(local_rank)), "
+        "torch.accelerator.set_device_index(...), or init_process_group(device_id=...). Write it so that "
+        'it runs on both: device = torch.accelerator.current_accelerator() or torch.device("cpu"), '
+        "model.to(device), set_device_index(...) only if torch.accelerator.is_available(), and "
+        "device_id=None on CPU. `air-magic lint --fix` makes these changes (rules AM405-AM409).",
+    ),
 )
 
 

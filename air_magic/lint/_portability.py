@@ -16,6 +16,22 @@ choice behind ``torch.cuda.is_available()``::
     AM404  DDP(model, device_ids=[rank])
        ->  DDP(model, device_ids=[rank] if torch.cuda.is_available() else None)
 
+Today's idioms (``torch.accelerator``, a rank number as the device) get the same treatment::
+
+    AM405  model.to(local_rank)          (a rank number, or self.gpu_id, as the device)
+       ->  model.to(local_rank if torch.cuda.is_available() else "cpu")
+    AM406  torch.load(path, map_location=f"cuda:{rank}")
+       ->  torch.load(path, map_location=f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+    AM407  torch.accelerator.current_accelerator()          (None where there is no accelerator)
+       ->  (torch.accelerator.current_accelerator() or torch.device("cpu"))
+    AM408  torch.accelerator.set_device_index(rank)
+       ->  if torch.accelerator.is_available():
+               torch.accelerator.set_device_index(rank)
+    AM409  dist.init_process_group(backend, device_id=device)
+       ->  dist.init_process_group(backend, device_id=device if torch.cuda.is_available() else None)
+    AM410  if torch.cuda.device_count() < 2: sys.exit(0)   (said, not rewritten: on CPU ranks
+                                                             the program ends without training)
+
 Where CUDA is available every rewritten expression has the value it had, so a GPU run is
 unchanged; where it is not, the original fails (no NCCL, no device to set, DDP refuses
 device ids for a CPU model) and the fixed code runs on CPU ranks with gloo.
@@ -35,7 +51,7 @@ from air_magic.lint.diagnostics import Edit
 
 __all__ = ["check_portability"]
 
-_IS_AVAILABLE = frozenset({"torch.cuda.is_available"})
+_IS_AVAILABLE = frozenset({"torch.cuda.is_available", "torch.accelerator.is_available"})
 #: The qualified names, and the spellings of a snippet pasted without its imports.
 _INIT_PROCESS_GROUP = frozenset(
     {
@@ -46,6 +62,20 @@ _INIT_PROCESS_GROUP = frozenset(
     }
 )
 _SET_DEVICE = frozenset({"torch.cuda.set_device"})
+_SET_DEVICE_INDEX = frozenset({"torch.accelerator.set_device_index"})
+_CURRENT_ACCELERATOR = frozenset({"torch.accelerator.current_accelerator"})
+#: What a guard that needs GPUs reads: their number, or whether there are any.
+_GPU_COUNT = frozenset(
+    {
+        "torch.cuda.device_count",
+        "torch.accelerator.device_count",
+        "torch.cuda.is_available",
+        "torch.accelerator.is_available",
+    }
+)
+_EXITS = frozenset({"sys.exit", "exit", "quit", "os._exit"})
+#: Names that hold a rank's number (``model.to(local_rank)``, ``.to(self.gpu_id)``).
+_RANK_NAMES = frozenset({"rank", "local_rank", "gpu_id", "gpu", "device_id", "gpu_rank", "lrank"})
 _DEVICE = frozenset({"torch.device"})
 _DDP = frozenset(
     {
@@ -70,6 +100,17 @@ def check_portability(src: Source) -> None:
             _check_device(src, call)
         elif src.matches(func, _DDP):
             _check_ddp(src, call)
+        elif src.matches(func, _SET_DEVICE_INDEX):
+            _check_set_device(src, call, code="AM408", family="accelerator")
+        elif src.matches(func, _CURRENT_ACCELERATOR):
+            _check_current_accelerator(src, call)
+        elif isinstance(func, cst.Attribute) and func.attr.value == "to":
+            _check_to_rank(src, call)
+        if src.matches(func, _INIT_PROCESS_GROUP):
+            _check_device_id(src, call)
+        _check_map_location(src, call)
+    for statement in src.nodes.ifs:
+        _check_gpu_guard(src, statement)
 
 
 # -- the CUDA test -------------------------------------------------------------------------------
@@ -103,14 +144,15 @@ def _guarded(src: Source, node: cst.CSTNode) -> bool:
     return False
 
 
-def _cuda_test(src: Source, at: cst.CSTNode) -> tuple[str, tuple[str, str | None] | None] | None:
-    """``torch.cuda.is_available()`` spelled as ``torch`` is named at ``at``, and the
-    ``import torch`` it needs; ``None`` when ``torch`` means something else there."""
+def _cuda_test(src: Source, at: cst.CSTNode, family: str = "cuda") -> tuple[str, tuple[str, str | None] | None] | None:
+    """``torch.cuda.is_available()`` (``family``: ``torch.accelerator.is_available()``)
+    spelled as ``torch`` is named at ``at``, and the ``import torch`` it needs; ``None``
+    when ``torch`` means something else there."""
     ref = src.module_ref("torch", at)
     if ref is None:
         return None
     name, need = ref
-    return f"{name}.cuda.is_available()", need
+    return f"{name}.{family}.is_available()", need
 
 
 def _stands_bare(src: Source, node: cst.CSTNode) -> bool:
@@ -189,12 +231,12 @@ def _check_backend(src: Source, call: cst.Call) -> None:
 # -- AM402: torch.cuda.set_device ----------------------------------------------------------------
 
 
-def _check_set_device(src: Source, call: cst.Call) -> None:
+def _check_set_device(src: Source, call: cst.Call, code: str = "AM402", family: str = "cuda") -> None:
     if _guarded(src, call):
         return
-    test = _cuda_test(src, call)
-    check, need = test if test is not None else ("torch.cuda.is_available()", None)
-    f = src.report("AM402", call, call=f"{src.text(call.func)}(...)", check=check)
+    test = _cuda_test(src, call, family)
+    check, need = test if test is not None else (f"torch.{family}.is_available()", None)
+    f = src.report(code, call, call=f"{src.text(call.func)}(...)", check=check)
     stmt = src.parent(call)
     line = src.parent(stmt) if isinstance(stmt, cst.Expr) and stmt.value is call else None
     block = src.parent(line) if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1 else None
@@ -310,3 +352,123 @@ def _check_ddp(src: Source, call: cst.Call) -> None:
             continue
         within = arg if arg.keyword is not None else None
         _report_conditional(src, "AM404", arg.value, "None", within=within, arg=name)
+
+
+# -- AM405: a rank's number as the device ----------------------------------------------------------
+
+
+def _is_rank_number(src: Source, node: cst.BaseExpression) -> bool:
+    """``local_rank``, ``self.gpu_id``, ``int(os.environ["LOCAL_RANK"])``, ``0``: a number
+    that ``.to()`` takes for the index of an accelerator."""
+    if isinstance(node, cst.Integer):
+        return True
+    if isinstance(node, cst.Name):
+        return node.value.lower() in _RANK_NAMES
+    if isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.value.value == "self":
+        return node.attr.value.lower() in _RANK_NAMES
+    if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "int" and node.args:
+        return "RANK" in src.text(node.args[0])
+    return False
+
+
+def _check_to_rank(src: Source, call: cst.Call) -> None:
+    for index, arg in enumerate(call.args):
+        keyword = arg.keyword.value if arg.keyword is not None else None
+        if arg.star or not (keyword == "device" or keyword is None and index == 0):
+            continue
+        if _is_rank_number(src, arg.value) and not _handled(src, arg.value):
+            _report_conditional(
+                src, "AM405", arg.value, quoted("cpu", None), within=call, call=f".to({src.text(arg.value)})"
+            )
+
+
+# -- AM406: map_location on a GPU ------------------------------------------------------------------
+
+
+def _check_map_location(src: Source, call: cst.Call) -> None:
+    for arg in call.args:
+        if arg.keyword is None or arg.keyword.value != "map_location":
+            continue
+        if _is_cuda(arg.value) and not _handled(src, arg.value):
+            what = f"map_location={src.text(arg.value)}"
+            _report_conditional(src, "AM406", arg.value, quoted("cpu", arg.value), within=arg, what=what)
+
+
+# -- AM407: torch.accelerator.current_accelerator() ------------------------------------------------
+
+
+def _check_current_accelerator(src: Source, call: cst.Call) -> None:
+    parent = src.parent(call)
+    if isinstance(parent, cst.BooleanOperation) and isinstance(parent.operator, cst.Or) and parent.left is call:
+        return  # already `... or <a fallback>`
+    if _guarded(src, call):
+        return
+    ref = src.module_ref("torch", call)
+    name, need = ref if ref is not None else ("torch", None)
+    new = f"{src.text(call)} or {name}.device({_string_inside(src, call, 'cpu')})"
+    bare = (cst.Assign, cst.AnnAssign, cst.Return, cst.Expr, cst.Arg)
+    if not _stands_bare(src, call) or not isinstance(src.parent(call), bare):
+        new = f"({new})"
+    f = src.report("AM407", call, new=new, call=src.text(call))
+    if ref is not None:
+        f.edits = [src.edit(call, new)]
+        f.needs = [need] if need else []
+
+
+def _string_inside(src: Source, node: cst.CSTNode, value: str) -> str:
+    """``value`` quoted so that it can stand at ``node``: inside an f-string (before Python
+    3.12), with the quote that f-string does not use."""
+    parent = src.parent(node)
+    while parent is not None:
+        if isinstance(parent, cst.FormattedString):
+            return f"'{value}'" if '"' in parent.start else f'"{value}"'
+        parent = src.parent(parent)
+    return f'"{value}"'
+
+
+# -- AM409: init_process_group(device_id=...) ------------------------------------------------------
+
+
+def _check_device_id(src: Source, call: cst.Call) -> None:
+    for arg in call.args:
+        if arg.keyword is None or arg.keyword.value != "device_id" or _handled(src, arg.value):
+            continue
+        _report_conditional(src, "AM409", arg.value, "None", within=arg, what=f"device_id={src.text(arg.value)}")
+
+
+# -- AM410: a guard that ends the program where there is no GPU -----------------------------------
+
+
+def _reads_gpu_count(src: Source, test: cst.BaseExpression) -> bool:
+    found = False
+
+    class Calls(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            nonlocal found
+            found = found or src.matches(node.func, _GPU_COUNT)
+
+    test.visit(Calls())
+    return found
+
+
+def _exits(src: Source, body: cst.BaseSuite) -> cst.CSTNode | None:
+    """The statement of ``body`` (its own lines, not nested blocks) that ends the program."""
+    for line in getattr(body, "body", ()):
+        for small in getattr(line, "body", ()) if isinstance(line, cst.SimpleStatementLine) else ():
+            if isinstance(small, cst.Return):
+                return small
+            if isinstance(small, cst.Raise) and small.exc is not None and "SystemExit" in src.text(small.exc):
+                return small
+            value = small.value if isinstance(small, cst.Expr) else None
+            if isinstance(value, cst.Call) and src.matches(value.func, _EXITS):
+                return small
+    return None
+
+
+def _check_gpu_guard(src: Source, statement: cst.If) -> None:
+    if not _reads_gpu_count(src, statement.test) or _implies_cuda(src, statement.test):
+        return  # (a guard behind `torch.cuda.is_available() and ...` is for GPU machines only)
+    leaves = _exits(src, statement.body)
+    if leaves is None:
+        return
+    src.report("AM410", statement.test, test=src.text(statement.test), leaves=src.text(leaves).strip())

@@ -437,6 +437,7 @@ class Collector(cst.CSTVisitor):
         self.functions: list[cst.FunctionDef] = []
         self.assigns: list[cst.Assign] = []
         self.strings: list[cst.SimpleString] = []
+        self.ifs: list[cst.If] = []
 
     def visit_Call(self, node: cst.Call) -> None:
         self.calls.append(node)
@@ -455,6 +456,9 @@ class Collector(cst.CSTVisitor):
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         self.strings.append(node)
+
+    def visit_If(self, node: cst.If) -> None:
+        self.ifs.append(node)
 
 
 def is_distributed(src: Source, node: cst.CSTNode) -> bool:

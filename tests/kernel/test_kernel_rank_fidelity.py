@@ -193,6 +193,26 @@ def test_cuda_code_on_cpu_ranks_gets_the_portable_idiom_as_a_hint(k: Kernel, lin
     assert "`air-magic lint --fix` makes these changes" in hint
 
 
+ACCELERATOR_HINT = "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for an accelerator"
+
+
+@pytest.mark.parametrize(
+    "line, signature",
+    [
+        ("torch.ones(1).to(int(os.environ['LOCAL_RANK']))", "Cannot access accelerator device when none is available"),
+        ("torch.accelerator.set_device_index(0)", "Cannot access accelerator device when none is available"),
+    ],
+)
+def test_accelerator_code_on_cpu_ranks_gets_the_portable_idiom_as_a_hint(k: Kernel, line: str, signature: str) -> None:
+    res = k.run(f"%%distributed -n 2\nimport os, torch\n{line}")
+    assert signature in res.error_text
+    hint = next((row for row in res.error["traceback"] if row.startswith(ACCELERATOR_HINT)), None)
+    assert hint is not None, res.error_text
+    assert 'torch.accelerator.current_accelerator() or torch.device("cpu")' in hint
+    assert "`air-magic lint --fix` makes these changes (rules AM405-AM409)" in hint
+    assert not any(row.startswith(CPU_HINT) for row in res.error["traceback"])  # one hint, the one that fits
+
+
 # -- failure wording ---------------------------------------------------------------------------
 
 

@@ -87,3 +87,85 @@ def test_fixed_documentation_ddp_example_trains_on_two_cpu_ranks() -> None:
     on_cpu = run_train.with_overrides(num_accelerators=2, accelerator_type="CPU", tracking=False)
     # 5000 samples, 2500 per rank: batches of 500 keep the epoch to 5 steps.
     assert on_cpu.distributed(num_epochs=1, batch_size=500) == [None, None]
+
+
+#: A training script in today's PyTorch idioms (torch.accelerator, the rank's number as the
+#: device, device_id= for the process group, a checkpoint loaded onto the rank's GPU): none of
+#: it runs without a GPU until it is fixed.
+ACCELERATOR_SCRIPT = """\
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Trainer:
+    def __init__(self, model, gpu_id, checkpoint):
+        self.gpu_id = gpu_id
+        self.model = model.to(self.gpu_id)
+        if os.path.exists(checkpoint):
+            state = torch.load(checkpoint, map_location=f"cuda:{gpu_id}", weights_only=True)
+            self.model.load_state_dict(state)
+        self.model = DDP(self.model, device_ids=[self.gpu_id])
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+
+    def step(self, inputs, targets):
+        inputs, targets = inputs.to(self.gpu_id), targets.to(self.gpu_id)
+        self.optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(self.model(inputs), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--checkpoint", default="model.pt")
+    args = parser.parse_args(argv)
+    accelerator = torch.accelerator.current_accelerator()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.accelerator.set_device_index(local_rank)
+    device = torch.device(f"{accelerator}:{local_rank}")
+    dist.init_process_group(backend=dist.get_default_backend_for_device(accelerator), device_id=device)
+    torch.manual_seed(dist.get_rank())  # each rank its own batch: DDP averages their gradients
+    trainer = Trainer(torch.nn.Linear(4, 1), local_rank, args.checkpoint)
+    inputs = torch.randn(16, 4)
+    losses = [trainer.step(inputs, inputs.sum(dim=1, keepdim=True)) for _ in range(args.steps)]
+    weights = [p.detach().cpu().tolist() for p in trainer.model.parameters()]
+    dist.destroy_process_group()
+    return losses, weights
+"""
+
+
+@pytest.mark.process
+def test_fixed_accelerator_idioms_train_on_two_cpu_ranks(tmp_path: Any) -> None:
+    import torch
+
+    findings = {d.code for d in lint_source(ACCELERATOR_SCRIPT)}
+    assert {"AM404", "AM405", "AM406", "AM407", "AM408", "AM409"} <= findings, findings
+    fixed = fix_source(ACCELERATOR_SCRIPT)
+    assert lint_source(fixed) == []
+    for line in (
+        '        self.model = model.to(self.gpu_id if torch.cuda.is_available() else "cpu")\n',
+        '            state = torch.load(checkpoint, map_location=f"cuda:{gpu_id}" if torch.cuda.is_available() '
+        'else "cpu", weights_only=True)\n',
+        '    accelerator = torch.accelerator.current_accelerator() or torch.device("cpu")\n',
+        "    if torch.accelerator.is_available():\n        torch.accelerator.set_device_index(local_rank)\n",
+        "    dist.init_process_group(backend=dist.get_default_backend_for_device(accelerator), "
+        "device_id=device if torch.cuda.is_available() else None)\n",
+    ):
+        assert line in fixed
+    checkpoint = tmp_path / "model.pt"
+    torch.manual_seed(7)
+    start = torch.nn.Linear(4, 1)
+    torch.save(start.state_dict(), checkpoint)
+    namespace: dict[str, Any] = {"__name__": "accelerator_script"}
+    exec(compile(fixed, "accelerator_script.py", "exec"), namespace)
+    train = decorator.distributed(num_accelerators=2, accelerator_type="CPU", tracking=False)(namespace["main"])
+    (losses_0, weights_0), (losses_1, weights_1) = train.distributed(["--checkpoint", str(checkpoint)])
+    assert len(losses_0) == len(losses_1) == 3
+    assert weights_0 == weights_1  # one model: DDP kept the ranks' copies the same
+    assert weights_0 != [p.detach().tolist() for p in start.parameters()]  # it trained from the checkpoint
