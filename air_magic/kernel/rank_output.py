@@ -15,8 +15,10 @@ Files the ranks write (names from :mod:`air_magic.protocol`) -> what the launch 
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
+import struct
 import sys
 import threading
 import time
@@ -31,6 +33,7 @@ from air_magic.protocol import (
     ValueRecord,
     ask_for_stacks,
     stack_path,
+    stderr_ranges_path,
 )
 from air_magic.rank import results as _results
 
@@ -254,8 +257,50 @@ class StallWatch:
             self.launch.notify(f"[air_magic] no rank has written anything for {self.seconds:g} s.\n{where}", "stderr")
 
 
+class StderrRanges:
+    """Where a rank's ``sys.stderr`` wrote in its log (see :func:`stderr_ranges_path`):
+    :meth:`refresh` reads the ranges recorded since; :meth:`covers` says whether a byte of
+    the log was written to stderr.  No file (another backend, a pool): all of it is stdout."""
+
+    def __init__(self, log: str) -> None:
+        self.path = stderr_ranges_path(log)
+        self._read = 0
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def refresh(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            data = b""
+            while True:  # all that is new (a pool's rank writes to one log for its whole life)
+                chunk = os.pread(fd, 1 << 20, self._read + len(data))
+                data += chunk
+                if len(chunk) < 1 << 20:
+                    break
+        finally:
+            os.close(fd)
+        whole = len(data) - len(data) % 16
+        self._read += whole
+        for start, end in struct.iter_unpack("<qq", data[:whole]):
+            if self._starts and start < self._starts[-1]:  # another process of the rank (a fork)
+                at = bisect.bisect_left(self._starts, start)
+                self._starts.insert(at, start)
+                self._ends.insert(at, end)
+            else:
+                self._starts.append(start)
+                self._ends.append(end)
+
+    def covers(self, offset: int) -> bool:
+        at = bisect.bisect_right(self._starts, offset) - 1
+        return at >= 0 and offset < self._ends[at]
+
+
 class OutputPump:
-    """Copies new output of one rank's log into ``sys.stdout``, up to a limit.
+    """Copies new output of one rank's log into ``sys.stdout`` (what the rank wrote to its
+    ``sys.stderr`` into ``sys.stderr``: :class:`StderrRanges`), up to a limit.
 
     Whole lines only (a carriage return ends a line too, for progress bars), so the
     failure marker is always seen whole; the traceback after it is shown as the
@@ -286,14 +331,18 @@ class OutputPump:
         self.progress_every = progress_every
         self.terminal = terminal
         self.reader = TailReader(path)
+        self.ranges = StderrRanges(path)
         self.shown = 0
         self.stopped = False
         self._line = b""  # the current line's newest state (after its last \r), not yet ended
         self._returned = False  # that state was followed by a \r: the line's next text replaces it
         self._line_shown = b""  # what of the current line the cell shows
+        self._line_err = False  # the current line was written to stderr
+        self._open_err = False  # terminal: the state the cursor stands after is on stderr
         self._open = 0  # terminal: the width of the state the cursor stands after (0: none)
         self._progress_at = 0.0
         self._held: bytes | None = None
+        self._held_at = 0  # the log's offset of what is held
         self._lock = threading.Lock()
 
     def hold_rest(self) -> None:
@@ -301,6 +350,7 @@ class OutputPump:
         with self._lock:
             if self._held is None:
                 room = max(0, self.limit - self.shown)
+                self._held_at = self.reader.offset
                 self._held = b"" if self.stopped else self.reader.read(room + (1 << 16), final=True)
 
     def pump(self, final: bool = False) -> None:
@@ -318,28 +368,38 @@ class OutputPump:
     def _end_line(self) -> None:
         if self._open:
             self._open = 0
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            out = sys.stderr if self._open_err else sys.stdout
+            out.write("\n")
+            out.flush()
 
     def _pump(self, final: bool) -> None:
         if self.stopped:
             return
         if self._held is not None:
-            data, self._held = self._held, b""
+            data, self._held, base = self._held, b"", self._held_at
+            self._held_at += len(data)
         else:
+            base = self.reader.offset
             data = self.reader.read(1 << 20, final=final, ends=(b"\n", b"\r"))
+        self.ranges.refresh()  # after the log: a write's range is recorded after its bytes
         mark = min((i for i in (data.find(_MARK), data.find(_STOP_MARK)) if i >= 0), default=-1)
         if mark >= 0:
             data = data[:mark]
             final = True
-        out = self._collapse(data, final)
+        out = self._collapse(data, final, base)
         if mark >= 0:
             self.stopped = True
         room = self.limit - self.shown
-        if len(out) > room:
-            cut = out[:room]
-            if b"\n" in cut:
-                cut = cut[: cut.rfind(b"\n") + 1]
+        if sum(len(text) for _, text in out) > room:
+            cut: list[tuple[bool, bytes]] = []
+            for err, text in out:
+                if len(text) > room:  # the last part that fits: up to its last whole line
+                    text = text[:room]
+                    text = text[: text.rfind(b"\n") + 1]
+                cut.append((err, text))
+                room -= len(text)
+                if room <= 0 or not text:
+                    break
             self._write(cut)
             self.stopped = True
             self._open = 0  # the line below starts on a line of its own
@@ -351,30 +411,38 @@ class OutputPump:
             return
         self._write(out)
 
-    def _collapse(self, data: bytes, final: bool) -> bytes:
-        """What of ``data`` reaches the cell: ended lines at their last state, and the
-        state of the line being rewritten when it is time to show it (in a notebook
-        followed by ``\r``, as tqdm's own output is cut: the next text, a status line too,
-        starts on it; in a terminal as :meth:`_state` writes it)."""
+    def _collapse(self, data: bytes, final: bool, base: int) -> list[tuple[bool, bytes]]:
+        """What of ``data`` (at offset ``base`` of the log) reaches the cell, each part with
+        whether it goes to stderr: ended lines at their last state, and the state of the
+        line being rewritten when it is time to show it (in a notebook followed by ``\r``,
+        as tqdm's own output is cut: the next text, a status line too, starts on it; in a
+        terminal as :meth:`_state` writes it).  A line goes where its line end was written."""
         out = []
         *ended, rest = data.split(b"\n")
         # A read ends after a \r: what the next read brings of the line replaces the state
         # before it (a bar updated once per read is not run into one long line).
         pending = self._line + (b"\r" if self._returned else b"")
+        at = base
         for line in ended:
-            out.append(self._state(_last_state(pending + line), ended=True))
+            at += len(line)  # the line's \n
+            err = self.ranges.covers(at)
+            out.append((err, self._state(_last_state(pending + line), ended=True, err=err)))
+            at += 1
             pending = self._line_shown = b""
+        if rest:
+            self._line_err = self.ranges.covers(base + len(data) - 1)
         pending += rest
         self._line = _last_state(pending)
         self._returned = pending.endswith(b"\r")
         now = time.monotonic()
         if self._line and self._line != self._line_shown and (final or now - self._progress_at >= self.progress_every):
             self._progress_at = now
-            out.append(self._state(self._line, ended=False, returned=not final or b"\r" in rest))
+            returned = not final or b"\r" in rest
+            out.append((self._line_err, self._state(self._line, ended=False, returned=returned, err=self._line_err)))
             self._line_shown = self._line
-        return b"".join(out)
+        return out
 
-    def _state(self, text: bytes, ended: bool, returned: bool = True) -> bytes:
+    def _state(self, text: bytes, ended: bool, returned: bool = True, err: bool = False) -> bytes:
         """How the cell gets a line's state: ended (with a newline), or shown while it is
         rewritten (see the class docstring: in a notebook, in a terminal)."""
         if not self.terminal:
@@ -385,14 +453,22 @@ class OutputPump:
         if self._open:  # in place of the state the cursor stands after
             text = b"\r" + text + b" " * max(0, self._open - width)
         self._open = 0 if ended else max(width, 1)
+        self._open_err = err
         return text + b"\n" if ended else text
 
-    def _write(self, data: bytes) -> None:
-        if not data:
-            return
-        self.shown += len(data)
-        sys.stdout.write(data.decode("utf-8", "replace"))
-        sys.stdout.flush()
+    def _write(self, parts: list[tuple[bool, bytes]]) -> None:
+        """Each part on its stream, the parts of one stream together."""
+        runs: list[tuple[bool, bytes]] = []
+        for err, text in parts:
+            if runs and runs[-1][0] == err:
+                runs[-1] = (err, runs[-1][1] + text)
+            elif text:
+                runs.append((err, text))
+        for err, text in runs:
+            self.shown += len(text)
+            out = sys.stderr if err else sys.stdout
+            out.write(text.decode("utf-8", "replace"))
+            out.flush()
 
 
 def _width(text: bytes) -> int:

@@ -62,6 +62,7 @@ from air_magic.protocol.paths import (
     spool_file_rank,
     stack_path,
     stack_request_path,
+    stderr_ranges_path,
 )
 from air_magic.protocol.processes import (
     FINAL_STACK_SIGNAL,
@@ -122,6 +123,7 @@ __all__ = [
     "log_dir",
     "log_path",
     "result_path",
+    "stderr_ranges_path",
     "stack_path",
     "stack_request_path",
     "joined_path",

@@ -22,6 +22,14 @@ def log_path(logs: str, rank: int) -> str:
     return os.path.join(logs, f"rank-{rank}.log")
 
 
+def stderr_ranges_path(log: str) -> str:
+    """Beside a rank's log: where in it the rank's ``sys.stderr`` wrote, as pairs of
+    little-endian int64 (start, end), so that its output is shown on the streams it was
+    written to (a hidden file: the log is the user's to read)."""
+    folder, name = os.path.split(log)
+    return os.path.join(folder, f".{name}.stderr")
+
+
 def result_path(work_dir: str, rank: int) -> str:
     """Where ``rank`` of the launch with this work folder leaves its record."""
     return os.path.join(work_dir, f"result-{rank}.pkl")

@@ -31,6 +31,7 @@ import os
 import random
 import resource
 import signal
+import struct
 import sys
 import time
 import traceback
@@ -59,6 +60,7 @@ from air_magic.protocol import (
     result_path,
     stack_path,
     stack_request_path,
+    stderr_ranges_path,
 )
 from air_magic.rank import results as _results
 from air_magic.rank import tracking_shim as _rank_tracking
@@ -87,7 +89,8 @@ def child_main(request: LaunchRequest, rank: int, port: int, alive_fd: int, clos
         atexit._clear()  # the helper's exit hooks are not the rank's
         _register_process_exit_hooks()
         _fresh_random_state()
-        _redirect_output(request.log_paths[rank])
+        # Rank 0's output is shown in the cell: where it wrote to sys.stderr is kept.
+        _redirect_output(request.log_paths[rank], stderr_ranges=rank == 0)
         _dump_stacks_on_request(request.work_dir, rank)
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
@@ -192,19 +195,27 @@ def _register_process_exit_hooks() -> None:
         atexit.register(weakref.finalize._exitfunc)  # type: ignore[attr-defined]
 
 
-def _redirect_output(log_path: str) -> None:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+def _redirect_output(log_path: str, stderr_ranges: bool = False) -> None:
+    # Both descriptors append to the log, each through an open file of its own: after a
+    # write to fd 2, its offset is where that write ended, whatever fd 1 wrote meanwhile.
+    for target in (1, 2):
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, target)
+        os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    ranges = None
+    if stderr_ranges:
+        try:
+            ranges = os.open(stderr_ranges_path(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError:
+            ranges = None  # its output is then shown as stdout, as it was written to one log
     # Text streams as Python makes them with PYTHONUNBUFFERED=1 (what torchrun's
     # workers get): written through at once, with the encoding and error handlers the
     # helper's own start-up chose for its streams (a file, like the rank's log).
     sys.stdout = _text_stream(1, sys.__stdout__)
-    sys.stderr = _text_stream(2, sys.__stderr__)
+    sys.stderr = _text_stream(2, sys.__stderr__, ranges)
     sys.stdin = open(0, "r", closefd=False)
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin  # type: ignore[misc]
 
@@ -266,8 +277,29 @@ def _answer_stack_requests(ask: str, out: int) -> None:
         os.unlink(ask)
 
 
-def _text_stream(fd: int, like: Any) -> io.TextIOWrapper:
-    raw = io.FileIO(fd, "w", closefd=False)
+class _RangedFile(io.FileIO):
+    """A descriptor that appends to the rank's log, and records in ``ranges`` the byte range
+    of each write (two little-endian int64: start, end), so that the kernel shows these
+    bytes of the log on the stream they were written to (stderr).  Python's writes to
+    ``sys.stderr`` only: what C code writes to fd 2 itself is shown as stdout."""
+
+    def __init__(self, fd: int, ranges: int) -> None:
+        super().__init__(fd, "w", closefd=False)
+        self._ranges = ranges
+
+    def write(self, data: Any) -> int:
+        written = super().write(data) or 0
+        if written:
+            try:
+                end = os.lseek(self.fileno(), 0, os.SEEK_CUR)
+                os.write(self._ranges, struct.pack("<qq", end - written, end))
+            except OSError:
+                pass  # the output is in the log all the same
+        return written
+
+
+def _text_stream(fd: int, like: Any, ranges: int | None = None) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, "w", closefd=False) if ranges is None else _RangedFile(fd, ranges)
     encoding = getattr(like, "encoding", None) or "utf-8"
     errors = getattr(like, "errors", None) or "backslashreplace"
     return io.TextIOWrapper(raw, encoding=encoding, errors=errors, write_through=True)

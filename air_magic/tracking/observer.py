@@ -667,4 +667,9 @@ def tracking_off_notice(launch: "Launch") -> None:
     """For a launch with tracking off: the line that says so in its cell (printed once the
     launch's observers have started, by the launcher's plug-in wiring, ``_plugins``)."""
     if not launch.spec.tracking:
-        print("[air_magic] tracking is off: no MLflow run; mlflow calls in the ranks do nothing.")
+        # In a notebook, the cell's line; elsewhere (a script, ``air-magic run``) a status line
+        # on stderr, with air_magic's others: stdout is the program's.
+        ipython = sys.modules.get("IPython")
+        shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+        out = sys.stdout if shell is not None else sys.stderr
+        print("[air_magic] tracking is off: no MLflow run; mlflow calls in the ranks do nothing.", file=out)

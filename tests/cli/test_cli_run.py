@@ -144,7 +144,7 @@ def test_a_script_runs_on_every_rank_with_its_arguments_after_the_double_dash(pr
     # Rank 0's output is the command's own (the values of a script are None: none printed).
     assert program_lines(done.stdout) == [line for line in rank_log(done, 0).splitlines()]
     assert "[air_magic] train.py on 2 CPU ranks" in done.stderr
-    assert "[air_magic] tracking is off" in done.stdout
+    assert "[air_magic] tracking is off" in done.stderr  # air_magic's own lines: stdout is the program's
 
 
 def test_a_hydra_script_reads_its_config_beside_it_and_its_overrides(project: Path) -> None:
@@ -210,6 +210,44 @@ def test_a_launch_past_its_timeout_is_stopped_and_exits_1(tmp_path: Path) -> Non
     )
 
 
+STREAMS_SCRIPT = """\
+import logging
+import os
+import sys
+
+rank = os.environ["RANK"]
+print(f"out {rank}", flush=True)
+print(f"err {rank}", file=sys.stderr, flush=True)
+logging.warning("warned %s", rank)
+print(f"out again {rank}", flush=True)
+"""
+
+
+def test_a_ranks_stdout_and_stderr_stay_apart_as_torchrun_keeps_them(tmp_path: Path) -> None:
+    (tmp_path / "streams.py").write_text(STREAMS_SCRIPT)
+    done = air_magic_run(tmp_path, "streams.py", "-n", "2", "--no-tracking")
+    assert done.returncode == 0, done.stderr
+    # Rank 0's lines, each on the stream it wrote to; air_magic's own lines on stderr.
+    assert done.stdout.splitlines() == ["out 0", "out again 0"], done.stdout
+    assert program_lines(done.stderr) == ["err 0", "WARNING:root:warned 0"], done.stderr
+    # torchrun (every rank's lines, its workers inheriting its streams) splits them the same way.
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "streams.py"],
+        cwd=tmp_path,
+        env={**environment(tmp_path), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert torchrun.returncode == 0, torchrun.stderr
+    of_rank_0 = [line for line in torchrun.stdout.splitlines() if line.endswith(" 0")]
+    assert of_rank_0 == ["out 0", "out again 0"], torchrun.stdout
+    assert [line for line in torchrun.stderr.splitlines() if line in ("err 0", "WARNING:root:warned 0")] == [
+        "err 0",
+        "WARNING:root:warned 0",
+    ], torchrun.stderr
+
+
 # -- a function of a module or a notebook ---------------------------------------------------------------
 
 
@@ -226,7 +264,7 @@ def test_a_decorated_module_function_keeps_its_settings_and_options_override_the
     done = air_magic_run(project, "jobs:decorated")  # num_accelerators=2, tracking=False: its own
     assert done.returncode == 0, done.stderr
     assert program_lines(done.stdout) == ["rank 0: '0'", "rank 1: '1'"]
-    assert "[air_magic] tracking is off" in done.stdout
+    assert "[air_magic] tracking is off" in done.stderr
     done = air_magic_run(project, "jobs:decorated", "-n", "1")
     assert done.returncode == 0, done.stderr
     assert program_lines(done.stdout) == ["rank 0: '0'"]

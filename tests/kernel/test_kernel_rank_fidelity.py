@@ -56,9 +56,10 @@ def test_a_script_s_own_usage_error_names_the_cell_and_both_ranks(k: Kernel) -> 
     n = res.reply["execution_count"]
     said = f"Cell In[{n}]: error: argument --lr: invalid float value: 'fast'"
     error = strip_ansi("\n".join(res.error["traceback"]))
-    # In the cell as rank 0 printed it; or, when rank 1 failed first and rank 0 was stopped
-    # before its parser ran (a loaded machine), with the error, as rank 1 printed it.
-    assert said in res.stdout or "rank 1 printed before it exited (" in error and said in error, error
+    # In the cell as rank 0 printed it (on stderr, as argparse writes it); or, when rank 1
+    # failed first and rank 0 was stopped before its parser ran (a loaded machine), with the
+    # error, as rank 1 printed it.
+    assert said in res.stderr or "rank 1 printed before it exited (" in error and said in error, error
     assert res.error["ename"] == "RankFailedError", error
     # the error's own line (notes, such as what rank 1 printed, follow it)
     summary = next((line for line in error.splitlines() if line.startswith("RankFailedError: ")), error)
@@ -168,6 +169,26 @@ def test_display_in_a_rank_shows_the_text_form_in_the_cell(k: Kernel) -> None:
     res = k.run("%%distributed -n 2\nimport os\ndisplay({'rank': int(os.environ['RANK']), 'ok': True}, 'text')\n")
     assert res.error is None, res.error_text
     assert "{'rank': 0, 'ok': True}\n'text'\n" in res.stdout  # rank 0's output, as IPython shows it
+
+
+def test_rank_0s_stderr_is_the_cells_stderr_stream(k: Kernel) -> None:
+    res = k.run(
+        "%%distributed -n 2 --no-tracking\nimport logging, sys\nprint('to stdout', flush=True)\n"
+        "print('to stderr', file=sys.stderr, flush=True)\nlogging.warning('a log line')\nprint('stdout again')\n0",
+        timeout=120,
+    )
+    assert res.error is None, res.error_text
+    ours = [line for line in res.stdout.splitlines() if not line.startswith("[air_magic]")]
+    assert ours == ["to stdout", "stdout again"], res.stdout
+    assert res.stderr.splitlines() == ["to stderr", "WARNING:root:a log line"], res.stderr
+    # In the order the rank wrote them.
+    lines = [(name, line) for name, text in res.streams for line in text.splitlines()]
+    assert [(name, line) for name, line in lines if not line.startswith("[air_magic]")] == [
+        ("stdout", "to stdout"),
+        ("stderr", "to stderr"),
+        ("stderr", "WARNING:root:a log line"),
+        ("stdout", "stdout again"),
+    ], res.streams
 
 
 # -- CUDA code on CPU ranks ----------------------------------------------------------------------

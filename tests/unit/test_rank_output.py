@@ -4,6 +4,7 @@ the line ended before any other text)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -93,3 +94,41 @@ def test_in_a_terminal_a_state_wider_than_the_terminal_is_cut_to_its_width(tmp_p
     log.write("\n")
     pump.pump(final=True)
     assert screen_lines(capsys.readouterr().out, columns=80)[0] == "2 " + "x" * 78  # an ended line is whole
+
+
+def test_what_the_rank_wrote_to_stderr_goes_to_stderr_in_order(tmp_path: Any, capsys: Any) -> None:
+    """The rank's real streams: fd 1 and fd 2 of a process whose sys.stderr records its ranges."""
+    import subprocess
+    import sys
+
+    from air_magic.protocol import stderr_ranges_path
+
+    path = str(tmp_path / "rank-0.log")
+    code = (
+        "import sys, logging\n"
+        "from air_magic.rank.main import _redirect_output\n"
+        f"_redirect_output({path!r}, stderr_ranges=True)\n"
+        "print('one')\n"
+        "print('two', file=sys.stderr)\n"
+        "logging.warning('three')\n"
+        "for i in range(3):\n"
+        "    sys.stderr.write(f'\\r{i}/3')\n"
+        "sys.stderr.write('\\n')\n"
+        "print('four')\n"
+        "sys.stdout.write('five')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert open(path, "rb").read() == b"one\ntwo\nWARNING:root:three\n\r0/3\r1/3\r2/3\nfour\nfive"
+    assert os.path.getsize(stderr_ranges_path(path)) % 16 == 0
+    pump = OutputPump(path, limit=1 << 20)
+    pump.pump(final=True)
+    captured = capsys.readouterr()
+    assert captured.out == "one\nfour\nfive"
+    assert captured.err == "two\nWARNING:root:three\n2/3\n"
+
+
+def test_a_log_without_stderr_ranges_is_all_stdout(tmp_path: Any, capsys: Any) -> None:
+    log = Log(str(tmp_path / "rank-0.log"))
+    log.write("a\nb\n")
+    OutputPump(log.path, limit=1 << 20).pump(final=True)
+    assert capsys.readouterr() == ("a\nb\n", "")
