@@ -49,8 +49,12 @@ def tracking(launch: "Launch") -> "LaunchObserver | None":
         observer.flush(observer.FLUSH_BEFORE_LAUNCH)
     if not launch.spec.tracking:
         return None
+    from air_magic.panel import shows_panel
     from air_magic.tracking import tracking_observer
 
+    # Decided before the run can be made (the panel starts after tracking): where a panel
+    # is shown, it says the run, and tracking does not say it again.
+    launch.run_shown = shows_panel(launch)
     return tracking_observer(launch)
 
 

@@ -75,7 +75,7 @@ from __future__ import annotations
 from air_magic.accelerators import NvmlDevices
 from air_magic.panel._format import _fmt_bytes, _fmt_clock, _fmt_elapsed, _fmt_value
 from air_magic.panel._frontend import panel_mode, widget_front_end
-from air_magic.panel._observer import PanelObserver, launch_mimebundle, panel_observer
+from air_magic.panel._observer import PanelObserver, launch_mimebundle, panel_observer, shows_panel
 from air_magic.panel._pool import PoolCallPanel, pool_call_panel
 from air_magic.panel._render import LaunchSummary, _chart_html, _lint_html, _log_html, _top_html, text_status
 from air_magic.panel._sources import LogTail, MetricsReader, Series, UsageSampler, parse_tqdm
@@ -88,6 +88,7 @@ __all__ = [
     "LaunchSummary",
     "PoolCallPanel",
     "panel_observer",
+    "shows_panel",
     "pool_call_panel",
     "launch_mimebundle",
     "parse_tqdm",

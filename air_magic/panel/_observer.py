@@ -79,9 +79,6 @@ class PanelObserver(WidgetPanel):
     def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
         self._ctx = contextvars.copy_context()
         shell = self.shell
-        # The panel says the run, live and in its summary (updated in place, or, as text, on
-        # a line of its own when the run comes after it): the tracking plug-in says nothing.
-        launch.run_shown = True
         if shell is not None:
             self.cell = getattr(shell, "execution_count", None)
             events = getattr(shell, "events", None)
@@ -98,6 +95,7 @@ class PanelObserver(WidgetPanel):
             else:
                 self._show({"text/plain": self._start_line()}, update=False)
         except BaseException:  # the launcher goes on without this panel: leave nothing behind
+            launch.run_shown = False  # nor does it say the run: tracking does
             self._keep_busy()
             self._unregister()
             self._close_widgets()
@@ -393,6 +391,13 @@ class PanelObserver(WidgetPanel):
 
 def _nothing() -> None:
     pass
+
+
+def shows_panel(launch: "Launch") -> bool:
+    """Whether ``launch`` gets a panel here (which then says its MLflow run: live, and in
+    its summary, updated in place, or, as text, on a line of its own when the run comes
+    after it)."""
+    return panel_mode(wanted=launch.spec.panel) is not None
 
 
 def panel_observer(launch: "Launch") -> PanelObserver | None:
