@@ -8,7 +8,11 @@ hand, each with its hint::
     [source of each cell, None for markdown/raw]  --> fix_cells()  (the function
         `air-magic lint --fix NOTEBOOK` runs: the same cells give the same sources)
     --> {"sources": [...], "changes": [{"cell", "diff"}], "remaining": [{"cell", "code",
-         "message", "hint", ...}], "fixed": N}
+         "message", "hint", ...}], "fixed": N, "hardware": [...]}
+
+``hardware``: a note for each GPU shape the migrated code asks for (``accelerator_type=`` of
+``@distributed``, ``--accelerator-type`` of ``%%distributed``) that this machine does not
+have, with how to run it here; they also lead the ``summary`` the dialog shows.
 
 Cells are numbered from 1 in the findings and diffs (markdown cells count), as the CLI
 numbers them; ``index`` is the cell's 0-based position.
@@ -17,6 +21,7 @@ numbers them; ``index`` is the cell's 0-based position.
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any, Sequence
 
 from air_magic.lint._files import finding_text, lines, summary
@@ -59,6 +64,8 @@ def migrate_cells(sources: Sequence[str | None], *, path: str = "<notebook>", un
             diff = "".join(difflib.unified_diff(lines(old), lines(new), fromfile=name, tofile=name))
             changes.append({"cell": index + 1, "index": index, "diff": diff})
     remaining = list(result.remaining)
+    hardware = hardware_notes(result.sources)
+    told = summary(remaining, fixing=True, unsafe_hint=not unsafe) if remaining else ""
     return {
         "path": path,
         "sources": list(result.sources),
@@ -66,5 +73,48 @@ def migrate_cells(sources: Sequence[str | None], *, path: str = "<notebook>", un
         "fixed": len(result.fixed),
         "found": len(result.found),
         "remaining": [_finding(d) for d in remaining],
-        "summary": summary(remaining, fixing=True, unsafe_hint=not unsafe) if remaining else "",
+        "hardware": hardware,
+        "summary": " ".join([*hardware, told]).strip(),
     }
+
+
+#: A GPU shape asked for in code: ``accelerator_type="GPU_8xH100"`` or ``--accelerator-type GPU_8xH100``.
+_GPU_ASKED = re.compile(r"""accelerator_type\s*=\s*(['"])(GPU_\w+)\1|--accelerator-type[ =]+(GPU_[\w]+)""", re.I)
+
+
+def hardware_notes(sources: Sequence[str | None]) -> list[str]:
+    """For each GPU shape the code asks for and this machine lacks (too few GPUs, another
+    model, none at all): what a launch of it does here, and how to run it here instead."""
+    asked: list[str] = []
+    for source in sources:
+        for match in _GPU_ASKED.finditer(source or ""):
+            value = match.group(2) or match.group(3)
+            if value.upper() not in (a.upper() for a in asked):
+                asked.append(value)
+    if not asked:
+        return []
+    from air_magic.accelerators import AcceleratorType, detect_hardware
+    from air_magic.errors import ConfigurationError
+
+    here = detect_hardware()
+    have = here.accelerator_type
+    notes = []
+    for value in asked:
+        try:
+            wanted = AcceleratorType.parse(value)
+        except ConfigurationError:
+            continue  # said by the linter's own findings
+        if not have.is_cpu and have.model == wanted.model and have.count >= wanted.count:
+            continue
+        instead = (
+            'omit accelerator_type and pass num_accelerators=2 (or `.with_overrides(num_accelerators=2, accelerator_type="CPU")`) '
+            "to run CPU ranks"
+            if have.is_cpu
+            else f"omit accelerator_type to use what it has ({have.value})"
+        )
+        notes.append(
+            f"The migrated code asks for {wanted.value} ({wanted.count} {wanted.model} GPUs), and this machine has "
+            f"{here.describe()}: such a launch stops with AcceleratorMismatchError here. To run it on this machine, "
+            f"{instead}."
+        )
+    return notes

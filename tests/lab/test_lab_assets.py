@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import nbformat
+import pytest
 
 import air_magic
 from air_magic.lint.migrate import migrate_cells
@@ -81,4 +82,44 @@ def test_the_migration_gives_what_lint_fix_writes(tmp_path: Path) -> None:
     assert migrated["fixed"] == 17 and [c["cell"] for c in migrated["changes"]]
     assert all(c["diff"].startswith("--- seeds.ipynb:cell ") for c in migrated["changes"])
     assert [(f["code"], bool(f["hint"])) for f in migrated["remaining"]] == [("AM001", True)]
-    assert migrated["summary"] == "1 finding left to fix by hand."
+    # The seeds ask for GPU_8xH100: where this machine lacks them, the note on how to run
+    # here leads the summary the dialog shows.
+    assert migrated["summary"] == " ".join([*migrated["hardware"], "1 finding left to fix by hand."])
+
+
+@pytest.mark.parametrize(
+    ("gpus", "said"),
+    [
+        (
+            (),
+            "and this machine has no NVIDIA GPU (CPU only): such a launch stops with AcceleratorMismatchError here. "
+            "To run it on this machine, omit accelerator_type and pass num_accelerators=2 (or `.with_overrides("
+            'num_accelerators=2, accelerator_type="CPU")`) to run CPU ranks.',
+        ),
+        (
+            ("NVIDIA A10",) * 2,
+            "and this machine has 2 x NVIDIA A10 (GPU_2xA10): such a launch stops with "
+            "AcceleratorMismatchError here. To run it on this machine, omit accelerator_type to use what it has (GPU_2xA10).",
+        ),
+        (("NVIDIA H100 80GB HBM3",) * 8, None),
+    ],
+    ids=["no GPU", "other GPUs", "the GPUs asked for"],
+)
+def test_the_migration_says_when_the_code_asks_for_gpus_this_machine_lacks(
+    monkeypatch: pytest.MonkeyPatch, gpus: tuple[str, ...], said: str | None
+) -> None:
+    from air_magic import accelerators
+
+    monkeypatch.setattr(accelerators, "_physical_gpus", lambda: gpus)  # NVML's answer
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cells = [
+        "from serverless_gpu import distributed\n\n\n@distributed(gpus=8, gpu_type='H100')\ndef train():\n    return 1",
+        None,
+        "%%distributed -n 8 --accelerator-type GPU_8xH100\nx = 1",
+    ]
+    migrated = migrate_cells(cells)
+    if said is None:
+        assert migrated["hardware"] == []
+        return
+    assert migrated["hardware"] == [f"The migrated code asks for GPU_8xH100 (8 H100 GPUs), {said}"]  # once for both
+    assert migrated["summary"].startswith(migrated["hardware"][0])
