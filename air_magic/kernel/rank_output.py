@@ -381,7 +381,7 @@ class OutputPump:
         else:
             base = self.reader.offset
             data = self.reader.read(1 << 20, final=final, ends=(b"\n", b"\r"))
-        self.ranges.refresh()  # after the log: a write's range is recorded after its bytes
+        self.ranges.refresh()  # after the log: a write's range is recorded before its bytes
         mark = min((i for i in (data.find(_MARK), data.find(_STOP_MARK)) if i >= 0), default=-1)
         if mark >= 0:
             data = data[:mark]

@@ -196,8 +196,7 @@ def _register_process_exit_hooks() -> None:
 
 
 def _redirect_output(log_path: str, stderr_ranges: bool = False) -> None:
-    # Both descriptors append to the log, each through an open file of its own: after a
-    # write to fd 2, its offset is where that write ended, whatever fd 1 wrote meanwhile.
+    # Both descriptors append to the log (each write lands at its end, whoever wrote last).
     for target in (1, 2):
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, target)
@@ -281,21 +280,25 @@ class _RangedFile(io.FileIO):
     """A descriptor that appends to the rank's log, and records in ``ranges`` the byte range
     of each write (two little-endian int64: start, end), so that the kernel shows these
     bytes of the log on the stream they were written to (stderr).  Python's writes to
-    ``sys.stderr`` only: what C code writes to fd 2 itself is shown as stdout."""
+    ``sys.stderr`` only: what C code writes to fd 2 itself is shown as stdout.
+
+    The range is recorded before the bytes are written: whoever reads the log finds the
+    range of any byte it reads.  (A write by another thread or process of the rank between
+    the two would shift it: a line shown on the other stream, nothing lost.)"""
 
     def __init__(self, fd: int, ranges: int) -> None:
         super().__init__(fd, "w", closefd=False)
         self._ranges = ranges
 
     def write(self, data: Any) -> int:
-        written = super().write(data) or 0
-        if written:
+        size = memoryview(data).nbytes
+        if size:
             try:
-                end = os.lseek(self.fileno(), 0, os.SEEK_CUR)
-                os.write(self._ranges, struct.pack("<qq", end - written, end))
+                start = os.fstat(self.fileno()).st_size  # where an appending write lands
+                os.write(self._ranges, struct.pack("<qq", start, start + size))
             except OSError:
-                pass  # the output is in the log all the same
-        return written
+                pass  # the output is in the log all the same, shown as stdout
+        return super().write(data) or 0
 
 
 def _text_stream(fd: int, like: Any, ranges: int | None = None) -> io.TextIOWrapper:

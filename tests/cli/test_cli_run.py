@@ -232,7 +232,8 @@ def test_a_ranks_stdout_and_stderr_stay_apart_as_torchrun_keeps_them(tmp_path: P
     assert program_lines(done.stderr) == ["err 0", "WARNING:root:warned 0"], done.stderr
     # torchrun (every rank's lines, its workers inheriting its streams) splits them the same way.
     torchrun = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "streams.py"],
+        # --standalone: its rendezvous on a free loopback port (not 29500, which another may hold)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "streams.py"],
         cwd=tmp_path,
         env={**environment(tmp_path), "OMP_NUM_THREADS": "1"},
         capture_output=True,
