@@ -145,7 +145,9 @@ def _overall_text(state: LaunchState) -> str:
 
 # The rank table's columns: fixed widths but the last line's, which takes the rest and
 # cuts its text with an ellipsis (table-layout: fixed), so the table never outgrows the cell.
-_COLUMNS = (("rank", "4em"), ("state", "8.5em"), ("progress", "33%"), ("metrics", "14%"), ("usage", "11em"))
+# The progress keeps to one line (its bar, then its text cut at the column's end, whole on
+# hover): at 1280 px a wrapped one doubled every row while the metrics column had room.
+_COLUMNS = (("rank", "4em"), ("state", "8.5em"), ("progress", "40%"), ("metrics", "12%"), ("usage", "11em"))
 _WRAP = "white-space:normal;overflow-wrap:anywhere"
 _ELLIPSIS = "white-space:pre;overflow:hidden;text-overflow:ellipsis"
 
@@ -178,13 +180,14 @@ def _table_html(state: LaunchState) -> str:
         exit_note = _exit_note(returncode) if rank_state != "stopped" else ""
         stopped_title = f' title="exit {returncode}"' if rank_state == "stopped" and returncode else ""
         running = rank_state == "running"
+        said = _progress_text(progress, metrics.max_step, running)
         line = _clip(log.last_line)
         line_style = f";{_MUTED}" if rank_state == "stopped" and line.startswith("KeyboardInterrupt") else ""
         rows.append(
             f'<tr data-rank="{rank}" data-state="{_esc(rank_state)}">'
             f'<td style="{_CELL};{_WRAP}">{rank}{_node_html(launch.ranks[rank].node)}</td>'
             f'<td style="{_CELL};{_WRAP};color:{color}"{stopped_title}>{icon} {_esc(rank_state)}{exit_note}</td>'
-            f'<td style="{_CELL};{_WRAP}">{bar}{_esc(_progress_text(progress, metrics.max_step, running))}</td>'
+            f'<td style="{_CELL};{_ELLIPSIS}" title="{_esc(said)}">{bar}{_esc(said)}</td>'
             f'<td style="{_CELL};{_WRAP}">{_esc(_metrics_text(metrics.latest))}</td>'
             f'<td style="{_CELL};{_WRAP}">{_esc(state.usage_text(rank))}</td>'
             f'<td style="{_CELL};{_ELLIPSIS};{_MONO}{line_style}" title="{_esc(line)}">{_esc(line)}</td>'
