@@ -12,7 +12,7 @@ hand, each with its hint::
 
 ``hardware``: a note for each GPU shape the migrated code asks for (``accelerator_type=`` of
 ``@distributed``, ``--accelerator-type`` of ``%%distributed``) that this machine does not
-have, with how to run it here; they also lead the ``summary`` the dialog shows.
+have, with how to run it here (the dialog shows them first).
 
 Cells are numbered from 1 in the findings and diffs (markdown cells count), as the CLI
 numbers them; ``index`` is the cell's 0-based position.
@@ -64,8 +64,6 @@ def migrate_cells(sources: Sequence[str | None], *, path: str = "<notebook>", un
             diff = "".join(difflib.unified_diff(lines(old), lines(new), fromfile=name, tofile=name))
             changes.append({"cell": index + 1, "index": index, "diff": diff})
     remaining = list(result.remaining)
-    hardware = hardware_notes(result.sources)
-    told = summary(remaining, fixing=True, unsafe_hint=not unsafe) if remaining else ""
     return {
         "path": path,
         "sources": list(result.sources),
@@ -73,8 +71,8 @@ def migrate_cells(sources: Sequence[str | None], *, path: str = "<notebook>", un
         "fixed": len(result.fixed),
         "found": len(result.found),
         "remaining": [_finding(d) for d in remaining],
-        "hardware": hardware,
-        "summary": " ".join([*hardware, told]).strip(),
+        "summary": summary(remaining, fixing=True, unsafe_hint=not unsafe) if remaining else "",
+        "hardware": hardware_notes(result.sources),
     }
 
 
@@ -107,8 +105,8 @@ def hardware_notes(sources: Sequence[str | None]) -> list[str]:
         if not have.is_cpu and have.model == wanted.model and have.count >= wanted.count:
             continue
         instead = (
-            'omit accelerator_type and pass num_accelerators=2 (or `.with_overrides(num_accelerators=2, accelerator_type="CPU")`) '
-            "to run CPU ranks"
+            'pass num_accelerators=2 and accelerator_type="CPU" (CPU ranks), in the decorator or with '
+            ".with_overrides(...); %%distributed: -n 2 --accelerator-type CPU"
             if have.is_cpu
             else f"omit accelerator_type to use what it has ({have.value})"
         )

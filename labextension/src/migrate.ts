@@ -22,6 +22,8 @@ export interface IMigration {
   found: number;
   remaining: { cell: number | null; index: number | null; code: string; message: string; hint: string; text: string }[];
   summary: string;
+  /** The GPU shapes the migrated code asks for that this machine lacks, and how to run it here. */
+  hardware?: string[];
 }
 
 export function cellSources(panel: NotebookPanel): (string | null)[] {
@@ -98,6 +100,9 @@ function body(migration: IMigration, panel: NotebookPanel): Widget {
       n ? `${migration.fixed} fix${migration.fixed === 1 ? '' : 'es'} in ${n} cell${n === 1 ? '' : 's'}.`
         : 'Nothing to fix automatically.')
   );
+  for (const note of migration.hardware ?? []) {
+    node.appendChild(el('p', { class: 'air-magic-note', 'data-air-magic-migration': 'hardware' }, note));
+  }
   for (const change of migration.changes) {
     node.appendChild(el('h4', {}, cellName(panel, change.index)));
     const pre = el('pre', { class: 'air-magic-diff', 'data-air-magic-diff': String(change.index) });

@@ -48,6 +48,7 @@ from playwright_page import Page, chromium_page  # noqa: E402
 from test_panel_browser import _poll, serve_jupyter  # noqa: E402
 from test_panel_browser_pages import _shut_kernels_down  # noqa: E402
 
+from air_magic.lint.migrate import migrate_cells  # noqa: E402
 from air_magic.lint.notebook import fix_notebook_file  # noqa: E402
 
 pytestmark = [pytest.mark.ui, pytest.mark.kernel]
@@ -318,6 +319,14 @@ def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], pag
     headings = tools.evaluate("[...document.querySelectorAll('.air-magic-Migration h4')].map(h => h.innerText)")
     named = [h for h in headings if h != "Left to fix by hand"]
     assert named and all(re.fullmatch(r"code cell \d+( \(In \[\d+\]\))?", h) for h in named), headings
+    # The seeds ask for GPU_8xH100: where this machine lacks them (NVML's answer, as the server
+    # reads it), the note on how to run here comes first, above the diffs.
+    seeds = nbformat.read(SEEDS, as_version=4)
+    notes = migrate_cells([c.source if c.cell_type == "code" else None for c in seeds.cells])["hardware"]
+    said = tools.evaluate(
+        "[...document.querySelectorAll('[data-air-magic-migration=\"hardware\"]')].map(p => p.innerText)"
+    )
+    assert said == notes, said
     # What is visible, at the sizes people use: every diff as tall as its lines (never squashed
     # to one clipped line), and the body scrolls as a whole.
     for width, height in ((1280, 900), (1024, 768)):
@@ -329,7 +338,10 @@ def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], pag
                 " const diffs = [...body.querySelectorAll('[data-air-magic-diff]')].map(d => ({"
                 " height: d.getBoundingClientRect().height, content: d.scrollHeight,"
                 " lines: d.querySelectorAll('span').length}));"
-                " return {diffs, overflow: getComputedStyle(body).overflowY, client: body.clientHeight,"
+                " const note = body.querySelector('[data-air-magic-migration=\"hardware\"]');"
+                " const box = body.getBoundingClientRect();"
+                " const seen = note ? note.getBoundingClientRect().bottom <= box.bottom && note.innerText.length > 0 : null;"
+                " return {diffs, seen, overflow: getComputedStyle(body).overflowY, client: body.clientHeight,"
                 " scroll: body.scrollHeight, dialog: document.querySelector('.jp-Dialog-content')"
                 ".getBoundingClientRect().height, viewport: window.innerHeight}; })())"
             )
@@ -338,6 +350,7 @@ def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], pag
             assert diff["height"] >= diff["content"] - 1, (width, geometry)  # nothing clipped inside a diff
             assert diff["height"] >= 12 * min(diff["lines"], 3), (width, geometry)  # a line is ~12 px or more
         assert geometry["overflow"] in ("auto", "scroll"), geometry
+        assert geometry["seen"] is (True if notes else None), geometry  # the note, unscrolled, in full
         assert geometry["dialog"] <= geometry["viewport"], geometry  # the dialog fits; its body scrolls
         tools.shot(".jp-Dialog-content", shots / f"lab-migrate-dialog-{width}x{height}.png")
     tools.page.set_viewport_size({"width": 1280, "height": 1000})
