@@ -269,7 +269,8 @@ class PanelObserver(WidgetPanel):
             shown = self._end_display
             told_run = self.summary is not None and self.summary.run is not None
             summary = None if shown is None else self._fresh_summary()  # else made when shown
-        if shown == "text" and not told_run and summary is not None and summary.run is not None:
+        as_text = shown == "text" or self.shell is None  # printed: no display to update in place
+        if as_text and not told_run and summary is not None and summary.run is not None:
             # A summary printed as text before the run was made: the run, once, on a line of its own.
             # (indented as the summary's own line of it is: it is that line, come late)
             notes = [(f"[air_magic]  {summary.run}", "stdout" if self.shell is not None else "stderr"), *notes]
@@ -277,7 +278,7 @@ class PanelObserver(WidgetPanel):
             self._run(functools.partial(print, line, file=getattr(sys, stream), flush=True))
         # Only now: a terminal's summary waits for this, and its lines must not run into these.
         self._stored.set()
-        if summary is None or self.shell is None or shown == "text":  # no display to update
+        if summary is None or as_text:  # no display to update
             return
         self._show(
             summary, update=True, current=shown == "background", display_id=self._end_id() if shown == "end" else None

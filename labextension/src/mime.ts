@@ -103,7 +103,9 @@ function renderSummary(data: ISummary): HTMLElement {
     }
     if (!data.run.url && data.run.command) {
       run.appendChild(document.createTextNode(' · open it with: '));
-      run.appendChild(el('code', { class: 'air-magic-command' }, data.run.command));
+      const code = el('code', { class: 'air-magic-command' }, data.run.command);
+      run.appendChild(code);
+      run.appendChild(copyButton(code, data.run.command));
     }
     root.appendChild(run);
   }
@@ -301,3 +303,32 @@ const extension: IRenderMime.IExtension = {
 };
 
 export default extension;
+
+/** A button that copies ``text`` (the command that opens the run's store); where the page may
+ * not write the clipboard (a server reached over plain HTTP), it selects ``node``'s text for
+ * Ctrl+C instead, and says so. */
+function copyButton(node: HTMLElement, text: string): HTMLElement {
+  const button = el('button', { class: 'air-magic-copy', 'data-air-magic-copy': '1', title: 'Copy the command' }, 'Copy');
+  const say = (word: string): void => {
+    button.textContent = word;
+    window.setTimeout(() => {
+      button.textContent = 'Copy';
+    }, 2000);
+  };
+  const select = (): void => {
+    const range = document.createRange();
+    range.selectNodeContents(node);
+    const selection = window.getSelection();
+    selection?.removeAllRanges();
+    selection?.addRange(range);
+    say('Selected: press Ctrl+C');
+  };
+  button.addEventListener('click', () => {
+    if (!navigator.clipboard?.writeText) {
+      select();
+      return;
+    }
+    navigator.clipboard.writeText(text).then(() => say('Copied'), select);
+  });
+  return button;
+}

@@ -216,10 +216,14 @@ import os
 import sys
 
 rank = os.environ["RANK"]
-print(f"out {rank}", flush=True)
-print(f"err {rank}", file=sys.stderr, flush=True)
+# One write a line: torchrun's two ranks share its pipes, and print() writes a line's end apart.
+sys.stdout.write(f"out {rank}\\n")
+sys.stdout.flush()
+sys.stderr.write(f"err {rank}\\n")
+sys.stderr.flush()
 logging.warning("warned %s", rank)
-print(f"out again {rank}", flush=True)
+sys.stdout.write(f"out again {rank}\\n")
+sys.stdout.flush()
 """
 
 

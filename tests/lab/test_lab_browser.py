@@ -248,6 +248,18 @@ def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(
     notebook = nbformat.read(saved, as_version=4)
     notebook.metadata["kernelspec"] = ELSEWHERE
     notebook.metadata["language_info"] = {"name": ELSEWHERE["language"]}
+    # The launch ran with tracking off; its saved summary is given the run a tracked launch
+    # saves (as _mime.py writes it), to see the command that opens its store and its Copy button.
+    command = "/opt/env/bin/python -m mlflow ui --backend-store-uri 'sqlite:////home/me/work/mlflow.db'"
+    summaries = [o for c in notebook.cells for o in c.get("outputs", []) if SUMMARY_MIME in o.get("data", {})]
+    assert summaries
+    for output in summaries:
+        output["data"][SUMMARY_MIME]["run"] = {
+            "id": "5e6f0a1b" * 4,
+            "name": "bright-owl-123",
+            "url": "",
+            "command": command,
+        }
     tools = page
     with serve_jupyter(tmp, {}) as server:
         nbformat.write(notebook, server["root"] / "saved.ipynb")
@@ -287,8 +299,22 @@ def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(
         assert drawn["status"] == "cancelled" and drawn["rows"] == ["stopped", "stopped"], drawn
         assert "cancelled" in drawn["text"] and "2 CPU ranks" in drawn["text"]
         assert not tools.evaluate("!!document.querySelector('#air-magic-launches [data-air-magic-item]')")
+        run = tools.evaluate("document.querySelector('.air-magic-Summary [data-air-magic-run]').innerText")
+        assert f"MLflow run bright-owl-123 ({'5e6f0a1b' * 4}) · open it with: {command}" in run, run
         tools.evaluate(MASK_CLOCKS)
         tools.shot(".air-magic-Summary", _artifacts(lab["tmp"]) / "lab-summary-reopened.png")
+        # Copy: to the clipboard where the page may write it, else the command is selected.
+        copy = tools.page.locator(".air-magic-Summary [data-air-magic-copy]").first
+        assert copy.inner_text() == "Copy" and copy.is_visible()
+        copy.click()
+        deadline = time.monotonic() + 10
+        while copy.inner_text() == "Copy":
+            assert time.monotonic() < deadline, "the Copy button did nothing"
+            time.sleep(0.1)
+        said = copy.inner_text()
+        assert said in ("Copied", "Selected: press Ctrl+C"), said
+        if said != "Copied":
+            assert tools.evaluate("window.getSelection().toString()") == command
         errors = list(tools.errors)
         tools.blank()  # before its server goes
     assert not errors, errors
