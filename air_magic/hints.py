@@ -55,6 +55,7 @@ CPU_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
             "doesn't have NCCL built in",
             "ProcessGroupNCCL is only supported with GPUs",
             "device_ids and output_device arguments only work",
+            "Attempting to deserialize object on a CUDA device",
         ),
         "hint: these ranks run on CPU (no GPU was asked for or found), and the code asks for CUDA or "
         'NCCL. Write it so that it runs on both: torch.device(f"cuda:{local_rank}" if '

@@ -393,9 +393,10 @@ class OutputPump:
         if sum(len(text) for _, text in out) > room:
             cut: list[tuple[bool, bytes]] = []
             for err, text in out:
-                if len(text) > room:  # the last part that fits: up to its last whole line
-                    text = text[:room]
-                    text = text[: text.rfind(b"\n") + 1]
+                if len(text) > room:  # the last part that fits: up to its last whole line (cut
+                    text = text[:room]  # inside the first and only line, what fits of it)
+                    if b"\n" in text or cut:
+                        text = text[: text.rfind(b"\n") + 1]
                 cut.append((err, text))
                 room -= len(text)
                 if room <= 0 or not text:

@@ -392,6 +392,30 @@ def _check_map_location(src: Source, call: cst.Call) -> None:
         if _is_cuda(arg.value) and not _handled(src, arg.value):
             what = f"map_location={src.text(arg.value)}"
             _report_conditional(src, "AM406", arg.value, quoted("cpu", arg.value), within=arg, what=what)
+        elif isinstance(arg.value, cst.Name):
+            _check_map_location_name(src, arg.value)
+
+
+def _check_map_location_name(src: Source, name: cst.Name) -> None:
+    """``loc = f"cuda:{rank}"`` then ``map_location=loc``: the one assignment of the name in
+    its scope is where the device is chosen, and where the fix goes."""
+    scope = src.scopes.get(name)
+    if scope is None or name.value not in scope:
+        return
+    assignments = list(scope[name.value])
+    if len(assignments) != 1:
+        return  # bound more than once (or a parameter, an import): not a choice made here
+    target = getattr(assignments[0], "node", None)
+    holder = src.parent(target) if target is not None else None
+    statement = src.parent(holder) if holder is not None else None
+    if not (
+        isinstance(statement, cst.Assign) and len(statement.targets) == 1 and statement.targets[0].target is target
+    ):
+        return
+    value = statement.value
+    if _is_cuda(value) and not _handled(src, value):
+        what = f"map_location={name.value}, where {name.value} = {src.text(value)}"
+        _report_conditional(src, "AM406", value, quoted("cpu", value), within=statement, what=what)
 
 
 # -- AM407: torch.accelerator.current_accelerator() ------------------------------------------------
