@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 from lint_support import FIXTURES
 
+import air_magic
 from air_magic import decorator
 from air_magic.lint import fix_source, lint_source
 
@@ -162,10 +168,29 @@ def test_fixed_accelerator_idioms_train_on_two_cpu_ranks(tmp_path: Any) -> None:
     torch.manual_seed(7)
     start = torch.nn.Linear(4, 1)
     torch.save(start.state_dict(), checkpoint)
-    namespace: dict[str, Any] = {"__name__": "accelerator_script"}
-    exec(compile(fixed, "accelerator_script.py", "exec"), namespace)
-    train = decorator.distributed(num_accelerators=2, accelerator_type="CPU", tracking=False)(namespace["main"])
-    (losses_0, weights_0), (losses_1, weights_1) = train.distributed(["--checkpoint", str(checkpoint)])
+    # Run as a user runs a script: `air-magic run` in its folder, each rank leaving what it got.
+    (tmp_path / "train.py").write_text(
+        fixed + "\n\nif __name__ == '__main__':\n    import json\n    import sys\n\n"
+        "    with open(f\"result-{os.environ['RANK']}.json\", 'w') as out:\n"
+        "        json.dump(main(sys.argv[1:]), out)\n"
+    )
+    env = {**os.environ, "AIR_MAGIC_LOG_DIR": str(tmp_path / "logs")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(air_magic.__file__).parent.parent), env.get("PYTHONPATH")])
+    )
+    command = [sys.executable, "-m", "air_magic.cli", "run", "train.py", "-n", "2", "--no-tracking", "--timeout", "180"]
+    done = subprocess.run(
+        [*command, "--", "--checkpoint", str(checkpoint)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    (losses_0, weights_0), (losses_1, weights_1) = (
+        json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)
+    )
     assert len(losses_0) == len(losses_1) == 3
     assert weights_0 == weights_1  # one model: DDP kept the ranks' copies the same
     assert weights_0 != [p.detach().tolist() for p in start.parameters()]  # it trained from the checkpoint
