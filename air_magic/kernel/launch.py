@@ -326,9 +326,10 @@ class Launch:
         """Whether the ranks are processes of this machine (their pids mean something here)."""
         return self.helper is None or self.helper.local_processes
 
-    def where(self, stacks: dict[int, str]) -> str:
-        """One line per rank: where it was, and which rank the others wait for."""
-        return describe_stacks(stacks, self.world_size)
+    def where(self, stacks: dict[int, str], absent: str = "had ended") -> str:
+        """One line per rank: where it was, and which rank the others wait for (one
+        without a stack is ``absent``)."""
+        return describe_stacks(stacks, self.world_size, absent)
 
     def __repr__(self) -> str:
         took = (self.ended_at or time.time()) - self.started_at

@@ -128,6 +128,12 @@ class PoolEngine:
         self.start_seconds = 0.0
         self._ids = 0
         self._lock = threading.Lock()  # one call at a time
+        # The current call's interrupts: the ranks that began it (a SIGINT raises in them),
+        # those to interrupt, and those sent one (a cancel runs in another thread than the wait).
+        self._signal_lock = threading.Lock()
+        self._began: set[int] = set()
+        self._interrupt_wanted: set[int] = set()
+        self._signalled: set[int] = set()
         self._nvml: Any = None  # NVML, once a pool of GPU ranks was asked for its memory
 
     # -- life ------------------------------------------------------------------------------------
@@ -265,9 +271,27 @@ class PoolEngine:
             time.sleep(0.01)
 
     def interrupt(self, ranks: list[int]) -> None:
-        """KeyboardInterrupt in these ranks' code (an idle rank ignores it)."""
-        if self.launch is not None:
-            self.launch.signal_ranks(ranks, signal.SIGINT)
+        """KeyboardInterrupt in these ranks' code.  A rank that has not begun the call yet (it
+        was not scheduled: a loaded machine) is interrupted as it begins it: a SIGINT sent
+        before would find it idle, and be ignored."""
+        with self._signal_lock:
+            self._interrupt_wanted.update(ranks)
+            now = sorted(set(ranks) & self._began)
+            self._signalled.update(now)
+        if now and self.launch is not None:
+            self.launch.signal_ranks(now, signal.SIGINT)
+
+    def _on_began(self, rank: int, call_id: int) -> None:
+        """A rank began the call: from now on a SIGINT raises in it."""
+        if call_id != self._ids:
+            return
+        with self._signal_lock:
+            self._began.add(rank)
+            late = rank in self._interrupt_wanted and rank not in self._signalled
+            if late:
+                self._signalled.add(rank)
+        if late and self.launch is not None:
+            self.launch.signal_ranks([rank], signal.SIGINT)
 
     def _break(self, because: str) -> None:
         self.state = "broken"
@@ -405,6 +429,8 @@ class PoolEngine:
             pump.reader.offset = os.path.getsize(log)  # before the ranks get the call: all of its output
         except OSError:
             pass
+        with self._signal_lock:
+            self._began, self._interrupt_wanted, self._signalled = set(), set(), set()
         message = capture.dumps((kind, self._ids, data | {"label": label}))  # once, for every rank
         for conn in self.conns:
             try:
@@ -451,9 +477,10 @@ class PoolEngine:
         pending = dict(enumerate(self.conns))
         began = time.monotonic()
         grace_until: float | None = None
+        unheeded = False
         try:
             while pending:
-                for rank, record, names in _replies(pending, 0.05):
+                for rank, record, names in _replies(pending, 0.05, self._on_began):
                     records[rank] = record
                     self.busy.discard(rank)
                     self.rank_names = set(names) if rank == 0 else self.rank_names & set(names)
@@ -471,6 +498,9 @@ class PoolEngine:
                 if gone is not None:
                     self._fault(records, pending, f"rank {gone} ended (exit {self.launch.ranks[gone].returncode})")
                 if grace_until is not None and time.monotonic() > grace_until:
+                    if self._interrupt_wanted and _interrupted_all(records):  # a cancel some did not heed
+                        unheeded = True
+                        break
                     failed = min(r for r, rec in records.items() if isinstance(rec, ErrorRecord))
                     self._fault(records, pending, f"rank {failed} failed while the others did not come back")
                 if timeout is not None and time.monotonic() - began > timeout:
@@ -485,6 +515,8 @@ class PoolEngine:
                     raise error
         except KeyboardInterrupt:
             self._interrupt(records, pending)
+        if unheeded:  # out of the try: the KeyboardInterrupt raised is the cancel's outcome
+            self._not_stopped(pending, "the pool's call was cancelled")
         return records
 
     def _first_gone(self, pending: dict[int, Connection]) -> int | None:
@@ -502,19 +534,24 @@ class PoolEngine:
         self.interrupt(list(pending))
         deadline = time.monotonic() + GRACE
         while pending and time.monotonic() < deadline:
-            for rank, record, _names in _replies(pending, 0.05):
+            for rank, record, _names in _replies(pending, 0.05, self._on_began):
                 records[rank] = record
         if not pending:
             self.state = "idle"
             raise interrupted(
                 "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
             )
+        self._not_stopped(pending, "you interrupted the pool's cell")
+
+    def _not_stopped(self, pending: dict[int, Connection], what: str) -> None:
+        """Some ranks did not stop within GRACE s of their interrupt: the pool is broken."""
         where = self._where(pending)
         ranks = ", ".join(map(str, sorted(pending)))
         self._break("interrupted, and some ranks did not stop")
         message = (
-            f"you interrupted the pool's cell; rank{'s' * (len(pending) != 1)} {ranks} did not stop within {GRACE:g} s "
-            "(in a collective, or in C), so the pool is broken: the next pool cell starts fresh ranks."
+            f"{what}; rank{'s' * (len(pending) != 1)} {ranks} did not stop within {GRACE:g} s "
+            "(its code caught the KeyboardInterrupt, or waits in a collective or in C), so the pool is broken: "
+            "the next pool cell starts fresh ranks."
         )
         if where:
             message += "\n" + where
@@ -553,7 +590,8 @@ class PoolEngine:
             return ""
         try:
             stacks = self.launch.stacks(timeout=1.0)
-            return self.launch.where({r: s for r, s in stacks.items() if r in pending})
+            absent = "had come back (done with the call)"
+            return self.launch.where({r: s for r, s in stacks.items() if r in pending}, absent)
         except Exception:  # the stacks are a courtesy: the fault is said anyway
             return ""
 
@@ -745,18 +783,30 @@ def _first_failure(errors: dict[int, ErrorRecord]) -> int:
     return min(r for r, e in own.items() if e.failed_at <= first + _TOGETHER)
 
 
-def _replies(pending: dict[int, Connection], timeout: float) -> list[tuple[int, Any, list[str]]]:
+def _interrupted_all(records: dict[int, Any]) -> bool:
+    """Whether every rank that came back with an error came back interrupted."""
+    errors = [rec for rec in records.values() if isinstance(rec, ErrorRecord)]
+    return bool(errors) and all(rec.type_name == "KeyboardInterrupt" for rec in errors)
+
+
+def _replies(
+    pending: dict[int, Connection], timeout: float, began: Callable[[int, int], None]
+) -> list[tuple[int, Any, list[str]]]:
     """The replies that came within ``timeout`` s, as (rank, record, the rank's names); a
     rank that answered leaves ``pending`` (a closed connection is left there: the rank's
-    end is seen by the caller)."""
+    end is seen by the caller).  A rank's ("began", id) goes to ``began(rank, id)``."""
     by_conn = {id(conn): rank for rank, conn in pending.items()}
     found = []
     for conn in wait(list(pending.values()), timeout=timeout):
         rank = by_conn[id(conn)]
         try:
-            _, _, blob, names = pending[rank].recv()
+            message = pending[rank].recv()
         except (EOFError, OSError):
             continue
+        if message[0] == "began":
+            began(rank, message[1])
+            continue
+        _, _, blob, names = message
         found.append((rank, _load(blob), list(names)))
         del pending[rank]
     return found

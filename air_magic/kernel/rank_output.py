@@ -135,8 +135,9 @@ _COLLECTIVE_FILES = (
 _FRAME = re.compile(r'^\s*(?:File "(?P<file>[^"]+)"|(?P<cell>Cell In\[\d+\])), line (?P<line>\d+) in (?P<func>\S+)')
 
 
-def describe_stacks(stacks: dict[int, str], world_size: int) -> str:
+def describe_stacks(stacks: dict[int, str], world_size: int, absent: str = "had ended") -> str:
     """``[air_magic] where each rank was:`` and a line per rank; ``''`` with no stacks.
+    A rank without a stack is said to be ``absent`` (a pool's rank that came back: idle).
 
     From each rank's main thread (the one running the launched code): its innermost
     frame of the user's code, and the torch collective it waits in, if any.  When some
@@ -172,7 +173,7 @@ def describe_stacks(stacks: dict[int, str], world_size: int) -> str:
         lines.append(line)
     missing = [r for r in range(world_size) if r not in where]
     if missing:
-        lines.append(f"  rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}: had ended")
+        lines.append(f"  rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}: {absent}")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ Ray ranks on other nodes, with an auth key: no CPU while idle)::
     ------                                    ------
     Listener(socket, authkey)  <-- connect -- ("hello", r, pid)
     ("cell", id, code, names, sources) -->    exec in the namespace; SIGINT raises only here
+                                       <--    ("began", id): from now on SIGINT raises
     ("call", id, func, args, kwargs)   -->    func(*args, **kwargs)
     ("push", id, names) / ("pull", id, name) -->  set names / read one
                                        <--    ("done", id, record, names of the namespace)
@@ -22,6 +23,7 @@ leaves it alive.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import signal
@@ -67,7 +69,7 @@ def serve(
         tracked = message[0] in ("cell", "call")
         if tracked:  # what the call logs goes to a child run of the pool's (made if it logs)
             _tracking.begin_call(message[1], message[2].get("label") or message[0])
-        record = _handle(main, message, error_record)
+        record = _handle(main, message, error_record, functools.partial(conn.send, ("began", message[1])))
         if tracked:
             _tracking.end_call(message[1], _status(record))
         try:
@@ -93,7 +95,11 @@ def _handle(
     main: types.ModuleType,
     message: tuple[Any, ...],
     error_record: Callable[[BaseException, dict[str, tuple[str, str]]], ErrorRecord],
+    began: Callable[[], None] = lambda: None,
 ) -> Record:
+    """Run one message of the kernel.  ``began`` tells the kernel that a SIGINT raises now:
+    it interrupts a rank only after that (one sent before would find the rank idle, and be
+    ignored: a rank the machine had not scheduled yet when the call was cancelled)."""
     kind, _id, data = message
     namespace = main.__dict__
     sources: dict[str, tuple[str, str]] = data.get("sources", {})
@@ -103,6 +109,7 @@ def _handle(
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
+            began()
             if kind == "cell":
                 # What a script's argparse/hydra/click parser reads: the cell's name, then the
                 # arguments after `--` on this cell's %%distributed line.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -124,3 +126,60 @@ def test_cancel_interrupts_a_submitted_call_and_the_pool_stays() -> None:
         assert str(info.value) == "the pool's cell was interrupted on its ranks; the pool and its state are intact."
         assert call.cancel() is False
         assert pool.pull("kept") == ["yes", "yes"]
+
+
+def test_cancel_reaches_a_rank_that_had_not_yet_read_the_call() -> None:
+    """The interrupt of a call a rank has not begun (a loaded machine: it was not scheduled
+    yet) waits for it to begin: rank 1 is stopped while the call is sent and cancelled."""
+    import signal
+
+    with Pool(2, "CPU", tracking=False) as pool:
+        pool.push(kept="yes")
+        late = pool._engine.pids[1]
+        os.kill(late, signal.SIGSTOP)
+        try:
+            call = pool.submit(sleep_then, 60, 1)
+            assert wait_until(lambda: pool.state == "running", timeout=10)
+            assert call.cancel() is True
+            time.sleep(0.5)  # the SIGINT is pending on the stopped rank, and rank 0 came back
+        finally:
+            os.kill(late, signal.SIGCONT)
+        with pytest.raises(KeyboardInterrupt) as info:
+            call.result(timeout=20)
+        assert str(info.value) == "the pool's cell was interrupted on its ranks; the pool and its state are intact."
+        assert pool.state == "idle"
+        assert pool.pull("kept") == ["yes", "yes"]
+
+
+def heeds_on_rank_0_only(folder: str, seconds: float) -> None:
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    try:
+        open(os.path.join(folder, str(dist.get_rank())), "w").close()  # in the try: a cancel raises here
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        if dist.get_rank() == 0:
+            raise
+        time.sleep(seconds)  # rank 1 goes on
+
+
+def test_a_cancel_a_rank_does_not_heed_breaks_the_pool_and_says_where_that_rank_was(tmp_path: Path) -> None:
+    with Pool(2, "CPU", tracking=False) as pool:
+        call = pool.submit(heeds_on_rank_0_only, str(tmp_path), 60)
+        assert wait_until(lambda: len(os.listdir(tmp_path)) == 2, timeout=10)
+        assert call.cancel() is True
+        with pytest.raises(KeyboardInterrupt) as info:
+            call.result(timeout=30)
+        message = str(info.value)
+        assert pool.state == "broken", message
+        assert message.startswith(
+            "the pool's call was cancelled; rank 1 did not stop within 3 s (its code caught the KeyboardInterrupt, "
+            "or waits in a collective or in C), so the pool is broken: the next pool cell starts fresh ranks.\n"
+            "[air_magic] where each rank was:\n"
+        )
+        assert f"rank 1: at {__file__}, line " in message and " in heeds_on_rank_0_only" in message
+        assert "rank 0: had come back (done with the call)" in message
+        assert pool.run(int) == [0, 0]  # fresh ranks
