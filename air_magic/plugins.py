@@ -41,6 +41,34 @@ def flush_tracking(timeout: float | None) -> bool:
     return bool(observer.flush(timeout))
 
 
+def warm_in_background() -> None:
+    """What a kernel's first launch would pay, done from ``%load_ext`` in a thread while
+    the helper imports torch: the panel's modules, the machine's GPUs (NVML), and the
+    linter whose findings the panel shows (its first run imports libcst: 0.2 s, which
+    the end of a short first launch waited for).  Off with ``AIR_MAGIC_WARM=0``."""
+    from air_magic.errors import ConfigurationError
+    from air_magic.settings import settings
+
+    try:
+        if not settings.warm:
+            return
+    except ConfigurationError:  # the first launch says what is wrong with AIR_MAGIC_WARM
+        return
+    threading.Thread(target=_warm, name="air_magic-warm", daemon=True).start()
+
+
+def _warm() -> None:
+    try:
+        from air_magic.accelerators import detect_hardware
+
+        detect_hardware()
+        from air_magic.panel import _lint
+
+        _lint.warm()
+    except Exception:  # a warm-up only saves time: the first launch does it, and says what fails
+        pass
+
+
 def tracking(launch: "Launch") -> "LaunchObserver | None":
     """MLflow tracking (imported only when a launch has tracking on).  A launch first waits
     for the previous launches' points to be stored (bounded)."""

@@ -84,6 +84,13 @@ def _lint_texts(launch: "Launch") -> _Lint:
     return result
 
 
+def warm() -> None:
+    """Import the linter and lint a one-line cell (what a first launch's lint would pay)."""
+    from air_magic import lint
+
+    lint.lint_cell("import torch\n")
+
+
 def _finding(diagnostic: "Diagnostic") -> _Finding:
     """A diagnostic's text, its own hint, and which ``air-magic lint --fix`` run rewrites it."""
     fix = ""
