@@ -87,11 +87,11 @@ def load_ipython_extension(ipython: Any) -> None:
     from air_magic.magics import DistributedMagics
 
     ipython.register_magics(DistributedMagics, LintMagics)
-    from air_magic.plugins import get_launcher, lab_target, warm_in_background
+    from air_magic.plugins import get_launcher, lab_target, warm_front_end
 
     launcher = get_launcher()
     launcher.warm()
-    warm_in_background()  # the panel, the linter and NVML, while the helper imports torch
+    warm_front_end()  # the panel, the linter and NVML, while the helper imports torch
     lab_target(ipython)  # the JupyterLab extension's comm target (import air_magic registered it too)
     from air_magic.tracking import recover_in_background, warm_in_background
 

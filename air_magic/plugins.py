@@ -41,7 +41,7 @@ def flush_tracking(timeout: float | None) -> bool:
     return bool(observer.flush(timeout))
 
 
-def warm_in_background() -> None:
+def warm_front_end() -> None:
     """What a kernel's first launch would pay, done from ``%load_ext`` in a thread while
     the helper imports torch: the panel's modules, the machine's GPUs (NVML), and the
     linter whose findings the panel shows (its first run imports libcst: 0.2 s, which
