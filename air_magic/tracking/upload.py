@@ -49,6 +49,7 @@ the journal with the offsets sent, so recovery sends a dead kernel's calls to th
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Any, Callable
 
@@ -364,9 +365,31 @@ class SpoolUploader:
         entry[0] += 1
 
     def send_logs(self, paths: list[str]) -> None:
-        for path in paths:
-            if os.path.exists(path):
-                self._send_artifact(path, "logs")
+        """Each rank's log under ``logs/``: in one call (a folder of links to them: one
+        look-up of the run's artifact location, not one per rank), else one by one (a
+        refused file is then named, and the others still stored)."""
+        present = [p for p in paths if os.path.exists(p)]
+        names = {os.path.basename(p) for p in present}
+        if len(present) > 1 and len(names) == len(present):
+            folder = os.path.join(os.path.dirname(present[0]), f".logs-upload-{os.getpid()}-{time.monotonic_ns()}")
+            try:
+                os.mkdir(folder, 0o700)
+                for path in present:
+                    target = os.path.join(folder, os.path.basename(path))
+                    try:
+                        os.link(path, target)
+                    except OSError:  # another file system, or links refused: a copy
+                        shutil.copyfile(path, target)
+                self._call(self.client.log_artifacts, self.run_id, folder, "logs")
+                return
+            except Unreachable:
+                raise
+            except Exception:  # one by one below, which names what the store refuses
+                pass
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        for path in present:
+            self._send_artifact(path, "logs")
 
     def finish(self, status: str, tag_skipped: bool = True) -> None:
         """Name what was skipped on the run, then end it with ``status``."""
