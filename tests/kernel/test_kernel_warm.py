@@ -17,14 +17,20 @@ WARMED = "sorted(m for m in ('air_magic.panel', 'air_magic.lint.engine', 'libcst
 
 def test_load_ext_warms_the_panel_and_the_linter_in_the_background(kernel_factory: Any) -> None:
     k = kernel_factory(load=False)
-    k.ok("import sys")
-    assert k.value(WARMED) == []
-    k.ok("%load_ext air_magic")
-    assert wait_until(lambda: len(k.value(WARMED)) == 3, timeout=60, interval=0.2), k.value(WARMED)
+    try:
+        k.ok("import sys")
+        assert k.value(WARMED) == []
+        k.ok("%load_ext air_magic")
+        assert wait_until(lambda: len(k.value(WARMED)) == 3, timeout=60, interval=0.2), k.value(WARMED)
+    finally:
+        k.shutdown()  # the factory's kernels live until the session ends: its helper with it
 
 
 def test_no_warm_up_with_air_magic_warm_0(kernel_factory: Any) -> None:
     k = kernel_factory(extra_env={"AIR_MAGIC_WARM": "0"}, load=False)
-    k.ok("import sys\n%load_ext air_magic")
-    k.ok("import time; time.sleep(2)")
-    assert k.value(WARMED) == []
+    try:
+        k.ok("import sys\n%load_ext air_magic")
+        k.ok("import time; time.sleep(2)")
+        assert k.value(WARMED) == []
+    finally:
+        k.shutdown()
