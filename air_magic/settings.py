@@ -16,8 +16,9 @@ Environment variable           Setting (default)
                                ``no``/``none`` (no panel), ``text``/``plain``,
                                ``widget``/``widgets``; ``panel``: the
                                ``%config DistributedMagics.panel`` switch (True)
-``AIR_MAGIC_WARM``             ``warm``: start the helper and MLflow's store early
-                               (``1``; ``0`` leaves it to the first launch)
+``AIR_MAGIC_WARM``             ``warm``: start the helper and MLflow's store early, and
+                               load the panel and the linter (``1``; ``0`` leaves it
+                               to the first launch)
 ``AIR_MAGIC_OUTPUT_LIMIT``     ``output_limit``: bytes of rank 0's output copied into the
                                cell per launch (1 MiB; a whole number of bytes)
 ``AIR_MAGIC_STALL_SECONDS``    ``stall_seconds``: seconds without output before the ranks'
@@ -178,7 +179,8 @@ class Settings:
 
     @property
     def warm(self) -> bool:
-        """Start the helper (and MLflow's store) before the first launch (``AIR_MAGIC_WARM``)."""
+        """Start the helper (and MLflow's store, the panel, the linter) before the first
+        launch (``AIR_MAGIC_WARM``)."""
         value = self._env(WARM_ENV, "1").strip().lower()
         if value in ("", "1", "true", "yes", "on"):
             return True
