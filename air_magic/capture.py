@@ -280,7 +280,7 @@ def _describe_type(value: object) -> str:
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _pickle_each(items: Iterable[tuple[str, Any]]) -> tuple[dict[str, bytes], list[tuple[str, str, str]]]:
+def pickle_each(items: Iterable[tuple[str, Any]]) -> tuple[dict[str, bytes], list[tuple[str, str, str]]]:
     blobs: dict[str, bytes] = {}
     problems: list[tuple[str, str, str]] = []
     for name, value in items:
@@ -291,7 +291,7 @@ def _pickle_each(items: Iterable[tuple[str, Any]]) -> tuple[dict[str, bytes], li
     return blobs, problems
 
 
-def _raise_problems(problems: list[tuple[str, str, str]], where: str) -> None:
+def raise_problems(problems: list[tuple[str, str, str]], where: str) -> None:
     lines = [f"  - {name} ({kind}): {reason}" for name, kind, reason in problems]
     names = ", ".join(f"'{name}'" for name, _, _ in problems)
     raise CaptureError(
@@ -425,18 +425,18 @@ def function_payload(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     keywords = [(f"keyword argument {k}", v) for k, v in kwargs.items()]
     arguments = positional + keywords
     refs = _referenced_globals(func)  # one walk of the function's code, used four times
-    arg_blobs, problems = _pickle_each(arguments)
+    arg_blobs, problems = pickle_each(arguments)
     try:
         func_blob = dumps(func)
     except Exception as exc:  # broad: pickling runs user code (__reduce__, __getstate__)
         # Find which globals / closure variables are to blame, to name every one of them.
-        _, culprits = _pickle_each((name, value) for name, value in refs if not isinstance(value, types.ModuleType))
+        _, culprits = pickle_each((name, value) for name, value in refs if not isinstance(value, types.ModuleType))
         problems = culprits + problems
         if not culprits:
             problems.insert(0, (label, _describe_type(func), f"{type(exc).__name__}: {exc}"))
         func_blob = b""
     if problems:
-        _raise_problems(problems, where)
+        raise_problems(problems, where)
     sizes = {name: len(blob) for name, blob in arg_blobs.items()}
     if len(func_blob) > limit:
         sizes.update(
@@ -508,9 +508,9 @@ def cell_payload(
     )
     items = [(name, namespace[name]) for name in wanted]
     limit = settings.warn_mb * 1e6
-    blobs, problems = _pickle_each(items)
+    blobs, problems = pickle_each(items)
     if problems:
-        _raise_problems(problems, "the cell")
+        raise_problems(problems, "the cell")
     _warn_sizes({name: len(blob) for name, blob in blobs.items()}, "the cell", limit)
     _warn_cuda(items)
     sources = _notebook_sources(_code_objects(value for _, value in items))

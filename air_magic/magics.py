@@ -225,8 +225,14 @@ class DistributedMagics(Magics):
             if engine is None:
                 raise UsageError("%distributed_pool: this kernel has no pool; start one with %distributed_pool -n N.")
             if args.stop:
-                engine.close()
-                print("[air_magic] the pool was stopped.")
+                from air_magic.kernel.pool import close_all
+
+                stopped = close_all()
+                print(
+                    "[air_magic] the pool was stopped."
+                    if stopped <= 1
+                    else f"[air_magic] {stopped} pools were stopped."
+                )
                 return None
             engine.restart()
             print(engine.describe())

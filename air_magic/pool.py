@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
-from air_magic.kernel.pool import PoolBrokenError, PoolBusyError, PoolCall, PoolEngine, current_pool
+from air_magic.kernel.pool import PoolBrokenError, PoolBusyError, PoolCall, PoolEngine, current_pool, open_pools
 from air_magic.spec import AcceleratorArg, check_timeout, make_spec
 
 __all__ = ["Pool", "PoolBrokenError", "PoolBusyError", "PoolCall", "current_pool"]
@@ -23,8 +24,12 @@ class Pool:
     ``Pool(num_accelerators=None, accelerator_type=None, *, backend="local", tracking=True,
     timeout=None)`` starts the ranks at once (the same ranks a launch with these options
     would start: ``backend="ray"`` places one rank per bundle on the nodes of the Ray
-    cluster); ``timeout`` bounds each call.  ``%%distributed --pool`` runs a cell on
-    the most recently started open pool of the kernel.
+    cluster); ``timeout`` bounds each call.  ``%%distributed --pool`` runs a cell on the
+    kernel's pool.
+
+    A kernel has one pool: a new one closes the kernel's earlier pool first (its ranks and
+    their state are gone, and a line says so), so that re-running ``pool = Pool(2)`` never
+    leaves ranks running out of reach.
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class Pool:
         from air_magic.plugins import get_launcher
 
         self._engine = PoolEngine(spec, get_launcher, timeout=check_timeout(timeout) if timeout is not None else None)
+        close_earlier()
         self._engine.start()
 
     @classmethod
@@ -109,3 +115,16 @@ class Pool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def close_earlier() -> None:
+    """Close the kernel's open pools before a new one starts, saying what was closed."""
+    for engine in open_pools():
+        running = f", running {engine.current} (that call ends with an error)" if engine.state == "running" else ""
+        n = engine.world_size
+        engine.close()
+        print(
+            f"[air_magic] closed the kernel's earlier pool ({n} rank{'s' * (n != 1)}, {engine.cells} "
+            f"call{'s' * (engine.cells != 1)} run{running}): a kernel keeps one pool, and its state is gone.",
+            file=sys.stderr,
+        )

@@ -1,19 +1,25 @@
 """A pool of ranks that stays across cells: the kernel side (the rank side is
-:mod:`air_magic.rank.pool`).
+:mod:`air_magic.rank.pool`; what travels between them, :mod:`air_magic.kernel.pool_wire`;
+what the pool says of itself, :mod:`air_magic.kernel.pool_status`).
 
 A pool is a launch that stays: its ranks are forked by the helper as for any launch (so a
 kernel's shutdown, restart or death takes them along), join the default process group
 once, and then run what the kernel sends them over one connection each::
 
-    PoolEngine.start()   a Unix socket in the kernel's private session folder (auth key),
-                         a launch whose payload is "serve the pool"; every rank connects
-    run_cell / call      ("cell" | "call", id, ...) to every rank; rank 0's log into the cell;
-                         each rank's record back -> the values in rank order, or its error
+    PoolEngine.start()   a Unix socket in a private folder (auth key), a launch whose
+                         payload is "serve the pool"; every rank connects -> _Ranks
+    run_cell / call      ("cell" | "call", id, data + the kernel's cwd, sys.path and
+                         changed environment) to every rank; rank 0's log into the cell;
+                         each rank's reply to call #id -> the values in rank order, or its
+                         error (a reply to another call breaks the pool: never a wrong value)
     push / pull          names set in, or read from, every rank's namespace
     broken               a rank died, or did not come back from an error, an interrupt or
-                         the timeout within a few seconds: the ranks are killed (their
+                         the timeout within a few seconds: its ranks are killed (their
                          stacks shown first) and the next use starts fresh ones, saying so
-    close                ("close",) to every rank; the launch ends
+    restart / close      the old _Ranks are retired: a call still running on them ends
+                         with an error that says so, and never touches the new ones
+
+One pool per kernel: a new ``air_magic.Pool(...)`` closes the kernel's earlier one, saying so.
 """
 
 from __future__ import annotations
@@ -21,33 +27,61 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Callable, Iterator
 
 import cloudpickle
 
 from air_magic import capture
-from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, interrupted
+from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, ResultError, interrupted
 from air_magic.kernel import outcome as _outcome
+from air_magic.kernel import pool_status as _status
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
-from air_magic.kernel.rank_output import OutputPump
+from air_magic.kernel.pool_wire import OutOfStep, replies
+from air_magic.kernel.rank_output import (
+    OutputPump,
+    bound_log_in_place,
+    describe_stacks,
+    read_stacks,
+    request_stacks,
+)
+from air_magic.kernel.request import working_directory
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Stop, UnpicklableRecord, ValueRecord
 from air_magic.spec import LaunchSpec
 
-__all__ = ["PoolEngine", "PoolBrokenError", "PoolBusyError", "PoolCall", "current_pool", "POOL_START_TIMEOUT", "GRACE"]
+__all__ = [
+    "PoolEngine",
+    "PoolBrokenError",
+    "PoolBusyError",
+    "PoolCall",
+    "current_pool",
+    "open_pools",
+    "pool_of",
+    "close_all",
+    "POOL_START_TIMEOUT",
+    "GRACE",
+]
 
 #: Seconds a pool waits for its ranks to connect (the helper may still be importing torch).
 POOL_START_TIMEOUT = 300.0
 #: Seconds the other ranks have to come back once one failed, or after an interrupt or a
 #: timeout, before the pool is broken (they wait in a collective, or in C).
 GRACE = 3.0
+#: Seconds a rank whose connection closed has to end (its exit then says how it ended) before
+#: the closed connection itself is the reason the pool breaks.
+_CLOSED_GRACE = 1.0
+#: The longest path a Unix socket's address may have (``sun_path`` holds 108 bytes).
+_UNIX_PATH_MAX = 107
 
 #: Factories called as a pool's cell or call begins in the caller's thread (not a
 #: ``submit``), with the engine and the call's label: each returns a watcher, or None.  Its
@@ -105,6 +139,64 @@ def current_pool() -> "PoolEngine | None":
         return _pools[-1] if _pools else None
 
 
+def open_pools() -> list["PoolEngine"]:
+    """Every open pool of this kernel, the oldest first."""
+    with _pools_lock:
+        return list(_pools)
+
+
+def pool_of(launch_id: str) -> "PoolEngine | None":
+    """The open pool whose ranks are the launch ``launch_id``, or None."""
+    for engine in open_pools():
+        launch = engine.launch
+        if launch is not None and launch.id == launch_id:
+            return engine
+    return None
+
+
+def close_all() -> int:
+    """Close every pool of this kernel (its shutdown, ``%distributed_pool --stop``); how many."""
+    closed = 0
+    for engine in reversed(open_pools()):
+        try:
+            engine.close()
+            closed += 1
+        except Exception:  # one pool's failure to end cleanly never keeps the others open
+            pass
+    return closed
+
+
+@dataclass(eq=False)
+class _Ranks:
+    """One start of the pool's ranks (a restart makes new ones): what a call runs on."""
+
+    launch: Launch
+    conns: list[Connection]
+    pids: list[int]
+    broken: str = ""  # why they cannot go on ('' while they can)
+    #: "restarted" or "closed": the pool moved on while a call still ran on these ranks
+    retired: str = ""
+
+
+@dataclass(eq=False)
+class _Call:
+    """One call running on the pool, with what each rank did of it."""
+
+    ranks: _Ranks
+    id: int
+    label: str
+    sources: dict[str, tuple[str, str]]
+    began: float = field(default_factory=time.monotonic)
+    #: rank -> "running", "done", "failed" or "interrupted"
+    states: dict[int, str] = field(default_factory=dict)
+    # Interrupts: the ranks that began it (a SIGINT raises in them), those to interrupt, and
+    # those sent one (a cancel runs in another thread than the wait).
+    started: set[int] = field(default_factory=set)
+    wanted: set[int] = field(default_factory=set)
+    signalled: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class PoolEngine:
     """N ranks that keep their namespace and their process group from one call to the next."""
 
@@ -112,213 +204,264 @@ class PoolEngine:
         self.spec = spec
         self.timeout = timeout
         self._launcher = launcher
-        self.launch: Launch | None = None
-        self.conns: list[Connection] = []
-        self.pids: list[int] = []
+        self._ranks: _Ranks | None = None
+        self._call_now: _Call | None = None
+        self._starting = False
+        self._closed = False
         self.rank_names: set[str] = set()  # names every rank's own code assigned (or push set)
-        self.state = "new"  # "starting", "idle", "running", "broken", "closed"
         self.current = ""  # the call running now (``Cell In[5]``, a function's name), or the last one
-        self.busy: set[int] = set()  # the ranks still in the current call
-        self.broken_because = ""
         self.cells = 0
         self.started_at = 0.0
         self.restarts = 0
-        self._told_shadowed: set[str] = set()
         self.last_had_value = False
         self.start_seconds = 0.0
+        self._told_shadowed: set[str] = set()
         self._ids = 0
         self._lock = threading.Lock()  # one call at a time
-        # The current call's interrupts: the ranks that began it (a SIGINT raises in them),
-        # those to interrupt, and those sent one (a cancel runs in another thread than the wait).
-        self._signal_lock = threading.Lock()
-        self._began: set[int] = set()
-        self._interrupt_wanted: set[int] = set()
-        self._signalled: set[int] = set()
+        self._sent_env: dict[str, str] = {}  # the kernel's environment as the ranks have it
+        self._sent_path: list[str] = []  # likewise its sys.path
         self._nvml: Any = None  # NVML, once a pool of GPU ranks was asked for its memory
 
-    # -- life ------------------------------------------------------------------------------------
+    # -- what it is now ----------------------------------------------------------------------
+
+    @property
+    def launch(self) -> Launch | None:
+        return self._ranks.launch if self._ranks is not None else None
+
+    @property
+    def conns(self) -> list[Connection]:
+        return self._ranks.conns if self._ranks is not None else []
+
+    @property
+    def pids(self) -> list[int]:
+        return self._ranks.pids if self._ranks is not None else []
 
     @property
     def world_size(self) -> int:
-        return len(self.conns) if self.conns else (self.launch.world_size if self.launch else 0)
+        if self._ranks is not None:
+            return len(self._ranks.conns) or self._ranks.launch.world_size
+        return 0
+
+    @property
+    def state(self) -> str:
+        """``new``, ``starting``, ``idle``, ``running``, ``broken`` or ``closed``."""
+        if self._closed:
+            return "closed"
+        if self._starting:
+            return "starting"
+        ranks = self._ranks
+        if ranks is None:
+            return "new"
+        if ranks.broken or ranks.launch.done():
+            return "broken"
+        return "running" if self._call_now is not None else "idle"
+
+    @property
+    def broken_because(self) -> str:
+        ranks = self._ranks
+        if ranks is None:
+            return ""
+        if ranks.broken:
+            return ranks.broken
+        return "its ranks ended" if ranks.launch.done() else ""
+
+    @property
+    def busy(self) -> set[int]:
+        """The ranks still in the current call."""
+        call = self._call_now
+        return {r for r, s in call.states.items() if s == "running"} if call is not None else set()
+
+    def rank_state(self, rank: int) -> str:
+        """One rank's state: the pool's, or during a call, what the rank did of it."""
+        state = self.state
+        if state in ("broken", "closed", "starting", "new"):
+            return state
+        call = self._call_now
+        if call is None:
+            return "idle"
+        return call.states.get(rank, "running")
+
+    # -- life ------------------------------------------------------------------------------------
 
     def start(self) -> "PoolEngine":
-        """Start the ranks and wait until every one is connected."""
-        launcher = self._launcher()
-        launcher._ensure_session_folders()
-        backend = launcher.backend_for(self.spec.backend)
-        authkey = os.urandom(32)
-        address: str | tuple[str, int]
-        if backend.local_processes:  # a Unix socket in the kernel's private session folder
-            address = os.path.join(launcher.session_dir, f"pool-{uuid.uuid4().hex[:12]}.sock")
-            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            server.bind(address)
-            os.chmod(address, 0o600)
-        else:  # ranks on other machines: a TCP port at the address they reach the kernel at
-            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            server.bind((backend.kernel_address(), 0))
-            address = server.getsockname()[:2]
-        server.listen(1024)
-        server.settimeout(0.05)
-        placement = self.spec.resolve(backend.hardware())
-        payload = capture.Payload(
-            kind="pool",
-            label="pool",
-            data={"address": address, "authkey": authkey, "device": placement.device},
-            argv=["pool"],
-        )
-        self.state = "starting"
-        began = time.monotonic()
-        hello: dict[int, tuple[Connection, int]] = {}
+        """Start the ranks and wait until every one is connected.  A start that fails (or that
+        is interrupted) leaves nothing running and the pool closed."""
+        self._starting = True
         try:
-            self.launch = launcher.start(self.spec, payload)
-            while len(hello) < self.launch.world_size:
-                if self.launch.done():
-                    self.launch.result()  # its error: the ranks could not start
-                    raise LaunchError("the pool's ranks ended before they connected")
-                if time.monotonic() - began > POOL_START_TIMEOUT:
-                    raise LaunchError(
-                        f"the pool's ranks did not connect within {POOL_START_TIMEOUT:g} s "
-                        f"({len(hello)} of {self.launch.world_size} did)"
-                    )
-                try:
-                    sock, _ = server.accept()
-                except socket.timeout:
-                    continue
-                sock.settimeout(None)
-                conn = Connection(sock.detach())
-                deliver_challenge(conn, authkey)
-                answer_challenge(conn, authkey)
-                if not conn.poll(30):
-                    conn.close()
-                    continue
-                _, rank, pid = conn.recv()
-                hello[rank] = (conn, pid)
+            self._ranks = self._start()
+        except KeyboardInterrupt:
+            self._give_up()
+            raise interrupted("you interrupted the pool's start; none of its ranks is left running.") from None
         except BaseException:
-            self._kill()
-            for conn, _ in hello.values():
-                conn.close()
-            self.state = "closed"
+            self._give_up()
             raise
         finally:
-            server.close()
-            if isinstance(address, str):
-                try:
-                    os.unlink(address)
-                except OSError:
-                    pass
-        self.conns = [hello[r][0] for r in range(len(hello))]
-        self.pids = [hello[r][1] for r in range(len(hello))]
-        if self.launch.helper is not None:
-            self.launch.helper.pool_started(self.launch.id)  # Ray: the agents' spares start now
+            self._starting = False
         self.rank_names = set()
-        self.state = "idle"
+        self._told_shadowed.clear()
         self.started_at = time.time()
-        self.start_seconds = time.monotonic() - began
         with _pools_lock:
             if self not in _pools:
                 _pools.append(self)
         return self
 
+    def _give_up(self) -> None:
+        self._closed = True
+        self._ranks = None
+        self._forget()
+
+    def _start(self) -> _Ranks:
+        launcher = self._launcher()
+        launcher._ensure_session_folders()
+        backend = launcher.backend_for(self.spec.backend)
+        authkey = os.urandom(32)
+        placement = self.spec.resolve(backend.hardware())
+        began = time.monotonic()
+        hello: dict[int, tuple[Connection, int]] = {}
+        launch: Launch | None = None
+        with _listener(backend, launcher.session_dir) as (server, address):
+            payload = capture.Payload(
+                kind="pool",
+                label="pool",
+                data={"address": address, "authkey": authkey, "device": placement.device},
+                argv=["pool"],
+            )
+            try:
+                self._sent_env = dict(os.environ)
+                self._sent_path = _sys_path()
+                launch = launcher.start(self.spec, payload)
+                while len(hello) < launch.world_size:
+                    if launch.done():
+                        launch.result()  # its error: the ranks could not start
+                        raise LaunchError("the pool's ranks ended before they connected")
+                    if time.monotonic() - began > POOL_START_TIMEOUT:
+                        raise LaunchError(
+                            f"the pool's ranks did not connect within {POOL_START_TIMEOUT:g} s "
+                            f"({len(hello)} of {launch.world_size} did)"
+                        )
+                    try:
+                        sock, _ = server.accept()
+                    except socket.timeout:
+                        continue
+                    sock.settimeout(None)
+                    conn = Connection(sock.detach())
+                    deliver_challenge(conn, authkey)
+                    answer_challenge(conn, authkey)
+                    if not conn.poll(30):
+                        conn.close()
+                        continue
+                    _, rank, pid = conn.recv()
+                    hello[rank] = (conn, pid)
+            except BaseException:
+                if launch is not None:
+                    _kill(launch)
+                for conn, _ in hello.values():
+                    conn.close()
+                raise
+        ranks = _Ranks(launch, [hello[r][0] for r in range(len(hello))], [hello[r][1] for r in range(len(hello))])
+        if launch.helper is not None:
+            launch.helper.pool_started(launch.id)  # Ray: the agents' spares start now
+        self.start_seconds = time.monotonic() - began
+        return ranks
+
     def restart(self) -> None:
-        """Fresh ranks: the old ones (and their state) are gone."""
-        self._end(close_first=self.state == "idle")
+        """Fresh ranks: the old ones (and their state) are gone.  A call running on the old
+        ones ends with an error that says so."""
+        if self._closed:
+            raise PoolBrokenError(
+                "this pool is closed; start a new one (air_magic.Pool(...), or %distributed_pool -n N)."
+            )
+        self._retire("restarted")
         self.restarts += 1
-        self._told_shadowed.clear()
-        self.start()
+        try:
+            self.start()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            exc.add_note(
+                "[air_magic] the pool's restart failed, so the pool is closed: start a new one "
+                "(air_magic.Pool(...), or %distributed_pool -n N)."
+            )
+            raise
 
     def close(self) -> None:
-        """Stop the ranks (each ends its loop; the launch ends)."""
-        if self.state == "closed":
+        """Stop the ranks (each ends its loop; the launch ends).  A call running on them ends
+        with an error that says so."""
+        if self._closed:
             return
-        self._end(close_first=self.state == "idle")
-        self.state = "closed"
+        launch = self.launch
+        self._retire("closed")
+        self._closed = True
         if self._nvml is not None:
             self._nvml.close()
             self._nvml = None
-        if self.launch is not None and self.launch.helper is not None:
-            self.launch.helper.release_pool(self.launch.id)  # Ray: the agents kept for the pool
+        if launch is not None and launch.helper is not None:
+            launch.helper.release_pool(launch.id)  # Ray: the agents kept for the pool
+        self._forget()
+
+    def _forget(self) -> None:
         with _pools_lock:
             if self in _pools:
                 _pools.remove(self)
 
-    def _end(self, close_first: bool) -> None:
-        if close_first:
-            for conn in self.conns:
-                try:
-                    conn.send_bytes(cloudpickle.dumps(("close",)))
-                except OSError:
-                    pass
-            if self.launch is not None:
-                deadline = time.monotonic() + 5.0
-                while not self.launch.done() and time.monotonic() < deadline:
-                    time.sleep(0.01)
-        self._kill()
-        for conn in self.conns:
-            conn.close()
-        self.conns, self.pids = [], []
-
-    def _kill(self) -> None:
-        launch = self.launch
-        if launch is None or launch.done():
+    def _retire(self, why: str) -> None:
+        """End the current ranks: a call still running on them sees ``why`` and ends."""
+        ranks, self._ranks = self._ranks, None
+        if ranks is None:
             return
-        try:
-            launch.launcher.send(Stop(launch.id, "kill"))
-        except OSError:
-            pass
-        deadline = time.monotonic() + 10.0
-        while not launch.done() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        running = self._call_now is not None and self._call_now.ranks is ranks
+        ranks.retired = why
+        _end(ranks, close_first=not running and not ranks.broken)
 
     def interrupt(self, ranks: list[int]) -> None:
-        """KeyboardInterrupt in these ranks' code.  A rank that has not begun the call yet (it
-        was not scheduled: a loaded machine) is interrupted as it begins it: a SIGINT sent
-        before would find it idle, and be ignored."""
-        with self._signal_lock:
-            self._interrupt_wanted.update(ranks)
-            now = sorted(set(ranks) & self._began)
-            self._signalled.update(now)
-        if now and self.launch is not None:
-            self.launch.signal_ranks(now, signal.SIGINT)
-
-    def _on_began(self, rank: int, call_id: int) -> None:
-        """A rank began the call: from now on a SIGINT raises in it."""
-        if call_id != self._ids:
+        """KeyboardInterrupt in these ranks' code, for the call running now.  A rank that has
+        not begun the call yet (it was not scheduled: a loaded machine) is interrupted as it
+        begins it: a SIGINT sent before would find it idle, and be ignored."""
+        call = self._call_now
+        if call is None:
             return
-        with self._signal_lock:
-            self._began.add(rank)
-            late = rank in self._interrupt_wanted and rank not in self._signalled
+        with call.lock:
+            call.wanted.update(ranks)
+            now = sorted((set(ranks) & call.started) - call.signalled)
+            call.signalled.update(now)
+        if now:
+            call.ranks.launch.signal_ranks(now, signal.SIGINT)
+
+    def _on_began(self, call: _Call, rank: int) -> None:
+        """A rank began the call: from now on a SIGINT raises in it."""
+        with call.lock:
+            call.started.add(rank)
+            late = rank in call.wanted and rank not in call.signalled
             if late:
-                self._signalled.add(rank)
-        if late and self.launch is not None:
-            self.launch.signal_ranks([rank], signal.SIGINT)
+                call.signalled.add(rank)
+        if late:
+            call.ranks.launch.signal_ranks([rank], signal.SIGINT)
 
-    def _break(self, because: str) -> None:
-        self.state = "broken"
-        self.broken_because = because
-        self._kill()
+    def _break(self, ranks: _Ranks, because: str) -> None:
+        """These ranks cannot go on: they are killed; the pool's next call starts fresh ones."""
+        if not ranks.broken:
+            ranks.broken = because
+        _kill(ranks.launch)
 
-    def _ready(self) -> None:
-        """A pool that is usable now: a broken one gets fresh ranks first, and says so."""
-        if self.state == "closed":
+    def _ready(self) -> _Ranks:
+        """The ranks a call runs on now: a broken pool gets fresh ones first, and says so."""
+        if self._closed:
             raise PoolBrokenError(
                 "this pool is closed; start a new one (air_magic.Pool(...), or %distributed_pool -n N)."
             )
-        if self.state == "broken" or self._ranks_gone():
+        if self.state == "broken" or self._ranks is None:
             because = self.broken_because or "its ranks ended"
-            n = self.world_size
+            n = self.world_size or self.spec.num_accelerators or 0
             print(
                 f"[air_magic] the pool was broken ({because}); starting {n} fresh rank{'s' * (n != 1)}: "
                 "the state of the old ones (their names, models, data) is lost.",
                 file=sys.stderr,
             )
-            self._end(close_first=False)
+            self._retire("restarted")
             self.restarts += 1
-            self._told_shadowed.clear()
             self.start()
-
-    def _ranks_gone(self) -> bool:
-        return self.launch is None or self.launch.done()
+        assert self._ranks is not None
+        return self._ranks
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -343,30 +486,30 @@ class PoolEngine:
                     exc.filename = display
                 raise
             self.last_had_value = RESULT_NAME in code.co_names
-            self._ready()
+            ranks = self._ready()
             read = capture.free_names(tree)
-            shadowed = sorted(
-                n for n in read if n in namespace and n in self.rank_names and n not in self._told_shadowed
-            )
-            for name in shadowed:
-                self._told_shadowed.add(name)
-                print(
-                    f"[air_magic] {name}: the pool's ranks have their own (a pool cell or pool.push set it), so "
-                    f"the notebook's {name} is not sent; pool.push({name}=...) sends it.",
-                    file=sys.stderr,
-                )
+            for name in sorted(read):
+                if name in namespace and name in self.rank_names and name not in self._told_shadowed:
+                    if isinstance(namespace[name], type(sys)):
+                        continue  # a module is the same module on the ranks: nothing to say
+                    self._told_shadowed.add(name)
+                    print(
+                        f"[air_magic] {name}: the pool's ranks have their own (a pool cell or pool.push set it), so "
+                        f"the notebook's {name} is not sent; pool.push({name}=...) sends it.",
+                        file=sys.stderr,
+                    )
             visible = {k: v for k, v in namespace.items() if k not in self.rank_names}
             payload = capture.cell_payload(cell, visible, display=display, filename=filename, header=header, argv=argv)
             data = payload.data | {"sources": payload.sources, "argv": payload.argv}
-            return self._call("cell", data, display, timeout)
+            return self._call(ranks, "cell", data, display, timeout)
 
     def call(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``func(*args, **kwargs)`` on every rank; one value per rank."""
         with self._turn():
-            self._ready()
+            ranks = self._ready()
             payload = capture.function_payload(func, args, kwargs)
             label = getattr(func, "__qualname__", repr(func))
-            return self._call("call", payload.data | {"sources": payload.sources}, label)
+            return self._call(ranks, "call", payload.data | {"sources": payload.sources}, label)
 
     def submit(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> PoolCall:
         """``func(*args, **kwargs)`` on every rank in the background; a handle at once."""
@@ -377,10 +520,10 @@ class PoolEngine:
 
         def run() -> None:
             try:
-                self._ready()
+                ranks = self._ready()
                 payload = capture.function_payload(func, args, kwargs)
                 data = payload.data | {"sources": payload.sources}
-                handle._future.set_result(self._call("call", data, label, background=True))
+                handle._future.set_result(self._call(ranks, "call", data, label, background=True))
             except BaseException as exc:  # the call's outcome, for result()
                 handle._future.set_exception(exc)
             finally:
@@ -408,56 +551,80 @@ class PoolEngine:
     def push(self, **values: Any) -> None:
         """Set ``name = value`` in every rank's namespace."""
         with self._turn():
-            self._ready()
-            blobs = {name: cloudpickle.dumps(value) for name, value in values.items()}
-            self._call("push", {"names": blobs}, "push")
+            blobs, problems = capture.pickle_each(values.items())
+            if problems:
+                capture.raise_problems(problems, "a pool cell (or the function pool.run runs)")
+            ranks = self._ready()
+            self._call(ranks, "push", {"names": blobs}, "push")
 
     def pull(self, name: str) -> list[Any]:
         """The value of ``name`` on every rank, in rank order."""
         with self._turn():
-            self._ready()
-            return self._call("pull", {"name": name}, f"pull({name!r})")
+            ranks = self._ready()
+            return self._call(ranks, "pull", {"name": name}, f"pull({name!r})")
+
+    def _kernel_state(self) -> dict[str, Any]:
+        """What a launch takes from the kernel at each launch, for this call: the working
+        directory, and ``sys.path`` and the environment where they changed since the last call."""
+        state: dict[str, Any] = {"cwd": working_directory()}
+        path = _sys_path()
+        if path != self._sent_path:
+            state["sys_path"] = self._sent_path = path
+        now = dict(os.environ)
+        if now != self._sent_env:
+            changed = {k: v for k, v in now.items() if self._sent_env.get(k) != v}
+            removed = [k for k in self._sent_env if k not in now]
+            state["env"] = (changed, removed)
+            self._sent_env = now
+        return state
 
     def _call(
-        self, kind: str, data: dict[str, Any], label: str, timeout: float | None = None, background: bool = False
+        self,
+        ranks: _Ranks,
+        kind: str,
+        data: dict[str, Any],
+        label: str,
+        timeout: float | None = None,
+        background: bool = False,
     ) -> list[Any]:
-        assert self.launch is not None
         self._ids += 1
-        log = self.launch.ranks[0].log_path
-        pump = OutputPump(log, self.launch.limits.output)
+        call = _Call(ranks, self._ids, label, data.get("sources") or {})
+        launch = ranks.launch
+        log = launch.ranks[0].log_path
+        for state in launch.ranks:  # bounded as a launch's are, between two calls
+            bound_log_in_place(state.log_path, launch.limits.log)
+        pump = OutputPump(log, launch.limits.output)
         try:
             pump.reader.offset = os.path.getsize(log)  # before the ranks get the call: all of its output
         except OSError:
             pass
-        with self._signal_lock:
-            self._began, self._interrupt_wanted, self._signalled = set(), set(), set()
-        message = capture.dumps((kind, self._ids, data | {"label": label}))  # once, for every rank
-        for conn in self.conns:
-            try:
-                conn.send_bytes(message)
-            except OSError:
-                self._break("a rank's connection closed")
-                raise PoolBrokenError("the pool's ranks are gone; the next call starts fresh ones.") from None
-        self.state = "running"
+        message = capture.dumps((kind, call.id, data | {"label": label} | self._kernel_state()))  # once
+        call.states = {r: "running" for r in range(len(ranks.conns))}
+        self._call_now = call
         self.current = label
-        self.busy = set(range(len(self.conns)))
         self.cells += 1
-        watchers = _watch(self, label) if kind in ("cell", "call") and not background else []
+        watchers: list[Any] = []
         outcome = "done"
         try:
+            for conn in ranks.conns:
+                try:
+                    conn.send_bytes(message)
+                except OSError:
+                    self._check_retired(call)
+                    self._break(ranks, "a rank's connection closed")
+                    raise PoolBrokenError("the pool's ranks are gone; the next call starts fresh ones.") from None
+            watchers = _watch(self, label) if kind in ("cell", "call") and not background else []
             try:
-                records = self._collect(pump, label, timeout if timeout is not None else self.timeout, watchers)
+                records = self._collect(call, pump, timeout if timeout is not None else self.timeout, watchers)
             finally:
                 pump.pump(final=True)
-            if self.state == "running":
-                self.state = "idle"
-            self.busy = set()
-            return self._outcome(records, label)
+            return self._outcome(call, kind, records)
         except BaseException as exc:
-            outcome = _outcome_text(self, exc)
+            outcome = _outcome_text(self, ranks, exc)
             raise
         finally:
-            self.busy = set()
+            if self._call_now is call:
+                self._call_now = None
             for watcher in watchers:
                 try:
                     watcher.end(outcome)
@@ -466,25 +633,30 @@ class PoolEngine:
 
     def _collect(
         self,
+        call: _Call,
         pump: OutputPump,
-        label: str,
         timeout: float | None,
         watchers: list[Any] = [],  # noqa: B006 - read only
     ) -> dict[int, Any]:
         """Every rank's record, waiting for them; a fault breaks the pool."""
-        assert self.launch is not None
+        ranks = call.ranks
         records: dict[int, Any] = {}
-        pending = dict(enumerate(self.conns))
-        began = time.monotonic()
+        pending = dict(enumerate(ranks.conns))
+        closed: dict[int, float] = {}  # rank -> when its connection was seen closed
         grace_until: float | None = None
         unheeded = False
         try:
             while pending:
-                for rank, record, names in _replies(pending, 0.05, self._on_began):
-                    records[rank] = record
-                    self.busy.discard(rank)
-                    self.rank_names = set(names) if rank == 0 else self.rank_names & set(names)
-                    if isinstance(record, ErrorRecord) and grace_until is None:
+                self._check_retired(call)
+                try:
+                    answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), closed)
+                except OutOfStep as exc:
+                    self._out_of_step(call, pending, exc)
+                for reply in answers:
+                    records[reply.rank] = reply.record
+                    call.states[reply.rank] = _state_of(reply.record)
+                    self.rank_names = set(reply.names) if reply.rank == 0 else self.rank_names & set(reply.names)
+                    if isinstance(reply.record, ErrorRecord) and grace_until is None:
                         grace_until = time.monotonic() + GRACE
                 pump.pump()
                 if not pending:
@@ -494,60 +666,102 @@ class PoolEngine:
                         watcher.tick()
                     except Exception:  # a watcher (the panel) never changes the call's outcome
                         pass
-                gone = self._first_gone(pending)
+                self._check_retired(call)
+                gone = self._first_gone(ranks, pending, closed)
                 if gone is not None:
-                    self._fault(records, pending, f"rank {gone} ended (exit {self.launch.ranks[gone].returncode})")
+                    self._fault(call, records, pending, self._gone_reason(ranks, gone))
                 if grace_until is not None and time.monotonic() > grace_until:
-                    if self._interrupt_wanted and _interrupted_all(records):  # a cancel some did not heed
+                    if call.wanted and _interrupted_all(records):  # a cancel some did not heed
                         unheeded = True
                         break
                     failed = min(r for r, rec in records.items() if isinstance(rec, ErrorRecord))
-                    self._fault(records, pending, f"rank {failed} failed while the others did not come back")
-                if timeout is not None and time.monotonic() - began > timeout:
-                    where = self._where(pending)
-                    self._break(f"{label} ran past its timeout of {timeout:g} s")
+                    self._fault(call, records, pending, f"rank {failed} failed while the others did not come back")
+                if timeout is not None and time.monotonic() - call.began > timeout:
+                    where = self._where(call, pending, records)
+                    self._break(ranks, f"{call.label} ran past its timeout of {timeout:g} s")
                     error = LaunchTimeoutError(
-                        f"{label} ran past its timeout of {timeout:g} s on the pool; its ranks were stopped and "
-                        "the next pool cell starts fresh ones (their state is lost). Pass --timeout SECONDS|none."
+                        f"{call.label} ran past its timeout of {timeout:g} s on the pool; its ranks were stopped "
+                        "and the next pool cell starts fresh ones (their state is lost). Pass --timeout SECONDS|none."
                     )
                     if where:
                         error.add_note(where)
                     raise error
         except KeyboardInterrupt:
-            self._interrupt(records, pending)
+            self._check_retired(call)
+            self._interrupt(call, records, pending)
         if unheeded:  # out of the try: the KeyboardInterrupt raised is the cancel's outcome
-            self._not_stopped(pending, "the pool's call was cancelled")
+            self._not_stopped(call, pending, records, "the pool's call was cancelled")
         return records
 
-    def _first_gone(self, pending: dict[int, Connection]) -> int | None:
-        """The pending rank that ended first (not one stopped because another ended), if any."""
-        assert self.launch is not None
-        states = self.launch.ranks
+    def _check_retired(self, call: _Call) -> None:
+        """The pool was restarted or closed while this call ran (from another thread): the
+        call ends here, saying so; the pool's new ranks are none of its business."""
+        why = call.ranks.retired
+        if not why:
+            return
+        how = (
+            "pool.restart() or %distributed_pool --restart"
+            if why == "restarted"
+            else ("pool.close() or %distributed_pool --stop")
+        )
+        raise PoolBrokenError(
+            f"the pool was {why} while {call.label} ran on it ({how}); its ranks were stopped, so this call has "
+            "no values."
+        )
+
+    def _out_of_step(self, call: _Call, pending: dict[int, Connection], exc: OutOfStep) -> None:
+        self._break(call.ranks, f"rank {exc.rank}'s connection is out of step")
+        n = len(call.ranks.conns)
+        raise PoolBrokenError(
+            f"{call.label}: {exc}. Its values cannot be trusted, so the pool is broken: the next pool cell starts "
+            f"{n} fresh rank{'s' * (n != 1)} (the state of these is lost)."
+        ) from None
+
+    def _gone_reason(self, ranks: _Ranks, rank: int) -> str:
+        code = ranks.launch.ranks[rank].returncode
+        if code is None:
+            return f"rank {rank} closed its connection to the kernel"
+        return f"rank {rank} ended (exit {code})"
+
+    def _first_gone(
+        self, ranks: _Ranks, pending: dict[int, Connection], closed: dict[int, float] | None = None
+    ) -> int | None:
+        """The pending rank that ended first (not one stopped because another ended), if any;
+        or one that closed its connection a second ago and has not ended (its code closed it)."""
+        states = ranks.launch.ranks
         gone = [r for r in pending if states[r].returncode is not None]
         if not gone:
-            return min(pending) if self.launch.done() and pending else None
+            if ranks.launch.done() and pending:
+                return min(pending)
+            late = [r for r, at in (closed or {}).items() if r in pending and time.monotonic() - at > _CLOSED_GRACE]
+            return min(late) if late else None
         first = [r for r in gone if not states[r].stopped] or gone
         return min(first, key=lambda r: (states[r].ended_at or 0.0, r))
 
-    def _interrupt(self, records: dict[int, Any], pending: dict[int, Connection]) -> None:
+    def _interrupt(self, call: _Call, records: dict[int, Any], pending: dict[int, Connection]) -> None:
         """Ctrl-C: KeyboardInterrupt in every rank's code; an intact pool if they all come back."""
         self.interrupt(list(pending))
         deadline = time.monotonic() + GRACE
         while pending and time.monotonic() < deadline:
-            for rank, record, _names in _replies(pending, 0.05, self._on_began):
-                records[rank] = record
+            self._check_retired(call)
+            try:
+                answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), {})
+            except OutOfStep as exc:
+                self._out_of_step(call, pending, exc)
+            for reply in answers:
+                records[reply.rank] = reply.record
+                call.states[reply.rank] = _state_of(reply.record)
         if not pending:
-            self.state = "idle"
             raise interrupted(
                 "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
             )
-        self._not_stopped(pending, "you interrupted the pool's cell")
+        self._not_stopped(call, pending, records, "you interrupted the pool's cell")
 
-    def _not_stopped(self, pending: dict[int, Connection], what: str) -> None:
+    def _not_stopped(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any], what: str) -> None:
         """Some ranks did not stop within GRACE s of their interrupt: the pool is broken."""
-        where = self._where(pending)
+        where = self._where(call, pending, records)
         ranks = ", ".join(map(str, sorted(pending)))
-        self._break("interrupted, and some ranks did not stop")
+        self._break(call.ranks, "interrupted, and some ranks did not stop")
         message = (
             f"{what}; rank{'s' * (len(pending) != 1)} {ranks} did not stop within {GRACE:g} s "
             "(its code caught the KeyboardInterrupt, or waits in a collective or in C), so the pool is broken: "
@@ -557,77 +771,98 @@ class PoolEngine:
             message += "\n" + where
         raise interrupted(message)
 
-    def _fault(self, records: dict[int, Any], pending: dict[int, Connection], because: str) -> None:
-        where = self._where(pending)
-        self._break(because)
-        n = self.world_size or len(self.pids)
+    def _fault(self, call: _Call, records: dict[int, Any], pending: dict[int, Connection], because: str) -> None:
+        ranks = call.ranks
+        where = self._where(call, pending, records)
+        self._break(ranks, because)
+        n = len(ranks.conns)
         errors = {r: rec for r, rec in records.items() if isinstance(rec, ErrorRecord)}
         tail = (
             f"the pool is broken ({because}); the next pool cell starts {n} fresh rank{'s' * (n != 1)} "
             "(the state of these is lost)."
         )
         own = {r: e for r, e in errors.items() if not _outcome.is_echo(e.type_name, e.message)}
-        gone = self._first_gone(pending)
+        gone = self._first_gone(ranks, pending)
         if own or (errors and gone is None):
             first = _first_failure(errors)
-            error = self._rank_exception(records, first)
+            error = self._rank_exception(call, records, first)
             error.add_note("[air_magic] " + tail)
         else:  # a rank ended; any error of the others only followed from it (a broken collective)
             gone = min(pending) if gone is None else gone
-            assert self.launch is not None
-            state = self.launch.ranks[gone]
-            error = LaunchError(
-                f"rank {gone} of {n} of the pool {_outcome.describe_exit(state.returncode or -9, n)}; {tail}"
-            )
+            state = ranks.launch.ranks[gone]
+            if state.returncode is None:
+                how = "closed its connection to the kernel (its process had not ended yet)"
+            else:
+                how = _outcome.describe_exit(state.returncode, n)
+            error = LaunchError(f"rank {gone} of {n} of the pool {how}; {tail}")
             for rank, record in sorted(errors.items()):
                 error.add_note(f"[air_magic] rank {rank}'s {record.type_name} followed from it: {record.message[:200]}")
         if where:
             error.add_note(where)
         raise error
 
-    def _where(self, pending: dict[int, Connection]) -> str:
-        if self.launch is None or not pending:
+    def _where(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any]) -> str:
+        """Where each rank that has not come back is (its stack, with the cell's names), and
+        what the others did of the call."""
+        launch = call.ranks.launch
+        if not pending:
             return ""
         try:
-            stacks = self.launch.stacks(timeout=1.0)
-            absent = "had come back (done with the call)"
-            return self.launch.where({r: s for r, s in stacks.items() if r in pending}, absent)
+            if launch.local_processes:
+                running = {r: launch.ranks[r].pid for r in pending if launch.ranks[r].pid}
+                request_stacks(launch.work_dir, running, 1.0)  # type: ignore[arg-type]
+                stacks = read_stacks(launch.work_dir, running, call.sources)
+            else:
+                stacks = {r: s for r, s in launch.stacks(timeout=1.0).items() if r in pending}
+                for filename, (display, _) in call.sources.items():
+                    stacks = {r: s.replace(f'File "{filename}"', display) for r, s in stacks.items()}
+            absent = {r: _came_back(records.get(r)) for r in range(len(call.ranks.conns)) if r not in pending}
+            stacks = {r: s for r, s in stacks.items() if r in pending}
+            return describe_stacks(stacks, len(call.ranks.conns), absent)
         except Exception:  # the stacks are a courtesy: the fault is said anyway
             return ""
 
-    def _rank_exception(self, records: dict[int, Any], rank: int) -> BaseException:
-        assert self.launch is not None
-        n = len(self.pids)
+    def _rank_exception(self, call: _Call, records: dict[int, Any], rank: int) -> BaseException:
+        launch = call.ranks.launch
+        n = len(call.ranks.pids)
         states = tuple(
             _outcome.RankState(
                 r,
-                self.launch.ranks[r].log_path,
-                self.pids[r],
-                returncode=(1 if isinstance(records[r], ErrorRecord) else 0) if r in records else None,
+                launch.ranks[r].log_path,
+                call.ranks.pids[r],
+                returncode=(1 if isinstance(records[r], ErrorRecord) else 0) if r in records else -signal.SIGKILL,
+                stopped=r not in records,  # it was stuck in the call: air_magic stopped it
             )
             for r in range(n)
         )
         ending = _outcome.Ending(
-            label="the pool's cell", world_size=n, ranks=states, failures=(rank,), device=self.launch.placement.device
+            label="the pool's cell", world_size=n, ranks=states, failures=(rank,), device=launch.placement.device
         )
         return _outcome.rank_error(ending, records, rank, "")
 
-    def _outcome(self, records: dict[int, Any], label: str) -> list[Any]:
+    def _outcome(self, call: _Call, kind: str, records: dict[int, Any]) -> list[Any]:
         errors = {r: rec for r, rec in records.items() if isinstance(rec, ErrorRecord)}
         if errors:
             first = _first_failure(errors)
             if errors[first].type_name == "KeyboardInterrupt":
                 raise interrupted("the pool's cell was interrupted on its ranks; the pool and its state are intact.")
-            raise self._rank_exception(records, first)
+            raise self._rank_exception(call, records, first)
+        n = len(call.ranks.conns)
         values = []
-        for rank in range(len(self.conns)):
+        for rank in range(n):
             record = records.get(rank)
             if isinstance(record, UnpicklableRecord):
+                if kind == "pull":
+                    raise _outcome.result_error(
+                        rank, n, f"a {record.value_type} for {call.label}, which cannot be sent back ({record.reason})"
+                    )
                 raise _outcome.result_error(
-                    rank, len(self.conns), f"a {record.value_type}, which cannot be sent back ({record.reason})"
+                    rank, n, f"a {record.value_type}, which cannot be sent back ({record.reason})"
                 )
             if isinstance(record, BaseException):
-                raise _outcome.result_error(rank, len(self.conns), f"a value that cannot be loaded here ({record})")
+                if kind == "pull":
+                    raise _pulled_error(call.label, rank, n, record)
+                raise _outcome.result_error(rank, n, f"a value that cannot be loaded here ({record})")
             assert isinstance(record, ValueRecord)
             values.append(record.value)
         return values
@@ -636,42 +871,22 @@ class PoolEngine:
 
     def status(self) -> dict[str, Any]:
         """What ``%distributed_pool`` shows: ranks, state, memory per rank, cells run, uptime."""
-        import psutil
+        return _status.status(self)
 
-        memory: list[int | None] = []
-        local = self.launch is None or self.launch.local_processes
-        for pid in self.pids:
-            try:
-                memory.append(psutil.Process(pid).memory_info().rss if local else None)
-            except psutil.Error:
-                memory.append(None)
+    def table(self) -> tuple[str, str]:
+        """The pool's ranks as text and as HTML."""
+        return _status.table(self)
 
-        gpu_memory = self._gpu_memory() if local else [None] * len(self.pids)
+    def describe(self) -> str:
+        """The pool's one line."""
+        return _status.describe(self)
 
-        def rank_state(rank: int) -> str:
-            if self.state in ("broken", "closed", "starting"):
-                return self.state
-            return "running" if rank in self.busy else "idle"
-
-        return {
-            "ranks": len(self.pids),
-            "pids": list(self.pids),
-            "state": self.state,
-            "rank_states": [rank_state(r) for r in range(len(self.pids))],
-            "call": self.current,
-            "device": self.launch.placement.device if self.launch else None,
-            "backend": self.spec.backend,
-            "memory": memory,
-            "gpu_memory": gpu_memory,
-            "cells": self.cells,
-            "uptime": time.time() - self.started_at if self.started_at and self.state != "closed" else 0.0,
-            "restarts": self.restarts,
-        }
-
-    def _gpu_memory(self) -> list[int | None]:
+    def gpu_memory(self) -> list[int | None]:
         """Each rank's GPU memory (NVML, with its child processes'), for a pool of GPU ranks."""
-        found: list[int | None] = [None] * len(self.pids)
-        if self.launch is None or self.launch.placement.device != "cuda" or not self.pids:
+        pids = self.pids
+        found: list[int | None] = [None] * len(pids)
+        launch = self.launch
+        if launch is None or launch.placement.device != "cuda" or not pids:
             return found
         try:
             import psutil
@@ -679,7 +894,7 @@ class PoolEngine:
             from air_magic.accelerators import NvmlDevices
 
             family: dict[int, list[int]] = {}
-            for rank, pid in enumerate(self.pids):
+            for rank, pid in enumerate(pids):
                 try:
                     family[rank] = [pid] + [child.pid for child in psutil.Process(pid).children(recursive=True)]
                 except psutil.Error:
@@ -687,65 +902,131 @@ class PoolEngine:
             if self._nvml is None:
                 self._nvml = NvmlDevices()  # kept open: the panel asks every half second
             sampled = self._nvml.sample(family)
-            return [sampled.get(rank, (None, None, None, None))[2] for rank in range(len(self.pids))]
+            return [sampled.get(rank, (None, None, None, None))[2] for rank in range(len(pids))]
         except Exception:  # no NVML (a missing driver or nvidia-ml-py): the GPU numbers are left out
             return found
 
-    def table(self) -> tuple[str, str]:
-        """The pool's ranks as text and as HTML: state, memory, the call they run (or ran last)."""
-        import html
 
-        info = self.status()
-        rows = []
-        for rank in range(info["ranks"]):
-            memory, gpu = info["memory"][rank], info["gpu_memory"][rank]
-            mem = "" if memory is None else f"{memory / 2**20:.0f} MiB"
-            if gpu is not None:
-                mem = f"GPU {gpu / 2**30:.1f} GiB" + (f" · {mem}" if mem else "")
-            state = info["rank_states"][rank]
-            call = info["call"] if state == "running" else ""
-            rows.append((str(rank), state, mem, call))
-        text = "\n".join(
-            f"  rank {r}: " + (f"running {call}" if call else state) + (f", {mem}" if mem else "")
-            for r, state, mem, call in rows
-        )
-        cells = "".join(
-            "<tr>" + "".join(f"<td style='padding:0 12px 0 0'>{html.escape(v)}</td>" for v in row) + "</tr>"
-            for row in rows
-        )
-        head = "".join(
-            f"<th style='text-align:left;padding:0 12px 0 0'>{h}</th>" for h in ("rank", "state", "memory", "running")
-        )
-        return text, f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>"
+# -- helpers -----------------------------------------------------------------------------------------
 
-    def describe(self) -> str:
-        info = self.status()
-        mem = (
-            ", ".join("?" if m is None else f"{m / 2**20:.0f} MiB" for m in info["memory"])
-            if any(m is not None for m in info["memory"])
-            else ""
-        )
-        where = f" on {self.spec.backend}" if self.spec.backend != "local" else ""
-        gpus = info["gpu_memory"]
-        gpu = (
-            "; GPU memory per rank: " + ", ".join("?" if g is None else f"{g / 2**30:.1f} GiB" for g in gpus)
-            if any(g is not None for g in gpus)
-            else ""
-        )
-        return (
-            f"[air_magic] pool of {info['ranks']} {str(info['device']).upper()} rank{'s' * (info['ranks'] != 1)}{where}: "
-            f"{info['state']}, {info['cells']} call{'s' * (info['cells'] != 1)} run, up {info['uptime']:.0f} s"
-            + (f", restarted {info['restarts']} time{'s' * (info['restarts'] != 1)}" if info["restarts"] else "")
-            + (f"; memory per rank: {mem}" if mem else "")
-            + gpu
-            + (self._run_text() if self.launch is not None and self.launch.run_id else "")
-        )
 
-    def _run_text(self) -> str:
-        assert self.launch is not None
-        name = getattr(self.launch, "run_name", None)
-        named = f"'{name}' " if name else ""
-        return f"; MLflow run {named}(id {self.launch.run_id}) has a child run for each cell that logs"
+def _end(ranks: _Ranks, close_first: bool) -> None:
+    """Stop these ranks: ask each to leave its loop first (an idle pool), then kill what is left."""
+    if close_first:
+        for conn in ranks.conns:
+            try:
+                conn.send_bytes(cloudpickle.dumps(("close",)))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while not ranks.launch.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    _kill(ranks.launch)
+    for conn in ranks.conns:
+        conn.close()
+
+
+def _kill(launch: Launch) -> None:
+    if launch.done():
+        return
+    try:
+        launch.launcher.send(Stop(launch.id, "kill"))
+    except OSError:
+        pass
+    deadline = time.monotonic() + 10.0
+    while not launch.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _sys_path() -> list[str]:
+    cwd = os.getcwd() if os.path.isdir(".") else "/"
+    return [p if p else cwd for p in sys.path]
+
+
+@contextlib.contextmanager
+def _listener(backend: Any, session_dir: str) -> Iterator[tuple[socket.socket, Any]]:
+    """Where the ranks connect: a Unix socket in a private folder (the session's, or a short
+    one of its own when the session's path is too long for a socket's address), or for
+    ranks on other machines a TCP port at the address they reach the kernel at."""
+    folder: str | None = None
+    if backend.local_processes:
+        address: Any = os.path.join(session_dir, f"pool-{uuid.uuid4().hex[:12]}.sock")
+        if len(os.fsencode(address)) > _UNIX_PATH_MAX:
+            folder = _short_private_folder()
+            address = os.path.join(folder, "pool.sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            server.bind(address)
+            os.chmod(address, 0o600)
+        except BaseException:
+            server.close()
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+    else:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.bind((backend.kernel_address(), 0))
+        address = server.getsockname()[:2]
+    try:
+        server.listen(1024)
+        server.settimeout(0.05)
+        yield server, address
+    finally:
+        server.close()
+        if isinstance(address, str):
+            try:
+                os.unlink(address)
+            except OSError:
+                pass
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _short_private_folder() -> str:
+    """A new folder only this user can use, at a short path (``/tmp/am-xxxxxxxx``)."""
+    for base in ("/tmp", "/dev/shm", "/var/tmp"):
+        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            try:
+                return tempfile.mkdtemp(prefix="am-", dir=base)  # 0700, a name no one else has
+            except OSError:
+                continue
+    raise LaunchError(
+        "the pool needs a Unix socket, and no short folder is writable here (/tmp, /dev/shm, /var/tmp) while "
+        "the temporary folder's path is too long for one; set TMPDIR to a shorter folder."
+    )
+
+
+def _state_of(record: Any) -> str:
+    """What a rank did of the call, from its reply."""
+    if isinstance(record, ErrorRecord):
+        return "interrupted" if record.type_name == "KeyboardInterrupt" else "failed"
+    return "done"
+
+
+def _came_back(record: Any) -> str:
+    """How a rank that answered the call ended it, for the lines that say where each rank was."""
+    if isinstance(record, ErrorRecord):
+        if record.type_name == "KeyboardInterrupt":
+            return "had come back, interrupted"
+        return f"had raised {record.type_name} (its error is above)"
+    return "had come back (done with the call)"
+
+
+def _pulled_error(label: str, rank: int, n: int, exc: BaseException) -> BaseException:
+    """A pulled value the kernel cannot load: which name, from which rank, and what to pull instead."""
+    text = str(exc)
+    hint = ""
+    if "process group" in text.lower():
+        hint = (
+            " It holds the ranks' process group (a DistributedDataParallel or FSDP module does): pull "
+            "what it wraps (.module), or its state_dict()."
+        )
+    error = ResultError(
+        f"{label}: the value on rank {rank} of {n} cannot be loaded in the kernel ({type(exc).__name__}: {text})."
+        + hint
+    )
+    error.rank, error.world_size = rank, n
+    return error
 
 
 def _watch(engine: "PoolEngine", label: str) -> list[Any]:
@@ -760,10 +1041,12 @@ def _watch(engine: "PoolEngine", label: str) -> list[Any]:
     return watchers
 
 
-def _outcome_text(engine: "PoolEngine", exc: BaseException) -> str:
+def _outcome_text(engine: "PoolEngine", ranks: _Ranks, exc: BaseException) -> str:
     """How a call that raised ended, in a few words (the panel's last line)."""
-    if engine.state == "broken":
-        return f"the pool is broken ({engine.broken_because})"
+    if ranks.retired:
+        return f"the pool was {ranks.retired}"
+    if ranks.broken:
+        return f"the pool is broken ({ranks.broken})"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     return f"failed ({type(exc).__name__})"
@@ -787,33 +1070,3 @@ def _interrupted_all(records: dict[int, Any]) -> bool:
     """Whether every rank that came back with an error came back interrupted."""
     errors = [rec for rec in records.values() if isinstance(rec, ErrorRecord)]
     return bool(errors) and all(rec.type_name == "KeyboardInterrupt" for rec in errors)
-
-
-def _replies(
-    pending: dict[int, Connection], timeout: float, began: Callable[[int, int], None]
-) -> list[tuple[int, Any, list[str]]]:
-    """The replies that came within ``timeout`` s, as (rank, record, the rank's names); a
-    rank that answered leaves ``pending`` (a closed connection is left there: the rank's
-    end is seen by the caller).  A rank's ("began", id) goes to ``began(rank, id)``."""
-    by_conn = {id(conn): rank for rank, conn in pending.items()}
-    found = []
-    for conn in wait(list(pending.values()), timeout=timeout):
-        rank = by_conn[id(conn)]
-        try:
-            message = pending[rank].recv()
-        except (EOFError, OSError):
-            continue
-        if message[0] == "began":
-            began(rank, message[1])
-            continue
-        _, _, blob, names = message
-        found.append((rank, _load(blob), list(names)))
-        del pending[rank]
-    return found
-
-
-def _load(blob: bytes) -> Any:
-    try:
-        return cloudpickle.loads(blob)
-    except Exception as exc:  # a value the kernel cannot load (a class the notebook does not have)
-        return exc

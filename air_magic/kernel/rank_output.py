@@ -22,7 +22,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from air_magic.kernel import outcome as _outcome
 from air_magic.protocol import (
@@ -61,6 +61,37 @@ def bound_log(path: str, limit: int) -> None:
         with os.fdopen(fd, "wb") as handle:
             handle.write(head + mark + tail)
         os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def bound_log_in_place(path: str, limit: int) -> None:
+    """:func:`bound_log` for the log of a rank that is still running (a pool's, between two
+    calls): the file is rewritten in place, not replaced, since the rank keeps appending to it
+    (its descriptors were opened with ``O_APPEND``: its next write lands at the new end).
+    Where rank 0's writes to stderr were recorded, that record is emptied: it only spoke of
+    bytes before the cut, which the kernel has shown already."""
+    try:
+        size = os.path.getsize(path)
+        if size <= limit:
+            return
+        head_size = limit // 16
+        tail_size = limit - head_size
+        with open(path, "r+b") as handle:
+            head = handle.read(head_size)
+            handle.seek(size - tail_size)
+            tail = handle.read()
+            cut = size - head_size - tail_size
+            mark = (
+                f"\n[air_magic] {cut} bytes of this rank's output were cut here: its log keeps the first "
+                f"{_size(head_size)} and the last {_size(tail_size)} (AIR_MAGIC_LOG_LIMIT).\n"
+            ).encode()
+            handle.seek(0)
+            handle.write(head + mark + tail)
+            handle.truncate()
+        ranges = stderr_ranges_path(path)
+        if os.path.exists(ranges):
+            os.truncate(ranges, 0)
     except OSError:
         pass
 
@@ -135,9 +166,10 @@ _COLLECTIVE_FILES = (
 _FRAME = re.compile(r'^\s*(?:File "(?P<file>[^"]+)"|(?P<cell>Cell In\[\d+\])), line (?P<line>\d+) in (?P<func>\S+)')
 
 
-def describe_stacks(stacks: dict[int, str], world_size: int, absent: str = "had ended") -> str:
+def describe_stacks(stacks: dict[int, str], world_size: int, absent: str | Mapping[int, str] = "had ended") -> str:
     """``[air_magic] where each rank was:`` and a line per rank; ``''`` with no stacks.
-    A rank without a stack is said to be ``absent`` (a pool's rank that came back: idle).
+    A rank without a stack is said to be ``absent`` (one text for all, or each rank's own:
+    a pool's rank that came back with its error, or done with the call).
 
     From each rank's main thread (the one running the launched code): its innermost
     frame of the user's code, and the torch collective it waits in, if any.  When some
@@ -171,9 +203,13 @@ def describe_stacks(stacks: dict[int, str], world_size: int, absent: str = "had 
                 f"  <- behind: rank{'s' if len(waiting) > 1 else ''} {who} wait{'' if len(waiting) > 1 else 's'} for it"
             )
         lines.append(line)
-    missing = [r for r in range(world_size) if r not in where]
-    if missing:
-        lines.append(f"  rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}: {absent}")
+    missing: dict[str, list[int]] = {}
+    for rank in range(world_size):
+        if rank not in where:
+            words = absent if isinstance(absent, str) else absent.get(rank, "had ended")
+            missing.setdefault(words, []).append(rank)
+    for words, ranks in missing.items():
+        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {words}")
     return "\n".join(lines)
 
 

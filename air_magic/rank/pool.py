@@ -16,6 +16,15 @@ Ray ranks on other nodes, with an auth key: no CPU while idle)::
                                        <--    ("done", id, record, names of the namespace)
     ("close",) or the kernel gone      -->    the rank returns; the launch ends
 
+Each call also carries the kernel's working directory, and its ``sys.path`` and environment
+where they changed since the last call: a pool cell runs where a launch from the same
+kernel would (after ``%cd``, a ``sys.path`` entry, an ``os.environ`` change).
+
+Only the rank itself speaks on its connection.  A process the call's code forked (an
+``os.fork()`` whose child runs on to the end of the cell) is ended when it comes back
+here, with a line in the rank's log; a child that ends on its own (multiprocessing's,
+DataLoader workers) never comes back here.
+
 Code pasted from a script runs unchanged: ``init_process_group()`` on a pool returns
 at once (the group is the pool's), and ``destroy_process_group()`` of the default group
 leaves it alive.
@@ -57,7 +66,8 @@ def serve(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C between cells finds the rank idle
     address = data["address"]  # a Unix socket's path, or (host, port) for ranks of other machines
     conn = Client(address if isinstance(address, str) else tuple(address), authkey=data["authkey"])
-    conn.send(("hello", rank, os.getpid()))
+    me = os.getpid()
+    conn.send(("hello", rank, me))
     while True:
         try:
             message = cloudpickle.loads(conn.recv_bytes())
@@ -69,7 +79,10 @@ def serve(
         tracked = message[0] in ("cell", "call")
         if tracked:  # what the call logs goes to a child run of the pool's (made if it logs)
             _tracking.begin_call(message[1], message[2].get("label") or message[0])
-        record = _handle(main, message, error_record, functools.partial(conn.send, ("began", message[1])))
+        began = functools.partial(_say_began, conn, message[1], me)
+        record = _handle(main, message, error_record, began)
+        if os.getpid() != me:  # a process the call's code forked, back at the end of the call
+            _end_forked_child(rank, me, message[2].get("label") or kind)
         if tracked:
             _tracking.end_call(message[1], _status(record))
         try:
@@ -82,6 +95,25 @@ def serve(
             conn.send(("done", message[1], blob, names))
         except OSError:
             return
+
+
+def _say_began(conn: Any, call_id: int, me: int) -> None:
+    if os.getpid() == me:
+        conn.send(("began", call_id))
+
+
+def _end_forked_child(rank: int, parent: int, label: str) -> None:
+    """A child the call's code forked ran on to the end of the call: it must not answer the
+    kernel in the rank's place (its values would be taken for the call's).  It ends here."""
+    line = (
+        f"[air_magic] rank {rank}: process {os.getpid()}, forked by {label} (os.fork()), ran on to the end of "
+        f"it; it ends here: only the rank itself (process {parent}) answers the kernel.\n"
+    )
+    try:
+        os.write(2, line.encode())
+    except OSError:
+        pass
+    os._exit(0)
 
 
 def _status(record: Record) -> str:
@@ -102,6 +134,7 @@ def _handle(
     ignored: a rank the machine had not scheduled yet when the call was cancelled)."""
     kind, _id, data = message
     namespace = main.__dict__
+    _take_kernel_state(data)
     sources: dict[str, tuple[str, str]] = data.get("sources", {})
     for filename, (_display, source) in sources.items():
         lines = source.splitlines(keepends=True)
@@ -143,6 +176,59 @@ def _handle(
         return ValueRecord(None) if exc.code in (None, 0) else error_record(exc, sources)
     except BaseException as exc:  # the user's code: KeyboardInterrupt included, is the cell's outcome
         return error_record(exc, sources)
+
+
+#: What air_magic gave this rank's environment (its place in the launch, the rendezvous, the
+#: launch's MLflow spool): a change of the same name in the kernel does not reach the rank.
+_OWN_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "NODE_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOCAL_SIZE",
+        "CROSS_RANK",
+        "CROSS_SIZE",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_RUN_ID",
+    }
+)
+_OWN_ENV_PREFIXES = ("TORCHELASTIC_", "AIR_MAGIC_")
+
+
+def _take_kernel_state(data: dict[str, Any]) -> None:
+    """The kernel's working directory, and its ``sys.path`` and environment where they changed
+    since the last call (the rank's own changes of other names stay)."""
+    env = data.get("env")
+    if env is not None:
+        changed, removed = env
+        for key in removed:
+            if key not in _OWN_ENV and not key.startswith(_OWN_ENV_PREFIXES):
+                os.environ.pop(key, None)
+        for key, value in changed.items():
+            if key not in _OWN_ENV and not key.startswith(_OWN_ENV_PREFIXES):
+                os.environ[key] = value
+        threads = changed.get("OMP_NUM_THREADS", "")
+        torch = sys.modules.get("torch")
+        if threads.isdigit() and int(threads) > 0 and torch is not None:
+            torch.set_num_threads(min(int(threads), 4 * (os.cpu_count() or 1)))
+    if data.get("sys_path") is not None:
+        sys.path[:] = data["sys_path"]
+    cwd = data.get("cwd")
+    if cwd:
+        try:
+            if os.getcwd() != cwd:
+                os.chdir(cwd)
+        except OSError:  # (the kernel found it a moment ago: the machines differ, a Ray node)
+            pass
 
 
 #: Names of the namespace that hold a value sent from the kernel (captured by a cell or with a

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from air_magic.kernel.pool import PoolEngine
+from air_magic.kernel.pool import PoolEngine, _Ranks
 from air_magic.spec import make_spec
 
 
@@ -45,11 +45,10 @@ def ranks() -> Iterator[list[int]]:
 
 def _engine(device: str, pids: list[int]) -> PoolEngine:
     engine = PoolEngine(make_spec(2, None, None, tracking=False, panel=False), lambda: None)  # type: ignore[arg-type, return-value]
-    engine.pids = list(pids)
-    engine.state = "idle"
-    engine.launch = SimpleNamespace(  # type: ignore[assignment]
-        local_processes=True, placement=SimpleNamespace(device=device), run_id=None
+    launch = SimpleNamespace(
+        local_processes=True, placement=SimpleNamespace(device=device), run_id=None, done=lambda: False
     )
+    engine._ranks = _Ranks(launch, [None] * len(pids), list(pids))  # type: ignore[arg-type, list-item]
     return engine
 
 

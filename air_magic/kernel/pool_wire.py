@@ -1,0 +1,118 @@
+"""The pool's wire, kernel side: one call sent to every rank, and the replies read back
+(the rank side is :mod:`air_magic.rank.pool`; the engine, :mod:`air_magic.kernel.pool`)::
+
+    kernel                                         rank r
+    ------                                         ------
+    send(conns, call)   ("cell", id, data) ---->   runs it (SIGINT raises only now)
+    replies(pending, id)              <----  ("began", id): a SIGINT raises in its code now
+                                      <----  ("done", id, record blob, the rank's own names)
+
+Every reply names the call it answers.  One that names another call (a process the rank's
+code forked and that went on speaking on the rank's connection, an earlier reply left
+unread) or that cannot be read at all (bytes the rank's code wrote on the connection) is
+:class:`OutOfStep`: the engine breaks the pool with that reason.  A pool never returns a
+value that is not this call's.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+import cloudpickle
+
+__all__ = ["OutOfStep", "Reply", "replies", "load"]
+
+
+class OutOfStep(Exception):
+    """A rank's connection carried something that is not this call's reply."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank} {reason}")
+        self.rank = rank
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A rank's answer to the call: its record (or the error that loading it raised) and
+    the names its own code assigned in its namespace."""
+
+    rank: int
+    record: Any
+    names: list[str]
+
+
+def replies(
+    pending: dict[int, Connection],
+    call_id: int,
+    timeout: float,
+    began: Callable[[int, int], None],
+    closed: dict[int, float],
+) -> list[Reply]:
+    """The replies to call ``call_id`` that came within ``timeout`` s; a rank that answered
+    leaves ``pending``.  A rank whose connection closed stays there and is added to
+    ``closed`` (with when it was seen), and is not waited on again: the caller sees the
+    rank's end.  A rank's ``("began", id)`` goes to ``began(rank, id)``.  Raises
+    :class:`OutOfStep`."""
+    open_ = {rank: conn for rank, conn in pending.items() if rank not in closed}
+    by_conn = {id(conn): rank for rank, conn in open_.items()}
+    found: list[Reply] = []
+    if not open_:
+        time.sleep(timeout)
+        return found
+    for conn in wait(list(open_.values()), timeout=timeout):
+        rank = by_conn[id(conn)]
+        try:
+            message = pending[rank].recv()
+        except (EOFError, OSError):
+            closed[rank] = time.monotonic()
+            continue
+        except (pickle.UnpicklingError, ValueError, TypeError, AttributeError, ImportError, IndexError) as exc:
+            raise OutOfStep(
+                rank,
+                f"sent the kernel something that is not a reply ({type(exc).__name__}: {exc}): "
+                "its code wrote on air_magic's connection",
+            ) from None
+        kind, answered = _kind_and_id(message)
+        if kind is None:
+            raise OutOfStep(rank, f"sent the kernel something that is not a reply ({_short(message)})")
+        if answered != call_id:
+            raise OutOfStep(
+                rank,
+                f"answered call #{answered} while call #{call_id} ran (a process its code forked went on "
+                "speaking on the rank's connection, or an earlier reply was left unread)",
+            )
+        if kind == "began":
+            began(rank, answered)
+            continue
+        _, _, blob, names = message
+        found.append(Reply(rank, load(blob), list(names)))
+        del pending[rank]
+    return found
+
+
+def _kind_and_id(message: Any) -> tuple[str | None, Any]:
+    if isinstance(message, tuple) and len(message) >= 2:
+        if message[0] == "began" and len(message) == 2:
+            return "began", message[1]
+        if message[0] == "done" and len(message) == 4:
+            return "done", message[1]
+    return None, None
+
+
+def _short(message: Any) -> str:
+    text = repr(message)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load(blob: bytes) -> Any:
+    """A record sent by a rank; an error loading it raises is returned in its place (a value of
+    a class the kernel does not have)."""
+    try:
+        return cloudpickle.loads(blob)
+    except Exception as exc:
+        return exc
