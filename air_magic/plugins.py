@@ -180,4 +180,33 @@ def get_launcher() -> "Launcher":
     register()
     from air_magic.kernel import launcher
 
-    return launcher.get_launcher()
+    found = launcher.get_launcher()
+    _end_pools_at_exit()
+    return found
+
+
+_exit_hook = False
+
+
+def _end_pools_at_exit() -> None:
+    """Once: at the kernel's end (a shutdown, a restart, the end of a script) the pools are
+    closed as ``pool.close()`` closes them, before the launcher stops what is left, and their
+    runs are stored: a notebook that ends with its pool open leaves a FINISHED run with every
+    point, not a killed one.  (Registered after the launcher's own exit hook: it runs before.)"""
+    global _exit_hook
+    with _lock:
+        if _exit_hook:
+            return
+        _exit_hook = True
+    import atexit
+
+    atexit.register(_close_pools_and_store)
+
+
+def _close_pools_and_store() -> None:
+    pool = sys.modules.get("air_magic.kernel.pool")
+    if pool is not None and pool.open_pools():
+        pool.close_all()
+        observer = sys.modules.get("air_magic.tracking.observer")
+        if observer is not None:  # (imported only where a launch tracked)
+            flush_tracking(observer.FLUSH_AT_EXIT)

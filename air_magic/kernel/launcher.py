@@ -55,6 +55,7 @@ from air_magic.protocol import (
     Stop,
     ToKernel,
     payload_path,
+    pids_room,
 )
 from air_magic.settings import settings
 from air_magic.spec import LaunchSpec
@@ -155,6 +156,8 @@ class Launcher:
         self._ensure_session_folders()  # before a new helper, which logs into the session folder
         helper = self.backend_for(spec.backend)
         placement = spec.resolve(helper.hardware())  # this machine's, or the cluster's
+        if helper.local_processes:
+            _check_room_for(placement.world_size, payload.label)
         launch = Launch(self, spec, placement, payload)
         launch.timings["call"] = called
         launch.helper = helper  # before the observers: the panel says what the launch waits for
@@ -298,6 +301,18 @@ class Launcher:
         for path in (self.session_dir, self.shm_root):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_room_for(world_size: int, label: str) -> None:
+    """Refuse at once a launch of more ranks than the system lets start (a cgroup's pids.max),
+    before anything is made for each of them: it would fail at the first fork it is refused,
+    after work that grows with the number of ranks."""
+    room = pids_room()
+    if room is not None and world_size > room[0]:
+        raise LaunchError(
+            f"could not run {label}: it needs {world_size} rank processes, and the system lets {room[0]} more "
+            f"start: {room[1]}. Ask for fewer ranks, or raise the limit."
+        )
 
 
 _launcher: Launcher | None = None

@@ -187,8 +187,10 @@ class _Call:
     label: str
     sources: dict[str, tuple[str, str]]
     began: float = field(default_factory=time.monotonic)
-    #: rank -> "running", "done", "failed" or "interrupted"
+    #: rank -> "running", "done", "failed", "interrupted" or "stopped" (stuck, killed by air_magic)
     states: dict[int, str] = field(default_factory=dict)
+    forked: dict[int, list[int]] = field(default_factory=dict)  # rank -> pids its code forked
+    closed: dict[int, float] = field(default_factory=dict)  # rank -> when its connection was seen closed
     # Interrupts: the ranks that began it (a SIGINT raises in them), those to interrupt, and
     # those sent one (a cancel runs in another thread than the wait).
     started: set[int] = field(default_factory=set)
@@ -206,6 +208,7 @@ class PoolEngine:
         self._launcher = launcher
         self._ranks: _Ranks | None = None
         self._call_now: _Call | None = None
+        self._last_call: _Call | None = None  # the call that ran last (what its ranks did of it)
         self._starting = False
         self._closed = False
         self.rank_names: set[str] = set()  # names every rank's own code assigned (or push set)
@@ -272,8 +275,11 @@ class PoolEngine:
         return {r for r, s in call.states.items() if s == "running"} if call is not None else set()
 
     def rank_state(self, rank: int) -> str:
-        """One rank's state: the pool's, or during a call, what the rank did of it."""
+        """One rank's state: the pool's, or during a call, what the rank did of it (and for a
+        pool a call broke, what each rank did of that call: failed, stopped, ended)."""
         state = self.state
+        if state == "broken" and self._last_call is not None and self._last_call.ranks is self._ranks:
+            return self._last_call.states.get(rank, state)
         if state in ("broken", "closed", "starting", "new"):
             return state
         call = self._call_now
@@ -600,7 +606,7 @@ class PoolEngine:
             pass
         message = capture.dumps((kind, call.id, data | {"label": label} | self._kernel_state()))  # once
         call.states = {r: "running" for r in range(len(ranks.conns))}
-        self._call_now = call
+        self._call_now = self._last_call = call
         self.current = label
         self.cells += 1
         watchers: list[Any] = []
@@ -618,6 +624,7 @@ class PoolEngine:
                 records = self._collect(call, pump, timeout if timeout is not None else self.timeout, watchers)
             finally:
                 pump.pump(final=True)
+                _tell_forked(call)
             return self._outcome(call, kind, records)
         except BaseException as exc:
             outcome = _outcome_text(self, ranks, exc)
@@ -642,20 +649,21 @@ class PoolEngine:
         ranks = call.ranks
         records: dict[int, Any] = {}
         pending = dict(enumerate(ranks.conns))
-        closed: dict[int, float] = {}  # rank -> when its connection was seen closed
         grace_until: float | None = None
         unheeded = False
         try:
             while pending:
                 self._check_retired(call)
                 try:
-                    answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), closed)
+                    answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), call.closed)
                 except OutOfStep as exc:
                     self._out_of_step(call, pending, exc)
                 for reply in answers:
                     records[reply.rank] = reply.record
                     call.states[reply.rank] = _state_of(reply.record)
                     self.rank_names = set(reply.names) if reply.rank == 0 else self.rank_names & set(reply.names)
+                    if reply.forked:
+                        call.forked[reply.rank] = reply.forked
                     if isinstance(reply.record, ErrorRecord) and grace_until is None:
                         grace_until = time.monotonic() + GRACE
                 pump.pump()
@@ -667,7 +675,7 @@ class PoolEngine:
                     except Exception:  # a watcher (the panel) never changes the call's outcome
                         pass
                 self._check_retired(call)
-                gone = self._first_gone(ranks, pending, closed)
+                gone = self._first_gone(ranks, pending, call.closed)
                 if gone is not None:
                     self._fault(call, records, pending, self._gone_reason(ranks, gone))
                 if grace_until is not None and time.monotonic() > grace_until:
@@ -745,7 +753,7 @@ class PoolEngine:
         while pending and time.monotonic() < deadline:
             self._check_retired(call)
             try:
-                answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), {})
+                answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), call.closed)
             except OutOfStep as exc:
                 self._out_of_step(call, pending, exc)
             for reply in answers:
@@ -773,27 +781,41 @@ class PoolEngine:
 
     def _fault(self, call: _Call, records: dict[int, Any], pending: dict[int, Connection], because: str) -> None:
         ranks = call.ranks
+        errors = {r: rec for r, rec in records.items() if isinstance(rec, ErrorRecord)}
+        own = {r: e for r, e in errors.items() if not _outcome.is_echo(e.type_name, e.message)}
+        # Who ended on its own, read before the others are stopped (their exits would blur it);
+        # errors that only echo a peer's end (gloo's "Connection closed by peer") wait a moment
+        # for that end to be reported.
+        gone = self._first_gone(ranks, pending, call.closed)
+        deadline = time.monotonic() + _CLOSED_GRACE
+        while not own and gone is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            gone = self._first_gone(ranks, pending, call.closed)
+        ended: dict[int, int] = {}
+        for rank in pending:
+            code = ranks.launch.ranks[rank].returncode
+            if code is not None:
+                ended[rank] = code
         where = self._where(call, pending, records)
+        for rank in pending:
+            call.states[rank] = "ended" if rank in ended else "stopped"
         self._break(ranks, because)
         n = len(ranks.conns)
-        errors = {r: rec for r, rec in records.items() if isinstance(rec, ErrorRecord)}
         tail = (
             f"the pool is broken ({because}); the next pool cell starts {n} fresh rank{'s' * (n != 1)} "
             "(the state of these is lost)."
         )
-        own = {r: e for r, e in errors.items() if not _outcome.is_echo(e.type_name, e.message)}
-        gone = self._first_gone(ranks, pending)
         if own or (errors and gone is None):
             first = _first_failure(errors)
-            error = self._rank_exception(call, records, first)
+            error = self._rank_exception(call, records, first, ended)
             error.add_note("[air_magic] " + tail)
         else:  # a rank ended; any error of the others only followed from it (a broken collective)
             gone = min(pending) if gone is None else gone
-            state = ranks.launch.ranks[gone]
-            if state.returncode is None:
-                how = "closed its connection to the kernel (its process had not ended yet)"
+            code = ended.get(gone)
+            if code is None:
+                how = "closed its connection to the kernel (its process had not ended)"
             else:
-                how = _outcome.describe_exit(state.returncode, n)
+                how = _outcome.describe_exit(code, n)
             error = LaunchError(f"rank {gone} of {n} of the pool {how}; {tail}")
             for rank, record in sorted(errors.items()):
                 error.add_note(f"[air_magic] rank {rank}'s {record.type_name} followed from it: {record.message[:200]}")
@@ -822,21 +844,30 @@ class PoolEngine:
         except Exception:  # the stacks are a courtesy: the fault is said anyway
             return ""
 
-    def _rank_exception(self, call: _Call, records: dict[int, Any], rank: int) -> BaseException:
+    def _rank_exception(
+        self, call: _Call, records: dict[int, Any], rank: int, ended: dict[int, int] | None = None
+    ) -> BaseException:
+        """The error of a call whose first failure was ``rank``'s; ``ended``: ranks that
+        ended on their own (by exit code) before the others were stopped."""
         launch = call.ranks.launch
         n = len(call.ranks.pids)
-        states = tuple(
-            _outcome.RankState(
-                r,
-                launch.ranks[r].log_path,
-                call.ranks.pids[r],
-                returncode=(1 if isinstance(records[r], ErrorRecord) else 0) if r in records else -signal.SIGKILL,
-                stopped=r not in records,  # it was stuck in the call: air_magic stopped it
-            )
-            for r in range(n)
-        )
+        ended = ended or {}
+
+        def state(r: int) -> _outcome.RankState:
+            if r in records:  # it answered: 1 for an error, 0 for a value
+                code, stopped = (1 if isinstance(records[r], ErrorRecord) else 0), False
+            elif r in ended:  # it ended by itself (its exit says how)
+                code, stopped = ended[r], False
+            else:  # it was still in the call: air_magic stopped it
+                code, stopped = -signal.SIGKILL, True
+            return _outcome.RankState(r, launch.ranks[r].log_path, call.ranks.pids[r], returncode=code, stopped=stopped)
+
         ending = _outcome.Ending(
-            label="the pool's cell", world_size=n, ranks=states, failures=(rank,), device=launch.placement.device
+            label="the pool's cell",
+            world_size=n,
+            ranks=tuple(state(r) for r in range(n)),
+            failures=(rank,),
+            device=launch.placement.device,
         )
         return _outcome.rank_error(ending, records, rank, "")
 
@@ -993,6 +1024,22 @@ def _short_private_folder() -> str:
     raise LaunchError(
         "the pool needs a Unix socket, and no short folder is writable here (/tmp, /dev/shm, /var/tmp) while "
         "the temporary folder's path is too long for one; set TMPDIR to a shorter folder."
+    )
+
+
+def _tell_forked(call: _Call) -> None:
+    """One line when the call's code forked processes with ``os.fork()``: their values are
+    not the call's, and they end when they come to its end."""
+    if not call.forked:
+        return
+    ranks = sorted(call.forked)
+    pids = ", ".join(str(pid) for rank in ranks for pid in call.forked[rank])
+    who = f"rank{'s' * (len(ranks) != 1)} {', '.join(map(str, ranks))}"
+    print(
+        f"[air_magic] {call.label} forked process{'es' * (pids.count(',') > 0)} {pids} on {who} with os.fork(): "
+        "only the rank itself answers the kernel (these values are its own), and a forked process that runs on "
+        "to the end of the cell ends there.",
+        file=sys.stderr,
     )
 
 

@@ -5,7 +5,8 @@
     ------                                         ------
     send(conns, call)   ("cell", id, data) ---->   runs it (SIGINT raises only now)
     replies(pending, id)              <----  ("began", id): a SIGINT raises in its code now
-                                      <----  ("done", id, record blob, the rank's own names)
+                                      <----  ("done", id, record blob, the rank's own names,
+                                              the processes its code forked with os.fork())
 
 Every reply names the call it answers.  One that names another call (a process the rank's
 code forked and that went on speaking on the rank's connection, an earlier reply left
@@ -44,6 +45,7 @@ class Reply:
     rank: int
     record: Any
     names: list[str]
+    forked: list[int]  # processes the call's code forked with os.fork() (each ends at the call's end)
 
 
 def replies(
@@ -89,8 +91,8 @@ def replies(
         if kind == "began":
             began(rank, answered)
             continue
-        _, _, blob, names = message
-        found.append(Reply(rank, load(blob), list(names)))
+        _, _, blob, names, forked = message
+        found.append(Reply(rank, load(blob), list(names), list(forked)))
         del pending[rank]
     return found
 
@@ -99,7 +101,7 @@ def _kind_and_id(message: Any) -> tuple[str | None, Any]:
     if isinstance(message, tuple) and len(message) >= 2:
         if message[0] == "began" and len(message) == 2:
             return "began", message[1]
-        if message[0] == "done" and len(message) == 4:
+        if message[0] == "done" and len(message) == 5:
             return "done", message[1]
     return None, None
 

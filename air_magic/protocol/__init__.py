@@ -74,6 +74,8 @@ from air_magic.protocol.processes import (
     carriers,
     end_carriers,
     format_thread_stacks,
+    pid_limits,
+    pids_room,
     printable,
     signal_rank,
 )
@@ -145,6 +147,8 @@ __all__ = [
     "THREAD_ANSWER_SECONDS",
     "ask_for_stacks",
     "format_thread_stacks",
+    "pid_limits",
+    "pids_room",
     "METRIC",
     "PARAM",
     "TAG",

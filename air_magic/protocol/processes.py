@@ -151,3 +151,54 @@ def format_thread_stacks(skip: int | None = None) -> str:
             frame = frame.f_back
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+# -- limits on processes ---------------------------------------------------------------------------
+
+
+def cgroup_pid_folders() -> list[str]:
+    """This process's cgroup folders (v2 and v1's pids controller), innermost first."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        root = "/sys/fs/cgroup" if not controllers else f"/sys/fs/cgroup/{controllers}"
+        if controllers and "pids" not in controllers.split(","):
+            continue
+        while True:
+            found.append(os.path.normpath(root + path))
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return found
+
+
+def pid_limits() -> list[tuple[int, int, str]]:
+    """The cgroup limits on processes that apply here: (pids.max, pids.current, folder)."""
+    limits = []
+    for path in cgroup_pid_folders():
+        try:
+            with open(os.path.join(path, "pids.max")) as handle:
+                most = handle.read().strip()
+            with open(os.path.join(path, "pids.current")) as handle:
+                now = int(handle.read().strip())
+        except (OSError, ValueError):
+            continue
+        if most.isdigit():
+            limits.append((int(most), now, path))
+    return limits
+
+
+def pids_room() -> tuple[int, str] | None:
+    """How many more processes the tightest cgroup limit lets start, and that limit in
+    words; None where no such limit applies."""
+    tightest = None
+    for most, now, path in pid_limits():
+        room = max(0, most - now)
+        if tightest is None or room < tightest[0]:
+            tightest = (room, f"the cgroup limit pids.max is {most} ({now} processes in it now: {path})")
+    return tightest

@@ -93,6 +93,22 @@ def publish_run(folder: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def run_text(run_id: str, details: dict[str, object] | None = None) -> str:
+    """What :func:`publish_run` writes for a made run: its id, then (a line of JSON) what a
+    rank's ``mlflow.active_run().info`` tells besides it (experiment id, artifact URI...)."""
+    return run_id + ("\n" + json.dumps(details) if details else "")
+
+
+def run_fields(text: str) -> tuple[str, dict[str, object]]:
+    """The run's id and its details, from :func:`read_run`'s text (details ``{}`` if none)."""
+    run_id, _, rest = text.partition("\n")
+    try:
+        details = json.loads(rest) if rest.strip() else {}
+    except ValueError:
+        details = {}
+    return run_id, details if isinstance(details, dict) else {}
+
+
 def read_run(folder: str) -> str | None:
     """What :func:`publish_run` wrote, or None while the kernel has not made the run yet."""
     try:

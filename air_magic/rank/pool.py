@@ -13,7 +13,8 @@ Ray ranks on other nodes, with an auth key: no CPU while idle)::
                                        <--    ("began", id): from now on SIGINT raises
     ("call", id, func, args, kwargs)   -->    func(*args, **kwargs)
     ("push", id, names) / ("pull", id, name) -->  set names / read one
-                                       <--    ("done", id, record, names of the namespace)
+                                       <--    ("done", id, record, names of the namespace,
+                                                   pids the call forked with os.fork())
     ("close",) or the kernel gone      -->    the rank returns; the launch ends
 
 Each call also carries the kernel's working directory, and its ``sys.path`` and environment
@@ -67,6 +68,7 @@ def serve(
     address = data["address"]  # a Unix socket's path, or (host, port) for ranks of other machines
     conn = Client(address if isinstance(address, str) else tuple(address), authkey=data["authkey"])
     me = os.getpid()
+    _watch_forks(me)
     conn.send(("hello", rank, me))
     while True:
         try:
@@ -91,10 +93,32 @@ def serve(
             value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
             blob = cloudpickle.dumps(UnpicklableRecord(value_type, f"{type(exc).__name__}: {printable(exc)}"))
         names = _owned(main.__dict__)
+        forked, _forked[:] = list(_forked), []
         try:
-            conn.send(("done", message[1], blob, names))
+            conn.send(("done", message[1], blob, names, forked))
         except OSError:
             return
+
+
+#: The processes the current call's code forked with a plain ``os.fork()`` (not
+#: multiprocessing's, whose children end on their own): the kernel tells the cell.
+_forked: list[int] = []
+
+
+def _watch_forks(me: int) -> None:
+    """Note each plain ``os.fork()`` of the rank's code (the kernel says so in the cell)."""
+    real_fork = os.fork
+
+    def fork() -> int:
+        pid = real_fork()
+        if pid > 0 and os.getpid() == me:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not str(caller).startswith("multiprocessing"):
+                _forked.append(pid)
+        return pid
+
+    fork.__doc__ = real_fork.__doc__
+    os.fork = fork
 
 
 def _say_began(conn: Any, call_id: int, me: int) -> None:

@@ -45,7 +45,7 @@ from air_magic.protocol import (
     text_field,
     text_line,
 )
-from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run
+from air_magic.protocol.spool import SPOOL_DIR_ENV, artifact_dir, read_run, run_fields
 
 #: ``0``: a rank's ``import mlflow`` imports the real package at once (no stand-in,
 #: :class:`_LazyMlflow`, answering the logging calls until more is asked of it).
@@ -53,6 +53,7 @@ LAZY_ENV = "AIR_MAGIC_LAZY_MLFLOW"
 
 _FD: int | None = None
 _RUN_ID: str | None = None
+_RUN_DETAILS: dict[str, object] = {}  # what the kernel told of the run besides its id
 _FOLDER: str | None = None  # the spool folder: the kernel publishes the run's id there
 _ARTIFACT_DIR: str | None = None
 _ENABLED = False
@@ -140,7 +141,8 @@ def launch_run_id() -> str | None:
         pause = min(pause * 2, 0.05)
     if text.startswith("!"):
         raise RuntimeError(f"air_magic: this launch has no MLflow run: {text[1:]}")
-    _RUN_ID = text
+    _RUN_ID, details = run_fields(text)
+    _RUN_DETAILS.update(details)
     os.environ["MLFLOW_RUN_ID"] = text  # MLflow's own start_run() resumes the launch's run
     return _RUN_ID
 
@@ -231,13 +233,41 @@ class _ActiveRun(SimpleNamespace):
 
 
 class _RunInfo:
-    """``info`` of the launch's run: ``run_id`` is read (waited for) when asked."""
+    """``info`` of the launch's run, as MLflow's ``RunInfo`` has it; each field is read
+    (waited for: the kernel makes the run beside the ranks) when asked."""
 
-    run_name = None
+    status = "RUNNING"
+    end_time = None
+    lifecycle_stage = "active"
 
     @property
     def run_id(self) -> str | None:
         return launch_run_id()
+
+    run_uuid = run_id
+
+    def _detail(self, name: str) -> Any:
+        return _RUN_DETAILS.get(name) if launch_run_id() is not None else None
+
+    @property
+    def experiment_id(self) -> Any:
+        return self._detail("experiment_id")
+
+    @property
+    def artifact_uri(self) -> Any:
+        return self._detail("artifact_uri")
+
+    @property
+    def run_name(self) -> Any:
+        return self._detail("run_name")
+
+    @property
+    def user_id(self) -> Any:
+        return self._detail("user_id")
+
+    @property
+    def start_time(self) -> Any:
+        return self._detail("start_time")
 
 
 def _active_run_object() -> Any:

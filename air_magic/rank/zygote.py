@@ -68,6 +68,7 @@ from air_magic.protocol import (
     decode,
     encode,
     end_carriers,
+    pid_limits,
     signal_rank,
 )
 from air_magic.settings import settings
@@ -94,17 +95,9 @@ class _CannotFork(Exception):
 
 def fork_refused(rank: int, world_size: int, exc: OSError) -> str:
     """What a launch says when the system refuses to fork its rank ``rank``."""
-    limits = []
-    for path in _cgroup_pid_files():
-        try:
-            with open(os.path.join(path, "pids.max")) as handle:
-                most = handle.read().strip()
-            with open(os.path.join(path, "pids.current")) as handle:
-                now = handle.read().strip()
-        except OSError:
-            continue
-        if most != "max":
-            limits.append(f"the cgroup limit pids.max is {most} ({now} processes in it now: {path})")
+    limits = [
+        f"the cgroup limit pids.max is {most} ({now} processes in it now: {path})" for most, now, path in pid_limits()
+    ]
     soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     if soft != resource.RLIM_INFINITY:
         limits.append(f"ulimit -u (RLIMIT_NPROC) is {soft} processes for this user")
@@ -141,27 +134,6 @@ def remove_peer_segments(port: int, shm: str = "/dev/shm") -> list[str]:
                 continue
             removed.append(name)
     return removed
-
-
-def _cgroup_pid_files() -> list[str]:
-    """This process's cgroup folders (v2 and v1's pids controller), innermost first."""
-    found: list[str] = []
-    try:
-        with open("/proc/self/cgroup") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        root = "/sys/fs/cgroup" if not controllers else f"/sys/fs/cgroup/{controllers}"
-        if controllers and "pids" not in controllers.split(","):
-            continue
-        while True:
-            found.append(os.path.normpath(root + path))
-            if path in ("/", ""):
-                break
-            path = os.path.dirname(path)
-    return found
 
 
 def _release_port(launch: _Launch) -> None:

@@ -12,7 +12,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from air_magic.errors import ConfigurationError
-from air_magic.protocol.spool import SPOOL_DIR_ENV, STATE_DIR_ENV, PrivateFolderError, Spool, publish_run, state_dir
+from air_magic.protocol.spool import (
+    SPOOL_DIR_ENV,
+    STATE_DIR_ENV,
+    PrivateFolderError,
+    Spool,
+    publish_run,
+    run_text,
+    state_dir,
+)
 from air_magic.settings import settings
 from air_magic.tracking.recovery import recover_in_background
 
@@ -53,6 +61,26 @@ def _notebook_name() -> str:
     if path:
         return os.path.splitext(os.path.basename(str(path)))[0] or "air_magic"
     return "air_magic"
+
+
+def _origin(launch: "Launch") -> str:
+    """What a recovery line names: ``train in work/train.ipynb`` (the notebook's path, where
+    the server tells it), ``Cell In[4] in a notebook in /home/me/work``, or ``train.py, run
+    from /home/me/work`` (a script, ``air-magic run``)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = "?"
+    if shell is None:
+        return f"{launch.label}, run from {cwd}"
+    path = (
+        os.environ.get("JPY_SESSION_NAME")
+        or shell.user_ns.get("__session__")
+        or shell.user_ns.get("__vsc_ipynb_file__")
+    )
+    return f"{launch.label} in {path}" if path else f"{launch.label} in a notebook in {cwd}"
 
 
 def _say(line: str, stream: Any = None) -> None:
@@ -204,8 +232,16 @@ class TrackingObserver:
             "air_magic.code": f"{launch.kind} {launch.label}",
             "air_magic.timeout": launch.spec.timeout,
         }
+        from air_magic.tracking.store import local_store_path
+
+        store = local_store_path(self.store_uri)
         return {
             "tracking_uri": self.store_uri,
+            # A local store that does not exist yet is made by this launch's writer: recovery
+            # makes it too if the kernel died first (one that existed and is gone was deleted).
+            "store_existed": bool(store and os.path.exists(store)),
+            # Where it came from, for a recovery's line in another kernel or folder.
+            "origin": _origin(launch),
             "experiment_id": experiment_id,
             "experiment_name": experiment_name,
             "run_name": launch.spec.run_name,
@@ -361,7 +397,34 @@ class _Writer:
         return self.spool.journal.get("run_id")  # type: ignore[no-any-return]
 
     def start(self) -> None:
+        with _pending_lock:
+            _live.add(self)
         self._thread.start()
+
+    def written(self) -> dict[int, int]:
+        """How far each rank's file is written now (what a flush waits to see stored)."""
+        from air_magic.protocol import spool_file
+
+        sizes = {}
+        for rank in self.spool.ranks():
+            try:
+                sizes[rank] = os.path.getsize(spool_file(self.spool.folder, rank))
+            except OSError:
+                continue
+        return sizes
+
+    def stored(self, sizes: dict[int, int]) -> bool:
+        """Whether the lines up to ``sizes`` are in the store, or kept on disk for a store that
+        does not answer (or the writer is done)."""
+        if self.finished.is_set() or self.unreachable is not None or self.fatal is not None:
+            return True
+        try:
+            return self.run_id is not None and all(self.spool.sent(r) >= size for r, size in sizes.items())
+        except (KeyError, ValueError):
+            return True
+
+    def wake(self) -> None:
+        self._wake.set()
 
     # -- from the launcher's threads ---------------------------------------------------------
 
@@ -465,6 +528,7 @@ class _Writer:
                 self.finished.set()
                 with _pending_lock:
                     _pending.discard(self)
+                    _live.discard(self)
 
     def _loop(self) -> None:
         from air_magic.tracking import mlflow_logs as _mlflow_logs
@@ -480,6 +544,8 @@ class _Writer:
 
                     _mlflow_logs.divert()
                     self.uploader = SpoolUploader(self.spool, make_client(self.observer.store_uri))
+                    if not self.spool.journal.get("store_existed"):
+                        self.spool.update(store_existed=True)  # made now: a later absence is a deletion
                 if self.run_id is None:
                     self._make_run()
                 if not self._monitor_tried and not ended and self._running_for() >= _MONITOR_AFTER:
@@ -537,7 +603,9 @@ class _Writer:
     def _make_run(self) -> None:
         assert self.uploader is not None
         run_id = self.uploader.ensure_run()
-        publish_run(self.spool.folder, run_id)
+        journal = self.spool.journal
+        details = {k: journal.get(k) for k in ("experiment_id", "artifact_uri", "run_name", "user_id", "start_time")}
+        publish_run(self.spool.folder, run_text(run_id, {k: v for k, v in details.items() if v is not None}))
         self.observer._show_run(run_id)
 
     def _start_monitor(self, run_id: str) -> None:
@@ -595,6 +663,7 @@ class _Writer:
 
 _pending_lock = threading.Lock()
 _pending: set[_Writer] = set()  # writers still storing an ended launch's points
+_live: set[_Writer] = set()  # writers of launches that run (a pool's: its cells log into it)
 _exit_registered = False
 
 
@@ -613,10 +682,20 @@ def flush(timeout: float | None = 60.0, *, quiet: bool = False) -> bool:
     nothing is lost (see :func:`air_magic.tracking.upload_pending`)."""
     with _pending_lock:
         writers = list(_pending)
-    if not writers:
-        return True
+        running = [w for w in _live if w not in _pending and w.status is None]
     began = time.monotonic()
     deadline = None if timeout is None else began + max(0.0, timeout)
+    # A launch still running (a pool between its cells): what its ranks logged until now.
+    targets = {writer: writer.written() for writer in running}
+    for writer in running:
+        writer.wake()
+    for writer, sizes in targets.items():
+        while not writer.stored(sizes):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+    if not writers:
+        return True
     told = quiet
     for writer in writers:
         while not writer.finished.wait(0.05):

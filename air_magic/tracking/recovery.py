@@ -54,13 +54,18 @@ class Recovered:
     #: The store is one air_magic does not write to as it is (another user's, half-made):
     #: told once on this machine, not once per kernel, until it changes.
     unusable: bool = False
+    origin: str = ""  # what launched it: "train in work/train.ipynb"
 
     def line(self) -> str:
         """The one line a user sees about it."""
         from air_magic.tracking.store import store_name
 
         if self.outcome == "sent":
-            text = f"MLflow run {self.run_id} ({_points(self.points)} sent, marked {self.status})"
+            origin = f"of {self.origin}, " if self.origin else ""
+            text = (
+                f"MLflow run {self.run_id} ({origin}{_points(self.points)} sent, marked {self.status}) "
+                f"in {store_name(self.tracking_uri)}"
+            )
             return text + (f"; skipped what the store refused: {self.skipped}" if self.skipped else "")
         if self.outcome == "dropped":
             return f"dropped {_points(self.points)} of launch {self.launch_id}: {self.reason}"
@@ -127,8 +132,11 @@ def _recover(spool: Spool) -> Recovered | None:
     launch_id = str(journal["launch_id"])
     status = str(journal.get("status") or "KILLED")
     path = local_store_path(uri)
-    # A store told unusable was moved away as its line said: a new one is made there.
-    if path is not None and not os.path.exists(path) and not journal.get("store_unusable"):
+    # A store told unusable was moved away as its line said: a new one is made there.  A
+    # store the launch's writer never made (its kernel died first) is made now; only one that
+    # existed and is gone was deleted by the user, and its points go with it.
+    deleted = journal.get("store_existed", True) and not journal.get("store_unusable")
+    if path is not None and not os.path.exists(path) and deleted:
         waiting = _count_points(spool)
         spool.remove()
         return Recovered(
@@ -175,6 +183,7 @@ def _recover(spool: Spool) -> Recovered | None:
         uploader.points,
         status=status,
         skipped=uploader.skipped_text() or None,
+        origin=str(journal.get("origin") or ""),
     )
 
 

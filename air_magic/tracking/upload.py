@@ -170,7 +170,14 @@ class SpoolUploader:
                 tags=journal.get("tags") or {},
                 run_name=journal.get("run_name"),
             )
-            self.spool.update(run_id=run.info.run_id, experiment_id=experiment_id, run_name=run.info.run_name)
+            self.spool.update(
+                run_id=run.info.run_id,
+                experiment_id=experiment_id,
+                run_name=run.info.run_name,
+                artifact_uri=run.info.artifact_uri,
+                user_id=run.info.user_id,
+                start_time=run.info.start_time,
+            )
         if not journal.get("params_logged"):
             from mlflow.entities import Param
 

@@ -12,3 +12,20 @@ if _path:
     import signal
 
     faulthandler.register(signal.SIGUSR2, file=open(_path, "w"), all_threads=True)
+
+# ``AIR_MAGIC_TEST_SLOW_MLFLOW=S``: the kernel's ``import mlflow`` takes S seconds more (for a
+# test of a kernel killed before its MLflow store exists).  Popped too: not the helper's.
+_slow = os.environ.pop("AIR_MAGIC_TEST_SLOW_MLFLOW", None)
+if _slow:
+    import importlib.abc
+    import sys
+    import time
+
+    class _SlowMlflow(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
+            if fullname == "mlflow":
+                sys.meta_path.remove(self)
+                time.sleep(float(_slow))
+            return None
+
+    sys.meta_path.insert(0, _SlowMlflow())

@@ -118,9 +118,11 @@ def test_a_kernel_restarted_mid_launch_leaves_every_point_to_upload_pending(plac
         kernel.kc.wait_for_ready(timeout=60)
         res = kernel.ok("import air_magic.tracking\nresults = air_magic.tracking.upload_pending()", timeout=120)
         recovered = [line for line in res.stderr.splitlines() if line.startswith("[air_magic]")]
+        # The line names what launched it and the store (issue 33: "without naming the store or the notebook")
         assert recovered == [
             f"[air_magic] recovered what earlier launches left on disk: MLflow run {run_id} "
-            f"({spooled - sent_before} points sent, marked KILLED)."
+            f"(of Cell In[2] in a notebook in {kernel.workdir}, {spooled - sent_before} points sent, marked KILLED) "
+            f"in MLflow store {store.uri}."
         ]
         assert kernel.value("[(r.outcome, r.run_id) for r in results]") == [("sent", run_id)]
         assert store.run(run_id).info.status == "KILLED"
@@ -151,5 +153,50 @@ def test_a_kernel_started_at_once_after_a_kill_sends_every_point_by_itself(place
             assert steps == list(range(len(steps))) and len(steps) > 100, steps[-5:]
         assert spool_files(env["AIR_MAGIC_STATE_DIR"]) == []
         assert took < 30, took
+    finally:
+        second.shutdown()
+
+
+#: 20,000 points in a moment, then the values come back (before the store exists: see below).
+QUICK_CELL = """\
+%%distributed -n 2
+import os, mlflow
+for step in range(10000):
+    mlflow.log_metric("quick", step, step=step)
+os.environ["RANK"]
+"""
+
+
+def test_a_kernel_killed_before_its_store_was_made_leaves_the_points_to_a_store_made_for_them(
+    places: tuple[str, dict[str, str]],
+) -> None:
+    folder, env = places
+    store = Store(sqlite_uri(folder))
+    path = os.path.join(folder, "mlflow.db")
+    # The kernel's import of MLflow (what its writer makes the store with) takes a minute: the
+    # ranks log and end, and the kernel dies, before mlflow.db exists.
+    first = Kernel(folder, {**env, "AIR_MAGIC_TEST_SLOW_MLFLOW": "60"})
+    try:
+        first.ok("%load_ext air_magic")
+        res = first.run(QUICK_CELL, timeout=180)
+        assert res.error is None, res.error_text
+        assert res.result == "['0', '1']"
+        assert not os.path.exists(path)
+        os.kill(first.pid, signal.SIGKILL)
+        first.forget()
+        assert wait_until(lambda: not rank_processes(), timeout=30)
+        assert spooled_points(env["AIR_MAGIC_STATE_DIR"], "quick") == 20000
+    finally:
+        first.shutdown()
+    second = Kernel(folder, env)
+    try:
+        second.ok("%load_ext air_magic")  # looks for orphans in the background
+        res = second.ok("import air_magic.tracking\nresults = air_magic.tracking.upload_pending()", timeout=120)
+        assert os.path.exists(path)  # made for them, not taken for a store the user deleted
+        [run] = store.runs()
+        assert run.info.status == "FINISHED"  # the launch had ended: its kernel died while storing it
+        assert len(store.all_ranks(run.info.run_id, "quick", 2)) == 20000
+        assert "dropped" not in res.stderr
+        assert spool_files(env["AIR_MAGIC_STATE_DIR"]) == []
     finally:
         second.shutdown()

@@ -114,7 +114,7 @@ def test_a_server_that_is_down_costs_seconds_and_gets_the_points_when_back(
         run_id = run.info.run_id
         assert capsys.readouterr().err == (
             f"[air_magic] recovered what earlier launches left on disk: MLflow run {run_id} "
-            "(200 points sent, marked FINISHED).\n"
+            f"(of log_points, run from {os.getcwd()}, 200 points sent, marked FINISHED) in MLflow server {server.uri}.\n"
         )
         assert (result.outcome, result.run_id) == ("sent", run_id)
         assert run.info.status == "FINISHED"
@@ -190,7 +190,8 @@ def test_a_server_that_dies_mid_launch_costs_seconds_and_gets_the_points_when_ba
         [result] = upload_pending()
         assert capsys.readouterr().err == (
             f"[air_magic] recovered what earlier launches left on disk: MLflow run {run_id} "
-            "(200 points sent, marked FINISHED).\n"
+            f"(of log_around_a_crash, run from {os.getcwd()}, 200 points sent, marked FINISHED) "
+            f"in MLflow server {server.uri}.\n"
         )
         assert (result.outcome, result.run_id, result.points) == ("sent", run_id, 200)
         from mlflow import MlflowClient

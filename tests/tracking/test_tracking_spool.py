@@ -251,9 +251,9 @@ def test_an_orphan_becomes_a_killed_run_with_every_point(state: str, tmp_path: A
     results = upload_pending()
     assert [(r.outcome, r.points, r.status) for r in results] == [("sent", 550, "KILLED")]
     run_id = results[0].run_id
-    assert capsys.readouterr().err == (
+    assert capsys.readouterr().err == (  # (a journal of an older air_magic: no origin in it)
         f"[air_magic] recovered what earlier launches left on disk: MLflow run {run_id} "
-        "(550 points sent, marked KILLED).\n"
+        f"(550 points sent, marked KILLED) in MLflow store {uri}.\n"
     )
     store = Store(uri)
     run = store.run(run_id)
