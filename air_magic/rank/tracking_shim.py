@@ -143,7 +143,7 @@ def launch_run_id() -> str | None:
         raise RuntimeError(f"air_magic: this launch has no MLflow run: {text[1:]}")
     _RUN_ID, details = run_fields(text)
     _RUN_DETAILS.update(details)
-    os.environ["MLFLOW_RUN_ID"] = text  # MLflow's own start_run() resumes the launch's run
+    os.environ["MLFLOW_RUN_ID"] = _RUN_ID  # MLflow's own start_run() resumes the launch's run
     return _RUN_ID
 
 

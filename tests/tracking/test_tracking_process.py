@@ -116,6 +116,22 @@ def test_start_run_inside_a_rank_is_the_launchs_run(store: Store, capsys: Any) -
     assert store.run(run_id).info.status == "FINISHED"
 
 
+@distributed(num_accelerators=2)
+def run_info_seen_by_the_rank() -> tuple[Any, ...]:
+    import mlflow
+
+    info = mlflow.active_run().info
+    return (info.run_id, info.experiment_id, info.artifact_uri, info.status, info.run_name, info.lifecycle_stage)
+
+
+def test_a_rank_s_active_run_info_has_what_mlflow_s_run_info_has(store: Store, capsys: Any) -> None:
+    values = run_info_seen_by_the_rank.distributed()
+    run_id = one_run_id(capsys.readouterr())
+    run = store.run(run_id)
+    seen = (run_id, run.info.experiment_id, run.info.artifact_uri, "RUNNING", run.info.run_name, "active")
+    assert values == [seen, seen]
+
+
 # -- nesting and the experiment ------------------------------------------------------------------
 
 

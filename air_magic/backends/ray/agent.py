@@ -300,7 +300,7 @@ class RankAgent:
 
     def poll(self, launch_id: str, run: str | None = None) -> tuple[bytes, bytes, int | None]:
         """New log bytes, new spool bytes, and the exit code once the rank has ended (then
-        every byte has been returned).  ``run``: the launch's MLflow run id, once made."""
+        every byte has been returned).  ``run``: the launch's MLflow run (``spool.run_text``), once made."""
         state = self.ranks[launch_id]
         if run and not state.run_published and state.spool_folder:
             publish_run(state.spool_folder, run)

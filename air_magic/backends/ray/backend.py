@@ -296,7 +296,7 @@ class _RayLaunch:
         self._lock = threading.Lock()
         self.finished = threading.Event()
         self.spool = request.env.get(SPOOL_DIR_ENV)
-        self.run_id: str | None = None
+        self.run_text: str | None = None
         self.leaving = False  # ended because this process leaves the cluster (ray.shutdown())
 
     # -- the thread ------------------------------------------------------------------------
@@ -407,10 +407,10 @@ class _RayLaunch:
             if timeout_at is not None and time.monotonic() >= timeout_at:
                 self._timeout()
             self._send_due_signals()
-            if self.spool and self.run_id is None:
-                self.run_id = read_run(self.spool)
+            if self.spool and self.run_text is None:
+                self.run_text = read_run(self.spool)  # id and details: each node's agent publishes them
             ranks = sorted(self.running)
-            refs = [self.agents[r].poll.remote(self.id, self.run_id) for r in ranks]
+            refs = [self.agents[r].poll.remote(self.id, self.run_text) for r in ranks]
             for rank, ref in zip(ranks, refs):
                 try:
                     log, spool, code = ray.get(ref)
