@@ -46,6 +46,9 @@ Environment variable           Setting (default)
                                possible), ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``
 ``AIR_MAGIC_RAY_PLACE_TIMEOUT`` ``ray_place_timeout``: seconds a Ray launch waits for the
                                cluster to have room for its ranks (60)
+``AIR_MAGIC_FLIGHT_RECORDER``  ``flight_recorder``: collectives torch's Flight Recorder keeps
+                               per rank (2000; 0: off), for the hang report and a pool's
+                               Ctrl-C; a ``TORCH_FR_BUFFER_SIZE`` of the user's wins
 =============================  ===========================================================
 
 Set by air_magic for its own child processes, not settings: ``AIR_MAGIC_TRACKING_DIR``
@@ -101,6 +104,7 @@ LOG_KEEP_MB_ENV = "AIR_MAGIC_LOG_KEEP_MB"
 RAY_STRATEGY_ENV = "AIR_MAGIC_RAY_STRATEGY"
 RAY_PLACE_TIMEOUT_ENV = "AIR_MAGIC_RAY_PLACE_TIMEOUT"
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+FLIGHT_RECORDER_ENV = "AIR_MAGIC_FLIGHT_RECORDER"
 
 _PANEL_OFF = ("0", "off", "false", "no", "none")
 
@@ -293,6 +297,20 @@ class Settings:
         return self._number(RAY_PLACE_TIMEOUT_ENV, 60.0)
 
     @property
+    def flight_recorder(self) -> int:
+        """Collectives torch's Flight Recorder keeps per rank (``AIR_MAGIC_FLIGHT_RECORDER``;
+        0 turns it off)."""
+        text = self._env(FLIGHT_RECORDER_ENV).strip()
+        if not text:
+            return 2000
+        if not text.isdigit():
+            raise ConfigurationError(
+                f"{FLIGHT_RECORDER_ENV} must be a whole number of collectives kept per rank (0 turns torch's "
+                f"Flight Recorder off), got {text!r}; unset it for 2000."
+            )
+        return int(text)
+
+    @property
     def state_dir(self) -> str | None:
         """``AIR_MAGIC_STATE_DIR``, or ``None`` for the XDG default."""
         return self._env(STATE_DIR_ENV) or None
@@ -336,6 +354,7 @@ _CHECKED = (
     "log_keep_mb",
     "ray_strategy",
     "ray_place_timeout",
+    "flight_recorder",
 )
 
 

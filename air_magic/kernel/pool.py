@@ -43,6 +43,7 @@ import cloudpickle
 
 from air_magic import capture
 from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, ResultError, interrupted
+from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_status as _status
 from air_magic.kernel.launch import Launch
@@ -77,6 +78,14 @@ POOL_START_TIMEOUT = 300.0
 #: Seconds the other ranks have to come back once one failed, or after an interrupt or a
 #: timeout, before the pool is broken (they wait in a collective, or in C).
 GRACE = 3.0
+#: After an interrupt: how long the ranks have to come back before the collectives a rank
+#: still waits in are looked at; how long one round of making them waits for the ranks that
+#: make them; and the longest the whole interrupt may take while rounds make progress.
+_FINISH_AFTER = 0.3
+_FINISH_WAIT = 2.0
+_FINISH_FOR = 15.0
+#: Rounds of making collectives even once every rank is back from an interrupt.
+_EVEN_ROUNDS = 3
 #: Seconds a rank whose connection closed has to end (its exit then says how it ended) before
 #: the closed connection itself is the reason the pool breaks.
 _CLOSED_GRACE = 1.0
@@ -747,9 +756,19 @@ class PoolEngine:
         return min(first, key=lambda r: (states[r].ended_at or 0.0, r))
 
     def _interrupt(self, call: _Call, records: dict[int, Any], pending: dict[int, Connection]) -> None:
-        """Ctrl-C: KeyboardInterrupt in every rank's code; an intact pool if they all come back."""
+        """Ctrl-C: KeyboardInterrupt in every rank's code; an intact pool if they all come back.
+
+        A rank can be left inside a collective its peers abandoned (rank 1 in its backward
+        pass's all_reduce while rank 0 stopped before its own), or come back with one started
+        and not waited for (FSDP's all-gathers are async) that a peer never started: the ranks
+        that came back then make what they lack, on zeros, so that it completes and every
+        group is even again (:meth:`_even_out`).  Groups left uneven would pair the next
+        collective with the wrong one: the pool is then broken, saying so."""
         self.interrupt(list(pending))
-        deadline = time.monotonic() + GRACE
+        began = time.monotonic()
+        deadline = began + GRACE
+        finished: list[dict[str, Any]] = []
+        next_look = began + _FINISH_AFTER
         while pending and time.monotonic() < deadline:
             self._check_retired(call)
             try:
@@ -759,11 +778,71 @@ class PoolEngine:
             for reply in answers:
                 records[reply.rank] = reply.record
                 call.states[reply.rank] = _state_of(reply.record)
-        if not pending:
-            raise interrupted(
-                "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
+            now = time.monotonic()
+            if pending and now >= next_look and len(pending) < len(call.ranks.conns):
+                made, _ = self._even_out(call, pending)
+                next_look = time.monotonic() + 0.1
+                if made:
+                    finished.extend(made)
+                    deadline = min(max(deadline, time.monotonic() + GRACE), began + _FINISH_FOR)
+        if pending:
+            self._not_stopped(call, pending, records, "you interrupted the pool's cell")
+        left: list[str] = []
+        for _ in range(_EVEN_ROUNDS):
+            made, left = self._even_out(call, pending)
+            finished.extend(made)
+            if not made:
+                break
+        if left:
+            self._break(
+                call.ranks,
+                "an interrupt left the ranks' collectives out of step ("
+                + "; ".join(left)
+                + "), so the next collective would pair with the wrong one",
             )
-        self._not_stopped(call, pending, records, "you interrupted the pool's cell")
+            raise interrupted(
+                "you interrupted the pool's cell, and its ranks stopped at different collectives that could not be "
+                f"made even ({'; '.join(left)}): the pool is broken, and the next pool cell starts it again."
+            )
+        error = interrupted(
+            "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
+        )
+        if finished:
+            error.add_note(_finished_note(finished, call))
+        raise error
+
+    def _even_out(self, call: _Call, pending: dict[int, Connection]) -> tuple[list[dict[str, Any]], list[str]]:
+        """One round: the collectives some ranks started (or wait in) and the ranks back from
+        the call lack, made by those (each in its group, on zeros).  Returns what was made
+        (empty: nothing to do) and, when nothing could be made, the groups left uneven."""
+        launch = call.ranks.launch
+        if not launch.local_processes:
+            return [], []
+        n = len(call.ranks.conns)
+        seen = _collectives.ask(launch.work_dir, list(range(n)), timeout=1.0)
+        plan = _collectives.plan_even(seen, set(range(n)) - set(pending))
+        if not plan:
+            return [], [] if pending else _collectives.uneven(seen)
+        self._ids += 1
+        finish_id = self._ids
+        sent: dict[int, Connection] = {}
+        for rank, ops in plan.items():
+            try:
+                call.ranks.conns[rank].send_bytes(capture.dumps(("finish", finish_id, {"ops": ops})))
+                sent[rank] = call.ranks.conns[rank]
+            except OSError:
+                continue
+        deadline = time.monotonic() + _FINISH_WAIT
+        made: list[dict[str, Any]] = []
+        while sent and time.monotonic() < deadline:
+            try:
+                answers = replies(sent, finish_id, 0.05, lambda rank, _id: None, {})
+            except OutOfStep:
+                return made, []
+            for reply in answers:
+                if isinstance(reply.record, ValueRecord):
+                    made.extend({**op, "by": reply.rank} for op in plan[reply.rank])
+        return made, []
 
     def _not_stopped(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any], what: str) -> None:
         """Some ranks did not stop within GRACE s of their interrupt: the pool is broken."""
@@ -1024,6 +1103,24 @@ def _short_private_folder() -> str:
     raise LaunchError(
         "the pool needs a Unix socket, and no short folder is writable here (/tmp, /dev/shm, /var/tmp) while "
         "the temporary folder's path is too long for one; set TMPDIR to a shorter folder."
+    )
+
+
+def _finished_note(finished: list[dict[str, Any]], call: _Call) -> str:
+    """What the ranks back from an interrupt made so that every rank stopped at the same
+    collective."""
+    first = finished[0]
+    what = _collectives.user_where(_collectives.describe_op(first), call.sources)
+    more = f" (and {len(finished) - 1} more after it)" if len(finished) > 1 else ""
+    makers = sorted({op["by"] for op in finished})
+    had = sorted({op["of"] for op in finished if "of" in op})
+    who = f"rank{'s' * (len(makers) != 1)} {', '.join(map(str, makers))}"
+    whose = f"rank{'s' * (len(had) != 1)} {', '.join(map(str, had))}" if had else "another rank"
+    return (
+        f"[air_magic] the interrupt found {whose} inside {what}{more}, which {who} had not made: {who} made "
+        f"{'them' if more else 'it'} too, on zeros, so that every rank stopped at the same collective. That "
+        "step did not finish (what it computed is not meaningful): run the training cell again, or zero the "
+        "gradients first."
     )
 
 

@@ -11,15 +11,37 @@ from __future__ import annotations
 
 import html
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from air_magic.kernel.pool import PoolEngine
+from air_magic.kernel.launch import Launch
+from air_magic.spec import LaunchSpec
 
-__all__ = ["status", "describe", "table"]
+__all__ = ["status", "describe", "table", "PoolEngine"]
 
 
-def status(engine: "PoolEngine") -> dict[str, Any]:
+class PoolEngine(Protocol):
+    """What these functions read of :class:`air_magic.kernel.pool.PoolEngine` (named here so
+    that the engine imports this module and not the other way round)."""
+
+    spec: LaunchSpec
+    current: str
+    cells: int
+    started_at: float
+    restarts: int
+
+    @property
+    def launch(self) -> Launch | None: ...
+    @property
+    def pids(self) -> list[int]: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def broken_because(self) -> str: ...
+    def rank_state(self, rank: int) -> str: ...
+    def gpu_memory(self) -> list[int | None]: ...
+
+
+def status(engine: PoolEngine) -> dict[str, Any]:
     """Ranks, state, memory per rank, the call running (or the last), cells run, uptime."""
     import psutil
 
@@ -50,7 +72,7 @@ def status(engine: "PoolEngine") -> dict[str, Any]:
     }
 
 
-def table(engine: "PoolEngine") -> tuple[str, str]:
+def table(engine: PoolEngine) -> tuple[str, str]:
     """The pool's ranks as text and as HTML: state, memory, the call they run (or ran last)."""
     info = status(engine)
     rows = []
@@ -75,7 +97,7 @@ def table(engine: "PoolEngine") -> tuple[str, str]:
     return text, f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>"
 
 
-def describe(engine: "PoolEngine") -> str:
+def describe(engine: PoolEngine) -> str:
     """The pool's one line (``[air_magic] pool of 2 CPU ranks: idle, 3 calls run, up 42 s...``)."""
     info = status(engine)
     mem = (
@@ -104,7 +126,7 @@ def describe(engine: "PoolEngine") -> str:
     )
 
 
-def _run_text(engine: "PoolEngine") -> str:
+def _run_text(engine: PoolEngine) -> str:
     launch = engine.launch
     if launch is None or not launch.run_id:
         return ""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from air_magic.errors import LaunchError
 from air_magic.protocol import LAUNCH_ID_ENV, LaunchRequest
+from air_magic.settings import settings
 
 if TYPE_CHECKING:
     from air_magic.capture import Payload
@@ -54,6 +55,11 @@ def rank_environment(launch: "Launch") -> dict[str, str]:
     if launch.world_size > 1:  # torchrun's rule: one thread per rank unless set
         env.setdefault("OMP_NUM_THREADS", "1")
     env[LAUNCH_ID_ENV] = launch.id
+    # torch's Flight Recorder: what the hang report and a pool's Ctrl-C read of a rank's
+    # collectives (the user's own setting of it wins).
+    recorded = settings.flight_recorder
+    if recorded and not (env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        env["TORCH_FR_BUFFER_SIZE"] = str(recorded)
     if launch.placement.device == "cpu":
         # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU
         # is what `accelerate launch --cpu` sets: without it the Hugging Face Trainer

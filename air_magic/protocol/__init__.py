@@ -49,6 +49,7 @@ from air_magic.protocol.messages import (
 )
 from air_magic.protocol.paths import (
     LEFT_PREFIX,
+    collectives_path,
     elastic_error_path,
     joined_path,
     left_path,
@@ -70,6 +71,7 @@ from air_magic.protocol.processes import (
     STACK_SIGNAL,
     STOP_ESCALATION,
     THREAD_ANSWER_SECONDS,
+    ask_for_collectives,
     ask_for_stacks,
     carriers,
     end_carriers,
@@ -146,6 +148,8 @@ __all__ = [
     "printable",
     "THREAD_ANSWER_SECONDS",
     "ask_for_stacks",
+    "ask_for_collectives",
+    "collectives_path",
     "format_thread_stacks",
     "pid_limits",
     "pids_room",

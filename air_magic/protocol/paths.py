@@ -46,6 +46,12 @@ def stack_request_path(work_dir: str, rank: int) -> str:
     return os.path.join(work_dir, f"stack-{rank}.ask")
 
 
+def collectives_path(work_dir: str, rank: int) -> str:
+    """Where ``rank``'s stack thread writes its collectives when asked (see
+    :mod:`air_magic.rank.collectives`)."""
+    return os.path.join(work_dir, f"collectives-{rank}.json")
+
+
 def joined_path(work_dir: str, rank: int) -> str:
     """Made when ``rank`` enters init_process_group(): the kernel tells a rank that ended
     without joining (the others would wait for it until the timeout) by its absence."""

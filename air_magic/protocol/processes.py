@@ -130,6 +130,24 @@ def ask_for_stacks(work_dir: str, rank: int, pid: int, *, by_signal: bool = Fals
         return False
 
 
+def ask_for_collectives(work_dir: str, rank: int) -> str | None:
+    """Ask ``rank``'s stack thread for its collectives (torch's Flight Recorder, read without
+    interrupting its code); the token its answer will carry, or None when it cannot be asked
+    (no thread listens: the rank has ended, or never started one)."""
+    token = os.urandom(6).hex()
+    try:
+        fd = os.open(stack_request_path(work_dir, rank), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b"c" + token.encode())
+        return token
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def format_thread_stacks(skip: int | None = None) -> str:
     """Every Python thread's stack but ``skip``'s, in faulthandler's layout (the main
     thread first, most recent call first), as the stack file holds them."""

@@ -243,14 +243,15 @@ def _dump_stacks_on_request(work_dir: str, rank: int) -> None:
     _stack_file = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600), "w")
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     faulthandler.register(FINAL_STACK_SIGNAL, file=_stack_file, all_threads=True, chain=True)
-    _answer_stack_requests(stack_request_path(work_dir, rank), _stack_file.fileno())
+    _answer_stack_requests(stack_request_path(work_dir, rank), _stack_file.fileno(), work_dir, rank)
 
 
-def _answer_stack_requests(ask: str, out: int) -> None:
-    """A thread that waits on the rank's stack pipe and writes the stacks asked for: a
-    request the thread answers leaves the user's code alone (no signal interrupts its
+def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None:
+    """A thread that waits on the rank's stack pipe and answers what is asked: its stacks
+    (``?``), or its collectives (``c`` and a token: :func:`air_magic.rank.collectives.answer`).
+    A request the thread answers leaves the user's code alone (no signal interrupts its
     system calls).  It costs nothing while idle (blocked in ``open``/``read``) and is not
-    one of ``threading``'s threads.  Without the pipe, requests come by signal."""
+    one of ``threading``'s threads.  Without the pipe, stack requests come by signal."""
     import _thread
 
     try:
@@ -267,7 +268,14 @@ def _answer_stack_requests(ask: str, out: int) -> None:
                     asked = os.read(fd, 64)
                 finally:
                     os.close(fd)
-                if asked:
+                if asked.startswith(b"c"):
+                    try:
+                        from air_magic.rank import collectives
+
+                        collectives.answer(work_dir, rank, asked[1:].decode("ascii", "replace"))
+                    except Exception:  # no answer: the kernel reads the rank as one it cannot ask
+                        pass
+                elif asked:
                     os.write(out, format_thread_stacks(skip=me).encode("utf-8", "replace"))
             except BaseException:  # the rank is ending (its files gone): requests come by signal
                 return

@@ -9,10 +9,13 @@ Ray ranks on other nodes, with an auth key: no CPU while idle)::
     kernel                                    rank r
     ------                                    ------
     Listener(socket, authkey)  <-- connect -- ("hello", r, pid)
-    ("cell", id, code, names, sources) -->    exec in the namespace; SIGINT raises only here
+    ("cell", id, code, names, sources) -->    exec in the namespace; SIGINT raises only here,
+                                              outside torch's frames (air_magic.rank.interrupts)
                                        <--    ("began", id): from now on SIGINT raises
     ("call", id, func, args, kwargs)   -->    func(*args, **kwargs)
     ("push", id, names) / ("pull", id, name) -->  set names / read one
+    ("finish", id, ops)                -->    make collectives a peer waits in (a Ctrl-C left
+                                              it inside one the others had abandoned)
                                        <--    ("done", id, record, names of the namespace,
                                                    pids the call forked with os.fork())
     ("close",) or the kernel gone      -->    the rank returns; the launch ends
@@ -44,6 +47,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableRecord, ValueRecord, printable
+from air_magic.rank import interrupts as _interrupts
 from air_magic.rank import tracking_shim as _tracking
 
 __all__ = ["serve"]
@@ -164,7 +168,11 @@ def _handle(
         lines = source.splitlines(keepends=True)
         linecache.cache[filename] = (len(source), None, lines, filename)
     try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if kind == "finish":  # a collective a peer waits in, made on zeros (a pool's Ctrl-C)
+            from air_magic.rank import collectives
+
+            return ValueRecord(collectives.finish(data["ops"]))
+        _interrupts.install(_id)  # SIGINT raises, at a point the rank's training can go on from
         try:
             began()
             if kind == "cell":
@@ -194,7 +202,7 @@ def _handle(
             else:
                 raise ValueError(f"unknown pool message {kind!r}")
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _interrupts.uninstall()
         return ValueRecord(value)
     except SystemExit as exc:
         return ValueRecord(None) if exc.code in (None, 0) else error_record(exc, sources)

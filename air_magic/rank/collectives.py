@@ -1,0 +1,212 @@
+"""A rank's collectives, as torch's Flight Recorder saw them: what the kernel asks while the
+rank's code waits in one, and the collectives a rank makes to finish one its peers left.
+
+torch records every collective of every process group (gloo and NCCL alike) when
+``TORCH_FR_BUFFER_SIZE`` is set: the launch sets it (``AIR_MAGIC_FLIGHT_RECORDER``) unless
+the user did.  The rank's stack thread answers without touching the thread that waits::
+
+    kernel                                          rank (its stack thread; the GIL is free:
+                                                    a collective waits in C with it released)
+    ask_for_collectives(work_dir, rank) --"c<token>"-->  answer(): torch's dump, cut to what
+                                                    the kernel needs: each group's last
+                                                    enqueued / completed sequence number and
+                                                    its pending entries (op, sizes, dtypes,
+                                                    the user's file:line)
+                             <-- collectives-<rank>.json {"token": ..., "groups": ..., "pending": ...}
+
+    a pool's Ctrl-C, a rank left inside #42 that the others had abandoned:
+    ("finish", id, {"ops": [entry #42]}) ---> finish(ops): the same collective, on zeros,
+                                              in the same group: #42 completes everywhere
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from typing import Any
+
+__all__ = ["FR_ENV", "dump", "answer", "finish"]
+
+#: torch's switch for its Flight Recorder (the number of entries kept per process).
+FR_ENV = "TORCH_FR_BUFFER_SIZE"
+
+_DTYPES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Long": "int64",
+    "Int": "int32",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Bool": "bool",
+}
+
+
+def dump() -> dict[str, Any] | None:
+    """What the Flight Recorder holds now, for each group: its sequence numbers, its ranks,
+    and the collectives not completed yet; None where torch records nothing."""
+    torch = sys.modules.get("torch")
+    if torch is None or not os.environ.get(FR_ENV) and not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        return None
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    reader = getattr(c10d, "_dump_fr_trace", None)
+    if reader is None:
+        return None
+    try:
+        raw = pickle.loads(reader(includeCollectives=True, includeStackTraces=True, onlyActive=True))
+    except Exception:  # a torch without it, or no group yet
+        return None
+    nccl = getattr(c10d, "_dump_nccl_trace", None)
+    if nccl is not None:  # a CUDA build: NCCL's groups have a recorder of their own
+        try:
+            extra = pickle.loads(nccl(includeCollectives=True, includeStackTraces=True, onlyActive=True))
+            raw.setdefault("entries", []).extend(extra.get("entries") or [])
+            raw.setdefault("pg_status", {}).update(extra.get("pg_status") or {})
+            raw.setdefault("pg_config", {}).update(extra.get("pg_config") or {})
+        except Exception:  # no NCCL group: the generic recorder has them all
+            pass
+    groups: dict[str, dict[str, Any]] = {}
+    for pg_id, status in (raw.get("pg_status") or {}).items():
+        groups[str(pg_id)] = {
+            "enqueued": _int(status.get("last_enqueued_collective")),
+            "completed": _int(status.get("last_completed_collective")),
+        }
+    names = {}
+    for entry in raw.get("entries") or []:
+        group = entry.get("process_group") or ("", "")
+        names[str(entry.get("pg_id"))] = (str(group[0]), str(group[1]))
+    for pg_id, (name, desc) in names.items():
+        groups.setdefault(pg_id, {"enqueued": -1, "completed": -1}).update(name=name, desc=desc)
+    for name, config in (raw.get("pg_config") or {}).items():
+        for info in groups.values():
+            if info.get("name") == name:
+                info["ranks"] = _ranks(config.get("ranks"))
+    pending = []
+    for entry in raw.get("entries") or []:
+        pg_id = str(entry.get("pg_id"))
+        seq = _int(entry.get("collective_seq_id"))
+        if entry.get("is_p2p") or seq <= groups.get(pg_id, {}).get("completed", -1):
+            continue
+        pending.append(
+            {
+                "pg": pg_id,
+                "seq": seq,
+                "op": str(entry.get("profiling_name") or ""),
+                "input_sizes": entry.get("input_sizes") or [],
+                "input_dtypes": entry.get("input_dtypes") or [],
+                "output_sizes": entry.get("output_sizes") or [],
+                "output_dtypes": entry.get("output_dtypes") or [],
+                "where": _user_frame(entry.get("frames") or []),
+                "state": str(entry.get("state") or ""),
+            }
+        )
+    pending.sort(key=lambda e: (e["pg"], e["seq"]))
+    return {"groups": groups, "pending": pending}
+
+
+def answer(work_dir: str, rank: int, token: str) -> None:
+    """Write :func:`dump`'s answer, with the kernel's token, where the kernel reads it."""
+    from air_magic.protocol import collectives_path
+
+    found = dump()
+    path = collectives_path(work_dir, rank)
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump({"token": token, "recorded": found is not None, **(found or {})}, handle)
+    os.replace(tmp, path)
+
+
+def finish(ops: list[dict[str, Any]]) -> int:
+    """Make each collective ``ops`` names (as :func:`dump` described it, from a peer that
+    waits in it), on zeros, in its group: the peer's collective completes.  Returns how many
+    were made; a collective of a kind that cannot be made again raises ``ValueError``."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    by_name = {str(name): group for group, name in getattr(c10d._world, "pg_names", {}).items()}
+    made = 0
+    for op in ops:
+        group = by_name.get(str(op.get("name")))
+        if group is None:
+            raise ValueError(f"no process group named {op.get('name')!r} on this rank")
+        device = _device(group)
+        inputs = [_zeros(torch, s, d, device) for s, d in zip(op["input_sizes"], op["input_dtypes"])]
+        outputs = [_zeros(torch, s, d, device) for s, d in zip(op["output_sizes"], op["output_dtypes"])]
+        kind = str(op["op"]).split(":", 1)[-1]
+        if kind in ("all_reduce", "allreduce"):
+            for tensor in inputs:
+                dist.all_reduce(tensor, group=group)
+        elif kind in ("allreduce_coalesced", "all_reduce_coalesced"):
+            dist.all_reduce_coalesced(inputs, group=group)
+        elif kind == "barrier":
+            dist.barrier(group=group)
+        elif kind in ("broadcast",):
+            for tensor in inputs:
+                dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+        elif kind in ("_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"):
+            for out, inp in zip(outputs, inputs):
+                dist.all_gather_into_tensor(out, inp, group=group)
+        elif kind in ("allgather", "all_gather"):
+            size = dist.get_world_size(group)
+            for inp in inputs:
+                dist.all_gather([torch.zeros_like(inp) for _ in range(size)], inp, group=group)
+        elif kind in ("_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+            for out, inp in zip(outputs, inputs):
+                dist.reduce_scatter_tensor(out, inp, group=group)
+        elif kind in ("alltoall_base", "all_to_all_single"):
+            for out, inp in zip(outputs, inputs):
+                dist.all_to_all_single(out, inp, group=group)
+        else:
+            raise ValueError(f"{op['op']} cannot be made again from another rank")
+        made += 1
+    return made
+
+
+def _device(group: Any) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _zeros(torch: Any, size: Any, dtype: str, device: Any) -> Any:
+    name = _DTYPES.get(str(dtype), str(dtype).lower())
+    return torch.zeros([int(n) for n in size], dtype=getattr(torch, name), device=device)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
+
+
+def _ranks(text: Any) -> list[int]:
+    try:
+        found = json.loads(text) if isinstance(text, str) else list(text or [])
+        return [int(r) for r in found]
+    except (TypeError, ValueError):
+        return []
+
+
+#: Frames of these files are torch's and air_magic's own: the user's line is the first other.
+_NOT_USER = ("/torch/", "/air_magic/", "/site-packages/", "/lib/python")
+
+
+def _user_frame(frames: list[dict[str, Any]]) -> str:
+    """``file:line in func`` of the innermost frame of the user's code (the cell's name is put
+    in place of its file name by the kernel)."""
+    for frame in frames:
+        name = str(frame.get("filename") or "")
+        if name.startswith("<air_magic cell") or not any(part in name for part in _NOT_USER):
+            return f"{name}:{frame.get('line')} in {frame.get('name')}"
+    return ""
