@@ -166,6 +166,9 @@ class Launch:
         self.request: LaunchRequest | None = None  # what the helper was sent
         self.sent_again = False  # to a new helper, the first having gone before starting it
         self._cancel_requested = False
+        #: A pool's ranks: what cancel() (a panel's Stop) does instead of stopping them; it
+        #: interrupts the pool's running call as Ctrl-C does (True if there was one).
+        self.cancel_instead: Callable[[], bool] | None = None
         self._done = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
         self._error_text: str | None = None
@@ -291,9 +294,13 @@ class Launch:
 
     def cancel(self) -> bool:
         """Stop every rank (SIGINT, then SIGTERM, then SIGKILL). False if it had already ended
-        (its outcome is known, even while the observers are still told of its end)."""
+        (its outcome is known, even while the observers are still told of its end).  A pool's
+        launch is not stopped: the pool's running call is interrupted, as Ctrl-C interrupts it
+        (False when none runs)."""
         if self._done.is_set() or self.status not in LIVE_STATUSES:
             return False
+        if self.cancel_instead is not None:
+            return self.cancel_instead()
         self._cancel_requested = True
         self.launcher.send(Stop(self.id, "cancel"))
         return True

@@ -206,6 +206,8 @@ class _Call:
     wanted: set[int] = field(default_factory=set)
     signalled: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    background: bool = False  # a pool.submit call: no thread of the user's waits for it
+    waiter: int = field(default_factory=threading.get_ident)  # the thread that waits for it
 
 
 class PoolEngine:
@@ -374,6 +376,7 @@ class PoolEngine:
                     conn.close()
                 raise
         ranks = _Ranks(launch, [hello[r][0] for r in range(len(hello))], [hello[r][1] for r in range(len(hello))])
+        launch.cancel_instead = self.stop_call  # a panel's Stop interrupts the call; the ranks stay
         if launch.helper is not None:
             launch.helper.pool_started(launch.id)  # Ray: the agents' spares start now
         self.start_seconds = time.monotonic() - began
@@ -441,6 +444,21 @@ class PoolEngine:
             call.signalled.update(now)
         if now:
             call.ranks.launch.signal_ranks(now, signal.SIGINT)
+
+    def stop_call(self) -> bool:
+        """What a panel's Stop does to the pool (its launch's ``cancel()``): the call running
+        now is interrupted as Ctrl-C interrupts it, and the ranks and their state stay.  A call
+        the kernel's main thread waits for (a pool cell, ``pool.run``) gets the SIGINT that
+        Jupyter's interrupt sends the kernel, so it ends exactly as after Ctrl-C; a
+        ``pool.submit`` call is cancelled (:meth:`PoolCall.cancel`).  False when none runs."""
+        call = self._call_now
+        if call is None:
+            return False
+        if not call.background and call.waiter == threading.main_thread().ident:
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            self.interrupt(list(range(len(call.ranks.conns))))
+        return True
 
     def _on_began(self, call: _Call, rank: int) -> None:
         """A rank began the call: from now on a SIGINT raises in it."""
@@ -603,7 +621,7 @@ class PoolEngine:
         background: bool = False,
     ) -> list[Any]:
         self._ids += 1
-        call = _Call(ranks, self._ids, label, data.get("sources") or {})
+        call = _Call(ranks, self._ids, label, data.get("sources") or {}, background=background)
         launch = ranks.launch
         log = launch.ranks[0].log_path
         for state in launch.ranks:  # bounded as a launch's are, between two calls

@@ -20,7 +20,9 @@ changed: no front end polls it::
                                   <--- "launches"   at a launch's start, each change of its
                                                      state (a watcher thread, only while a
                                                      launch runs) and its end, on every comm
-    {"type": "stop", "launch", "request"}   --->    Launch.cancel(); reply {"ok": ...}
+    {"type": "stop", "launch", "request"}   --->    Launch.cancel(); reply {"ok": ...} (a pool's
+                                                     launch: its running cell is interrupted as
+                                                     Ctrl-C does it, the ranks stay)
     {"type": "log", "launch", "rank", ...}  --->    the end of that rank's log; reply {"text"}
 
 Every message from the front end that asks something carries ``request``; its answer is
@@ -243,7 +245,15 @@ class LabChannel:
             entry = self.running.get(launch_id)
         # Listed as running until its observers are told of its end, but over (cancel() says
         # so) once its outcome is known: what the list may already show.
-        if entry is None or not entry[0].cancel():
+        if entry is None or not entry[0].cancel():  # a pool's launch: cancel() interrupts its call
+            from air_magic.kernel.pool import pool_of
+
+            if entry is not None and pool_of(launch_id) is not None:
+                return {
+                    "ok": False,
+                    "error": "the pool runs no cell now, so there is nothing to stop; %distributed_pool --stop "
+                    "ends the pool",
+                }
             return {"ok": False, "error": f"launch {launch_id} is not running"}
         self._wake.set()
         return {"ok": True, "launch": launch_id}

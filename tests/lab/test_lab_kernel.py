@@ -293,3 +293,61 @@ def test_the_list_keeps_a_thread_only_while_a_front_end_watches_a_running_launch
             assert kernel.value(watchers) == []
     finally:
         kernel.shutdown()  # (the factory's kernels live to the session's end)
+
+
+def test_stop_on_a_pool_cell_interrupts_it_as_ctrl_c_does_and_the_pool_stays(kernel_factory: Any) -> None:
+    """Stop in the sidebar on a running pool cell (on the comm's subshell, as JupyterLab 4.4+
+    sends it): the cell ends as after Ctrl-C, the ranks and their state stay, and the list,
+    ``%distributed_pool`` and the next cell all say the same."""
+    kernel = kernel_factory()
+    try:
+        front = Front(kernel)
+        kernel.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
+        kernel.ok("%%distributed --pool\nimport os\nx = 41", timeout=60)
+        pids = sorted(p.pid for p in rank_processes())
+        assert len(pids) == 2
+        subshell = front.subshell()
+        comm_id = front.open(subshell=subshell)
+        front.wait("the list", lambda: front.comm_data(comm_id, "launches"))
+        cell = kernel.execute("%%distributed --pool\nimport time\nwhile True:\n    time.sleep(0.01)")
+        pool_launch = front.wait(
+            "the pool's launch", lambda: [d for d in front.latest(comm_id) if d["kind"] == "pool"], timeout=30
+        )[0]
+        time.sleep(1.0)  # the cell runs on both ranks
+        reply = front.request(comm_id, {"type": "stop", "launch": pool_launch["id"]}, subshell=subshell)
+        assert reply["ok"] is True, reply
+        front.wait("the cell's end", lambda: front.ended(cell), timeout=30)
+        errors = [m for m in front.messages if m["msg_type"] == "error" and m["parent_header"].get("msg_id") == cell]
+        assert [(e["content"]["ename"], e["content"]["evalue"]) for e in errors] == [
+            (
+                "KeyboardInterrupt",
+                "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact.",
+            )
+        ]
+        assert sorted(p.pid for p in rank_processes()) == pids  # the same ranks, not killed
+        front.drain(1.0)
+        listed = [d for d in front.latest(comm_id) if d["id"] == pool_launch["id"]]
+        assert listed and listed[0]["status"] == "running", listed  # not "cancelled"
+        assert "idle" in kernel.ok("%distributed_pool").stdout
+        assert kernel.value("%%distributed --pool\nx + 1") == [42, 42]
+        # With no cell running there is nothing to stop: the answer says so, and the pool stays.
+        idle = front.request(comm_id, {"type": "stop", "launch": pool_launch["id"]}, subshell=subshell)
+        assert idle["ok"] is False and idle["error"] == (
+            "the pool runs no cell now, so there is nothing to stop; %distributed_pool --stop ends the pool"
+        )
+        # A pool.submit call: Stop cancels it, as its handle's cancel() does.
+        kernel.ok(
+            "import air_magic, time\n"
+            "def spins():\n"
+            "    while True:\n"
+            "        time.sleep(0.01)\n"
+            "h = air_magic.Pool.current().submit(spins)\n"
+            "time.sleep(1.0)"
+        )
+        reply = front.request(comm_id, {"type": "stop", "launch": pool_launch["id"]}, subshell=subshell)
+        assert reply["ok"] is True, reply
+        assert kernel.value("type(h.exception(timeout=30)).__name__") == "KeyboardInterrupt"
+        assert sorted(p.pid for p in rank_processes()) == pids
+        assert kernel.value("%%distributed --pool\nx") == [41, 41]
+    finally:
+        kernel.shutdown()
