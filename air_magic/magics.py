@@ -68,7 +68,7 @@ class DistributedMagics(Magics):
     def _panel_changed(self, change: Any) -> None:
         settings.panel = change["new"]
 
-    @magic_arguments()
+    @magic_arguments(name="%distributed")  # IPython adds one "%": the help reads "%%distributed [-n N] ..."
     @apply_arguments(argument)  # the flags of air_magic.options.OPTIONS
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:

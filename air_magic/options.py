@@ -202,7 +202,7 @@ class _Parser(argparse.ArgumentParser):
 def line_parser(parse: Callable[[Callable[[str], Any]], Callable[[str], Any]] | None = None) -> argparse.ArgumentParser:
     """A parser of ``%%distributed``'s options, without IPython: the same flags, values and
     error messages as the magic's.  ``parse`` wraps each typed option's parser."""
-    parser = _Parser(prog="%distributed", add_help=False)
+    parser = _Parser(prog="%%distributed", add_help=False)
     for option in _flagged():
         parser.add_argument(*option.flags, **option.argparse_keywords(parse))
     return parser

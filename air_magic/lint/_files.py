@@ -23,7 +23,9 @@ class FileResult:
 
     ``remaining`` is what is left after fixing (everything found when not fixing),
     ``found`` what the file had before fixing; ``changes`` holds ``(cell, old, new)``
-    for each fixed text (``cell`` is ``None`` for a ``.py`` file, else the cell number).
+    for each fixed text (``cell`` is ``None`` for a ``.py`` file, else the cell number);
+    ``sources`` the file's code as it is now (fixed or not): its text, or a notebook's cells
+    (``None`` for cells that are not code).
     """
 
     path: str
@@ -31,6 +33,7 @@ class FileResult:
     found: list[Diagnostic]
     fixed: int = 0
     changes: list[tuple[int | None, str, str]] = field(default_factory=list)
+    sources: list[str | None] = field(default_factory=list)
 
 
 def lint_file(path: str, *, fix: bool = False, unsafe: bool = False, write: bool = False) -> FileResult:
@@ -48,9 +51,11 @@ def lint_file(path: str, *, fix: bool = False, unsafe: bool = False, write: bool
 
     if not fix:
         found = check(source, path=path)
-        return FileResult(path, found, found)
+        return FileResult(path, found, found, sources=[source])
     result = fix_until_stable(source, lambda s: check(s, path=path), unsafe=unsafe, path=path)
-    outcome = FileResult(path, list(result.remaining), list(result.found), fixed=len(result.fixed))
+    outcome = FileResult(
+        path, list(result.remaining), list(result.found), fixed=len(result.fixed), sources=[result.source]
+    )
     if result.source != source:
         outcome.changes.append((None, source, result.source))
         if write:
@@ -65,17 +70,31 @@ def _notebook(path: str, fix: bool, unsafe: bool, write: bool) -> FileResult:
     try:
         if not fix:
             found = lint_notebook_file(path)
-            return FileResult(path, found, found)
+            return FileResult(path, found, found, sources=_cells(path))
         result = fix_notebook_file(path, unsafe=unsafe, write=write)
     except ConvergenceError:
         raise
     except Exception as exc:  # not JSON, not a notebook, unreadable
         raise UnreadableFile(f"{path}: cannot read it as a notebook ({type(exc).__name__}: {exc})") from None
-    outcome = FileResult(path, result.remaining_diagnostics, list(result.result.found), fixed=len(result.result.fixed))
+    outcome = FileResult(
+        path,
+        result.remaining_diagnostics,
+        list(result.result.found),
+        fixed=len(result.result.fixed),
+        sources=list(result.result.sources),
+    )
     for index, (old, new) in enumerate(zip(result.before, result.result.sources)):
         if old is not None and new is not None and old != new:
             outcome.changes.append((index + 1, old, new))
     return outcome
+
+
+def _cells(path: str) -> list[str | None]:
+    """A notebook's cells: each code cell's source, ``None`` for the others."""
+    import nbformat
+
+    notebook = nbformat.read(path, as_version=4)
+    return [cell.source if cell.cell_type == "code" else None for cell in notebook.cells]
 
 
 def lines(text: str) -> list[str]:

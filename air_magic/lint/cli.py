@@ -83,6 +83,7 @@ class _Outcome:
     diagnostics: list[Diagnostic]  # left after fixing, or all of them when not fixing
     fixed: int = 0
     diff: list[str] = field(default_factory=list)
+    sources: list[str | None] = field(default_factory=list)  # its code as it is now
 
 
 def _process(path: str, fix: bool, diff: bool, unsafe: bool) -> _Outcome:
@@ -90,7 +91,9 @@ def _process(path: str, fix: bool, diff: bool, unsafe: bool) -> _Outcome:
         result = lint_file(path, fix=fix or diff, unsafe=unsafe, write=fix)
     except UnreadableFile as exc:
         raise _UsageError(str(exc)) from None
-    outcome = _Outcome(path, result.found if diff and not fix else result.remaining, fixed=result.fixed)
+    outcome = _Outcome(
+        path, result.found if diff and not fix else result.remaining, fixed=result.fixed, sources=result.sources
+    )
     if diff:
         for cell, old, new in result.changes:
             if cell is None:
@@ -122,6 +125,9 @@ def _print_text(outcomes: list[_Outcome], args: argparse.Namespace, out: TextIO)
         out.write(finding_text(d))
     if args.quiet:
         return
+    for outcome in outcomes if args.fix or args.diff else ():  # what the Lab's migrate dialog says, here too
+        for note in _hardware_notes(outcome):
+            out.write(f"Note: {note}\n")
     fixed = sum(o.fixed for o in outcomes)
     if args.fix and fixed:
         out.write(f"Fixed {plural(fixed, 'finding')}.\n")
@@ -130,6 +136,14 @@ def _print_text(outcomes: list[_Outcome], args: argparse.Namespace, out: TextIO)
             out.write("No findings.\n")
         return
     out.write(summary(diagnostics, fixing=args.fix, unsafe_hint=not args.unsafe_fixes) + "\n")
+
+
+def _hardware_notes(outcome: _Outcome) -> list[str]:
+    """The GPU shapes the file's code asks for that this machine lacks (see
+    :func:`air_magic.lint.migrate.hardware_notes`)."""
+    from air_magic.lint.migrate import hardware_notes
+
+    return hardware_notes(outcome.sources, subject=outcome.path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

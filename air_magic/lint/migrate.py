@@ -80,9 +80,10 @@ def migrate_cells(sources: Sequence[str | None], *, path: str = "<notebook>", un
 _GPU_ASKED = re.compile(r"""accelerator_type\s*=\s*(['"])(GPU_\w+)\1|--accelerator-type[ =]+(GPU_[\w]+)""", re.I)
 
 
-def hardware_notes(sources: Sequence[str | None]) -> list[str]:
+def hardware_notes(sources: Sequence[str | None], subject: str = "The migrated code") -> list[str]:
     """For each GPU shape the code asks for and this machine lacks (too few GPUs, another
-    model, none at all): what a launch of it does here, and how to run it here instead."""
+    model, none at all): what a launch of it does here, and how to run it here instead
+    (each note begins with ``subject``)."""
     asked: list[str] = []
     for source in sources:
         for match in _GPU_ASKED.finditer(source or ""):
@@ -111,7 +112,7 @@ def hardware_notes(sources: Sequence[str | None]) -> list[str]:
             else f"omit accelerator_type to use what it has ({have.value})"
         )
         notes.append(
-            f"The migrated code asks for {wanted.value} ({wanted.count} {wanted.model} GPUs), and this machine has "
+            f"{subject} asks for {wanted.value} ({wanted.count} {wanted.model} GPUs), and this machine has "
             f"{here.describe()}: such a launch stops with AcceleratorMismatchError here. To run it on this machine, "
             f"{instead}."
         )

@@ -243,7 +243,11 @@ class _Joined:
         return found, line - found.start + 1
 
     def describe(self, line: int) -> str:
+        """Where a line is, as a finding names it: ``cell 3, line 2``; ``line 2`` when one cell
+        is linted on its own (a launch's cell: the finding is shown under the cell's name)."""
         cell, inner = self.locate(line)
+        if len(self.cells) == 1:
+            return f"line {inner}"
         return f"cell {self.numbers[cell.index]}, line {inner}"
 
     def lint(self) -> list[Diagnostic]:

@@ -167,8 +167,10 @@ class PanelObserver(WidgetPanel):
             self._end_display = "background"
         if self.mode == "widget":
             self._keep_open()
-        else:
-            # The launching cell is over: say it where the user is now.
+        elif terminal or self.shell is None or getattr(self.shell, "execution_count", None) != self.cell:
+            # The launching cell is over and the user has moved on: say it where they are
+            # now.  (While no cell ran since, the line would land under the launching cell,
+            # right below its display, which already says it.)
             line = summary.text.splitlines()[0]
             print(line, file=sys.stdout if self.shell is not None else sys.stderr, flush=True)
 

@@ -225,6 +225,7 @@ def test_help_lists_options_and_example(k: Kernel) -> None:
     pages = [p["data"]["text/plain"] for p in res.reply["payload"] if p.get("source") == "page"]
     assert pages, res.reply
     text = strip_ansi(pages[0])
+    assert "%%distributed [-n N]" in text and "%distributed [-n N]" not in text.replace("%%distributed", "")
     for option in (
         "-n N, --num-accelerators N",
         "--accelerator-type TYPE",

@@ -92,6 +92,28 @@ def test_fix_writes_and_reports_what_is_left(project: Path, capsys: pytest.Captu
     assert main(["lint", "--fix", str(path)]) == 0
 
 
+def test_fix_says_when_the_code_asks_for_gpus_this_machine_lacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from air_magic import accelerators
+
+    monkeypatch.setattr(accelerators, "_physical_gpus", lambda: ())  # NVML's answer: no GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "train.py"
+    path.write_text(LEGACY.replace("gpus=8, remote=True", "gpus=8, gpu_type='H100'"))
+    assert main(["lint", "--fix", str(path)]) == 0
+    assert "accelerator_type='GPU_8xH100'" in path.read_text()
+    assert capsys.readouterr().out == (
+        f"Note: {path} asks for GPU_8xH100 (8 H100 GPUs), and this machine has no NVIDIA GPU (CPU only): such a "
+        "launch stops with AcceleratorMismatchError here. To run it on this machine, pass num_accelerators=2 and "
+        'accelerator_type="CPU" (CPU ranks), in the decorator or with .with_overrides(...); %%distributed: -n 2 '
+        "--accelerator-type CPU.\n"
+        "Fixed 3 findings.\n"
+    )
+    assert main(["lint", str(path)]) == 0  # a plain check reports findings only
+    assert capsys.readouterr().out == "No findings.\n"
+
+
 def test_unsafe_fixes_need_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "port.py"
     path.write_text('import os\nos.environ["MASTER_PORT"] = "29500"\n')

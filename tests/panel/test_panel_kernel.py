@@ -357,3 +357,50 @@ def test_text_lines_where_no_widget_front_end(kernel_factory: Any) -> None:
         assert not displays(msgs) and not displays(msgs, "update_display_data")
     finally:
         kernel.shutdown()
+
+
+def test_a_background_launch_says_its_end_once_and_the_lint_does_not_guess_at_small_data(
+    kernel_factory: Any,
+) -> None:
+    """``.submit()`` in a notebook with no widgets: its end updates the launching cell's line,
+    and no second "finished" line is printed under it; a cell run meanwhile gets the line.
+    The summary has no AM303 "large data" guess about a 4x1 tensor (capture knows its size)."""
+    kernel = kernel_factory()
+    try:
+        wire = Wire(kernel)
+        wire.ok(
+            "import torch\n"
+            "from air_magic import distributed\n"
+            "weights = torch.ones(4, 1)\n"
+            "@distributed(num_accelerators=2, tracking=False)\n"
+            "def total():\n"
+            "    return float(weights.sum())\n"
+        )
+        res, msgs = wire.ok("f = total.submit()")
+        launch_id = displays(msgs)[0]["transient"]["display_id"]
+        ended = lambda: [  # noqa: E731
+            m
+            for m in wire.messages
+            if m["msg_type"] == "update_display_data" and m["content"]["transient"]["display_id"] == launch_id
+        ]
+        assert wire.wait_for(lambda: bool(ended()), 60)
+        wire.drain(1.0)
+        said = [
+            m["content"]["text"]
+            for m in wire.messages
+            if m["msg_type"] == "stream" and "finished in" in m["content"]["text"]
+        ]
+        assert said == []  # the updated line says it, once
+        summary = ended()[-1]["content"]["data"]
+        assert status_of(summary["text/html"]) == "finished"
+        for text in (summary["text/plain"], summary["text/html"]):
+            assert "AM303" not in text and "large data" not in text
+        assert kernel.value("f.result()") == [4.0, 4.0]
+
+        # A launch that ends while another cell runs: the line lands in that cell.
+        wire.ok("g = total.submit()")
+        res, msgs = wire.ok("import time\nwhile not g.done():\n    time.sleep(0.1)\ntime.sleep(3)", timeout=120)
+        lines = [m["content"]["text"] for m in msgs if m["msg_type"] == "stream" and "finished in" in m["content"]["text"]]
+        assert len(lines) == 1 and lines[0].startswith("[air_magic] total on 2 CPU ranks"), lines
+    finally:
+        kernel.shutdown()
