@@ -6,15 +6,22 @@ Each code cell's source is printed when it starts, then its output as the kernel
 (streams, displays, errors: nbclient's ``output`` step, extended); a display updated in
 place (a launch's panel turning into its summary) is printed again once its cell is done,
 as it ended.
+
+The kernel talks to this script over Unix sockets in a private folder (ZeroMQ's IPC
+transport), not over loopback TCP: no other user of the machine can reach it, and ipykernel
+has nothing to warn about.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -77,12 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
     args = parser.parse_args(argv)
     notebook = nbformat.read(args.notebook, as_version=4)
-    client = StreamingClient(notebook, timeout=args.timeout, kernel_name="python3")
+    sockets = tempfile.mkdtemp(prefix="am-kernel-")  # 0700: the kernel's sockets are this user's only
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=f"{sockets}/kernel")
+    client = StreamingClient(notebook, km=km, timeout=args.timeout, kernel_name="python3")
     status = 0
     try:
         client.execute()
     except CellExecutionError:
         status = 1
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     if args.output:
         nbformat.write(notebook, args.output)
     return status

@@ -28,6 +28,9 @@ export DS_BUILD_OPS="${DS_BUILD_OPS:-0}"
 pin="$(mktemp)"
 python -W ignore -c "import torch; print('torch==' + torch.__version__)" > "$pin"
 step "installing air_magic and its test tools (MLflow, JupyterLab, DeepSpeed, transformers, Ray...): the longest step"
+# setuptools prints an "Editable installation" notice (folders named like the package may
+# shadow it): here the air_magic/ folder it means is the installed package itself.
+echo "             (setuptools' \"Editable installation\" notice below is harmless: the air_magic/ folder it warns of is this package)" >&2
 python -m pip install -q -e ".[test]" -c "$pin"
 rm -f "$pin"
 # An editable install does not place the data files Jupyter reads (a regular `pip install .`

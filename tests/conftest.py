@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -40,16 +41,57 @@ def _kill_and_clean(procs: list[psutil.Process]) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+#: What the project's code, its tests, notebooks and benchmarks name their temporary files and
+#: folders (in the temp folder and in ``/dev/shm``): a test run leaves none behind.
+_OURS = re.compile(r"^(air[_-]magic|am-|amray-|airbench-|bench-|tracking-bench-|fsdp2-|tiny-gpt2-|kept-)")
+_TEMP_PLACES = (tempfile.gettempdir(), "/dev/shm")
+
+
+def _our_temp_files() -> set[str]:
+    found = set()
+    for place in _TEMP_PLACES:
+        try:
+            with os.scandir(place) as entries:
+                for entry in entries:
+                    try:
+                        if _OURS.match(entry.name) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                            found.add(entry.path)
+                    except OSError:  # gone meanwhile
+                        continue
+        except OSError:
+            continue
+    return found
+
+
+_TEMP_AT_START = _our_temp_files()  # (another run's, or the user's: not this run's to judge)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Every kernel fixture has shut down by now: no rank and no helper of a kernel may
     # remain (a helper of this pytest process itself goes at its exit).
     LIVE_KERNEL_PIDS.clear()
-    if wait_until(lambda: not stray_processes(), timeout=5.0):
-        return
-    leftovers = stray_processes()
-    sys.stderr.write("\nair_magic processes left after the test session:\n" + describe(leftovers) + "\n")
-    _kill_and_clean(leftovers)
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if not wait_until(lambda: not stray_processes(), timeout=5.0):
+        leftovers = stray_processes()
+        sys.stderr.write("\nair_magic processes left after the test session:\n" + describe(leftovers) + "\n")
+        _kill_and_clean(leftovers)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # Nor a file or folder of this run in the temp folder or /dev/shm (10 s for the last
+    # processes' own clean-up).  AIR_MAGIC_TEMP_CHECK=warn where other air_magic work runs on
+    # the machine meanwhile (its files would be counted as this run's).
+    if not wait_until(lambda: not _our_temp_files() - _TEMP_AT_START, timeout=10.0):
+        left = sorted(_our_temp_files() - _TEMP_AT_START)
+        sys.stderr.write("\nthe test session left these behind (removed now):\n  " + "\n  ".join(left) + "\n")
+        if os.environ.get("AIR_MAGIC_TEMP_CHECK") == "warn":
+            return
+        for path in left:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)

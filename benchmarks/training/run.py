@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import queue
+import shutil
 import statistics
 import subprocess
 import sys
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[bench] repeat {repeat} {kind:5s} {launcher:24s} {value:8.2f} steps/s{extra}", flush=True)
     finally:
         kernel.shutdown()
+        shutil.rmtree(store, ignore_errors=True)  # the MLflow store of the timed runs
 
     table = []
     for kind in args.kinds:

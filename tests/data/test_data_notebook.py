@@ -16,6 +16,7 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "data_and_checkpo
 
 def test_data_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # its data and checkpoint folders go with the test's
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

@@ -147,3 +147,31 @@ def test_transformers_trainer_fine_tunes_with_ddp_offline(tmp_path: Path, monkey
     # The model rank 0 saved learned the pattern: it keeps counting.
     assert "prompt [10, 11, 12, 13] -> [14, 15, 16, 17, 18, 19, 20, 21]" in everything
     assert "'model.safetensors'" in everything
+
+
+def test_the_quickstart_s_runner_talks_to_its_kernel_over_private_unix_sockets(tmp_path: Path) -> None:
+    """scripts/run_notebook.py (what quickstart.sh runs): each cell's output as it comes, and
+    no warning from ipykernel about plain TCP (the kernel's sockets are IPC, in a 0700 folder)."""
+    import subprocess
+    import sys
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("import os\nprint('hello from', os.getpid() != 0)"),
+        nbformat.v4.new_code_cell("%load_ext air_magic\n%config DistributedMagics.tracking = False"),
+    ]
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(notebook, path)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "run_notebook.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(path), "--output", str(tmp_path / "out.ipynb")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--- cell 0 ---" in done.stdout and "hello from True\n" in done.stdout
+    assert "without encryption" not in done.stdout + done.stderr, done.stderr
+    assert nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[0].outputs
+    assert not list(tmp_path.glob("kernel-*"))  # no socket files left where it ran

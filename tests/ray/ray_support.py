@@ -444,6 +444,12 @@ class RayCluster:
         left = kill_marked(CLUSTER_MARK, self.id)
         self.head, self.workers = None, []
         shutil.rmtree(self.root, ignore_errors=True)
+        # The folders of agents killed with their nodes (a killed node's agent cannot remove
+        # its own): what a node's next agent sweeps when it starts, swept now.
+        from air_magic.backends.ray.agent import sweep
+
+        for parent in (tempfile.gettempdir(), "/dev/shm"):
+            sweep(parent, min_age=0)
         if left:
             raise ClusterError(f"Ray processes of the test cluster survive SIGKILL:\n{describe(left)}")
 
