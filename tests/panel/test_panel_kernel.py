@@ -400,7 +400,9 @@ def test_a_background_launch_says_its_end_once_and_the_lint_does_not_guess_at_sm
         # A launch that ends while another cell runs: the line lands in that cell.
         wire.ok("g = total.submit()")
         res, msgs = wire.ok("import time\nwhile not g.done():\n    time.sleep(0.1)\ntime.sleep(3)", timeout=120)
-        lines = [m["content"]["text"] for m in msgs if m["msg_type"] == "stream" and "finished in" in m["content"]["text"]]
+        lines = [
+            m["content"]["text"] for m in msgs if m["msg_type"] == "stream" and "finished in" in m["content"]["text"]
+        ]
         assert len(lines) == 1 and lines[0].startswith("[air_magic] total on 2 CPU ranks"), lines
     finally:
         kernel.shutdown()
