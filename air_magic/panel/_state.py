@@ -183,9 +183,16 @@ class LaunchState:
 
 def rank_state(launch: "Launch", rank: int) -> str:
     """How rank ``rank`` of ``launch`` is: ``starting``, ``running``, ``stopping``, ``finished``,
-    ``stopped`` or ``failed`` (the panel's rows, the lab extension's list)."""
+    ``stopped`` or ``failed`` (the panel's rows, the lab extension's list); a pool's rank, as
+    the pool says it (``idle`` between its calls)."""
     state = launch.ranks[rank]
     status = launch.status
+    if launch.kind == "pool" and status == "running":  # the pool's ranks: idle, or what they do of its call
+        from air_magic.kernel.pool import pool_of
+
+        engine = pool_of(launch.id)
+        if engine is not None:
+            return engine.rank_state(rank)
     if state.returncode is not None and state.returncode != 0 and status in ("cancelled", "timed out", "stopping"):
         return "stopped"
     if state.returncode is None and status == "stopping":

@@ -58,6 +58,12 @@ SEEDS = ROOT / "tests" / "lint" / "fixtures" / "seeds" / "seeds.ipynb"
 SUMMARY_MIME = "application/vnd.air-magic.summary+json"
 SETUP = "%load_ext air_magic\n%config DistributedMagics.tracking = False"
 LAUNCH_CELLS = [SETUP, "%%distributed -n 2\nimport time\nprint('training', flush=True)\ntime.sleep(120)"]
+POOL_CELLS = [
+    SETUP,
+    "%distributed_pool -n 2 --no-tracking",
+    "%%distributed --pool\nx = 41",
+    "%%distributed --pool\nimport time\nwhile True:\n    time.sleep(0.01)",
+]
 
 # The sidebar as the page shows it.
 SIDEBAR = r"""
@@ -157,7 +163,7 @@ def _sidebar(tools: Page, until: Any, timeout: float, what: str) -> dict[str, An
 def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("lab")
     _install_extension(tmp)
-    with serve_jupyter(tmp, {"launch.ipynb": LAUNCH_CELLS}) as server:
+    with serve_jupyter(tmp, {"launch.ipynb": LAUNCH_CELLS, "pool.ipynb": POOL_CELLS}) as server:
         yield server
 
 
@@ -222,6 +228,44 @@ def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], pa
     bundle = [o.data for o in saved.cells[1].outputs if o.output_type == "display_data" and SUMMARY_MIME in o.data][0]
     assert bundle[SUMMARY_MIME]["status"] == "cancelled" and "text/html" in bundle and "text/plain" in bundle
     shutil.copy(path, lab["tmp"] / "saved.ipynb")  # for the next test
+    assert not tools.errors, tools.errors
+
+
+def test_stop_in_the_sidebar_on_a_pool_cell_stops_the_cell_and_keeps_the_pool(lab: dict[str, Any], page: Page) -> None:
+    """What Ctrl-C does: the cell ends with the pool's KeyboardInterrupt, the same rank
+    processes live on, and the sidebar keeps the pool's launch running (not cancelled)."""
+    tools = page
+    shots = _artifacts(lab["tmp"])
+    _open(tools, f"{lab['base']}/lab/tree/pool.ipynb?reset&token={lab['token']}")
+    tools.evaluate(RUN_ALL)
+    assert tools.evaluate(OPEN_SIDEBAR)
+    _poll(
+        tools, [], lambda s: len(s["cells"]) > 3 and "[*]" in s["cells"][3].get("prompt", "[*]"), 180, "the pool cell"
+    )
+    assert wait_until(lambda: len(rank_processes()) == 2, timeout=120)
+    pids = sorted(p.pid for p in rank_processes())
+
+    def running(state: dict[str, Any]) -> bool:
+        items = state["items"]
+        return bool(items) and items[0]["status"] == "running" and items[0]["stop"]
+
+    item = _sidebar(tools, running, 90, "the pool's launch in the sidebar")["items"][0]
+    time.sleep(1.0)  # the cell runs on both ranks
+    tools.page.locator(f'[data-air-magic-item="{item["id"]}"] .air-magic-stop').click()
+    intact = "KeyboardInterrupt: you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
+    _poll(tools, [], lambda s: intact in s["cells"][3]["text"], 30, "the pool cell's interrupt")
+    assert sorted(p.pid for p in rank_processes()) == pids  # the same ranks: nothing was killed
+    # The sidebar says what the cell says: the pool runs on, its ranks idle, Stop ready again.
+    state = _sidebar(tools, lambda s: s["items"][0]["ranks"] == ["idle", "idle"], 10, "the pool's ranks idle")
+    assert [i["status"] for i in state["items"] if i["id"] == item["id"]] == ["running"], state
+    stop = tools.evaluate(f"document.querySelector('[data-air-magic-item=\"{item['id']}\"] .air-magic-stop').innerText")
+    assert stop == "Stop"
+    tools.evaluate(MASK_CLOCKS)
+    for width, height in ((1280, 900), (1024, 768)):
+        tools.page.set_viewport_size({"width": width, "height": height})
+        time.sleep(0.5)
+        tools.page.screenshot(path=str(shots / f"pool-stop-{width}x{height}.png"))
+    tools.page.set_viewport_size({"width": 1280, "height": 1000})
     assert not tools.errors, tools.errors
 
 
