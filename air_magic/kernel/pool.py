@@ -37,7 +37,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import cloudpickle
 
@@ -681,13 +681,7 @@ class PoolEngine:
         try:
             while pending:
                 self._check_retired(call)
-                try:
-                    answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), call.closed)
-                except OutOfStep as exc:
-                    self._out_of_step(call, pending, exc)
-                for reply in answers:
-                    records[reply.rank] = reply.record
-                    call.states[reply.rank] = _state_of(reply.record)
+                for reply in self._take_replies(call, pending, records):
                     self.rank_names = set(reply.names) if reply.rank == 0 else self.rank_names & set(reply.names)
                     if reply.forked:
                         call.forked[reply.rank] = reply.forked
@@ -744,7 +738,19 @@ class PoolEngine:
             "no values."
         )
 
-    def _out_of_step(self, call: _Call, pending: dict[int, Connection], exc: OutOfStep) -> None:
+    def _take_replies(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any]) -> list[Any]:
+        """One look (50 ms at most) for the pending ranks' replies to the call: each one
+        recorded, and taken out of ``pending``; a reply out of step breaks the pool."""
+        try:
+            answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), call.closed)
+        except OutOfStep as exc:
+            self._out_of_step(call, pending, exc)
+        for reply in answers:
+            records[reply.rank] = reply.record
+            call.states[reply.rank] = _state_of(reply.record)
+        return answers
+
+    def _out_of_step(self, call: _Call, pending: dict[int, Connection], exc: OutOfStep) -> NoReturn:
         self._break(call.ranks, f"rank {exc.rank}'s connection is out of step")
         n = len(call.ranks.conns)
         raise PoolBrokenError(
@@ -789,13 +795,7 @@ class PoolEngine:
         next_look = began + _FINISH_AFTER
         while pending and time.monotonic() < deadline:
             self._check_retired(call)
-            try:
-                answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), call.closed)
-            except OutOfStep as exc:
-                self._out_of_step(call, pending, exc)
-            for reply in answers:
-                records[reply.rank] = reply.record
-                call.states[reply.rank] = _state_of(reply.record)
+            self._take_replies(call, pending, records)
             now = time.monotonic()
             if pending and now >= next_look and len(pending) < len(call.ranks.conns):
                 made, _ = self._even_out(call, pending)

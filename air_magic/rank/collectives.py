@@ -48,27 +48,48 @@ _DTYPES = {
 
 def dump() -> dict[str, Any] | None:
     """What the Flight Recorder holds now, for each group: its sequence numbers, its ranks,
-    and the collectives not completed yet; None where torch records nothing."""
+    and the collectives not completed yet; None where torch records nothing.  The stack
+    traces are read only when a collective is pending (torch's first read of them costs a
+    second of CPU: it loads the symbols)."""
     torch = sys.modules.get("torch")
     if torch is None or not os.environ.get(FR_ENV) and not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
         return None
     c10d = getattr(torch._C, "_distributed_c10d", None)
-    reader = getattr(c10d, "_dump_fr_trace", None)
-    if reader is None:
+    if getattr(c10d, "_dump_fr_trace", None) is None:
         return None
+    raw = _recorded(c10d, stacks=False)
+    if raw is None:
+        return None
+    found = _described(raw)
+    if found["pending"]:
+        with_stacks = _recorded(c10d, stacks=True)
+        if with_stacks is not None:
+            found = _described(with_stacks)
+    return found
+
+
+def _recorded(c10d: Any, stacks: bool) -> dict[str, Any] | None:
+    """torch's dump: the generic recorder's, and NCCL's where a CUDA build has one."""
     try:
-        raw = pickle.loads(reader(includeCollectives=True, includeStackTraces=True, onlyActive=True))
+        raw: dict[str, Any] = pickle.loads(
+            c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=stacks, onlyActive=True)
+        )
     except Exception:  # a torch without it, or no group yet
         return None
     nccl = getattr(c10d, "_dump_nccl_trace", None)
     if nccl is not None:  # a CUDA build: NCCL's groups have a recorder of their own
         try:
-            extra = pickle.loads(nccl(includeCollectives=True, includeStackTraces=True, onlyActive=True))
+            extra = pickle.loads(nccl(includeCollectives=True, includeStackTraces=stacks, onlyActive=True))
             raw.setdefault("entries", []).extend(extra.get("entries") or [])
             raw.setdefault("pg_status", {}).update(extra.get("pg_status") or {})
             raw.setdefault("pg_config", {}).update(extra.get("pg_config") or {})
         except Exception:  # no NCCL group: the generic recorder has them all
             pass
+    return raw
+
+
+def _described(raw: dict[str, Any]) -> dict[str, Any]:
+    """Each group's sequence numbers, names and ranks, and its collectives not completed."""
     groups: dict[str, dict[str, Any]] = {}
     for pg_id, status in (raw.get("pg_status") or {}).items():
         groups[str(pg_id)] = {
