@@ -64,6 +64,15 @@ def _our_temp_files() -> set[str]:
 
 
 _TEMP_AT_START = _our_temp_files()  # (another run's, or the user's: not this run's to judge)
+#: The test after which each of this run's temporary files was first seen: a report of what
+#: was left behind names where to look.
+_FIRST_SEEN: dict[str, str] = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    for path in _our_temp_files() - _TEMP_AT_START:
+        _FIRST_SEEN.setdefault(path, item.nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -81,7 +90,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # be someone's.  AIR_MAGIC_TEMP_CHECK=warn says so without failing the run.
     if not wait_until(lambda: not _left_behind(), timeout=10.0):
         left = _left_behind()
-        sys.stderr.write("\nthe test session left these behind:\n  " + "\n  ".join(left) + "\n")
+        named = [f"{path}  (first seen after {_FIRST_SEEN.get(path, 'the last test')})" for path in left]
+        sys.stderr.write("\nthe test session left these behind:\n  " + "\n  ".join(named) + "\n")
         if os.environ.get("AIR_MAGIC_TEMP_CHECK") != "warn":
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -48,6 +48,9 @@ ALLOWED = {
     "env ACCELERATE_USE_CPU": "CPU launches: the Hugging Face Trainer joins CPU ranks with "
     "gloo only with it (what `accelerate launch --cpu` sets)",
     "env AIR_MAGIC_LAUNCH_ID": "names the launch (logs, MLflow)",
+    "env TORCH_FR_BUFFER_SIZE": "torch's Flight Recorder keeps each rank's last collectives, so "
+    "that an interrupted pool stops every rank at the same step (AIR_MAGIC_FLIGHT_RECORDER=0 "
+    "turns it off; a value of the user's wins)",
     "os_threads": "one more OS thread, blocked in open() on the rank's stack pipe: it answers "
     "'where is each rank?' without a signal that would cut the user's system calls short "
     "(not one of threading's threads: threading.active_count() is the same)",
