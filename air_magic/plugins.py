@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from air_magic.kernel.launcher import Launch, Launcher, LaunchObserver
-    from air_magic.kernel.pool import PoolEngine
+    from air_magic.kernel.pool_view import PoolCallView
 
 #: The comm target the JupyterLab extension (labextension/src/channel.ts) opens its comm to.
 LAB_TARGET = "air_magic"
@@ -100,11 +100,11 @@ def panel_mimebundle(launch: "Launch") -> dict[str, Any]:
     return launch_mimebundle(launch)
 
 
-def pool_panel(engine: "PoolEngine", label: str) -> Any:
+def pool_panel(view: "PoolCallView") -> Any:
     """The panel of a pool's call (shown only if the call runs for more than a second)."""
     from air_magic.panel import pool_call_panel
 
-    return pool_call_panel(engine, label)
+    return pool_call_panel(view)
 
 
 def tracking_off(launch: "Launch") -> None:

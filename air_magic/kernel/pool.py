@@ -1,6 +1,7 @@
 """A pool of ranks that stays across cells: the kernel side (the rank side is
 :mod:`air_magic.rank.pool`; what travels between them, :mod:`air_magic.kernel.pool_wire`;
-what the pool says of itself, :mod:`air_magic.kernel.pool_status`).
+what the pool says of itself, :mod:`air_magic.kernel.pool_status`; a call seen as a
+launch, for the panel, :mod:`air_magic.kernel.pool_view`).
 
 A pool is a launch that stays: its ranks are forked by the helper as for any launch (so a
 kernel's shutdown, restart or death takes them along), join the default process group
@@ -48,6 +49,7 @@ from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_status as _status
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
+from air_magic.kernel.pool_view import PoolCallView
 from air_magic.kernel.pool_wire import OutOfStep, replies
 from air_magic.kernel.rank_output import (
     OutputPump,
@@ -93,11 +95,11 @@ _CLOSED_GRACE = 1.0
 _UNIX_PATH_MAX = 107
 
 #: Factories called as a pool's cell or call begins in the caller's thread (not a
-#: ``submit``), with the engine and the call's label: each returns a watcher, or None.  Its
-#: ``tick()`` is called from the call's wait loop (every few tens of ms: it must be cheap)
-#: and its ``end(outcome)`` once the call is over (the live panel registers one:
-#: :mod:`air_magic.panel._pool`; plugins.py wires it).
-CALL_WATCHERS: list[Callable[["PoolEngine", str], Any]] = []
+#: ``submit``), with the call seen as a launch (:class:`~air_magic.kernel.pool_view.PoolCallView`):
+#: each returns a watcher, or None.  Its ``tick()`` is called from the call's wait loop (every
+#: few tens of ms: it must be cheap) and its ``end()`` once the call is over and the view says
+#: how (the live panel registers one: :mod:`air_magic.panel._pool`; plugins.py wires it).
+CALL_WATCHERS: list[Callable[[PoolCallView], Any]] = []
 
 _pools: list["PoolEngine"] = []  # open pools of this kernel, the most recently started last
 _pools_lock = threading.Lock()
@@ -200,6 +202,7 @@ class _Call:
     states: dict[int, str] = field(default_factory=dict)
     forked: dict[int, list[int]] = field(default_factory=dict)  # rank -> pids its code forked
     closed: dict[int, float] = field(default_factory=dict)  # rank -> when its connection was seen closed
+    ended: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of its answer
     # Interrupts: the ranks that began it (a SIGINT raises in them), those to interrupt, and
     # those sent one (a cancel runs in another thread than the wait).
     started: set[int] = field(default_factory=set)
@@ -637,7 +640,8 @@ class PoolEngine:
         self.current = label
         self.cells += 1
         watchers: list[Any] = []
-        outcome = "done"
+        view: PoolCallView | None = None
+        outcome, error = "done", None
         try:
             for conn in ranks.conns:
                 try:
@@ -646,7 +650,9 @@ class PoolEngine:
                     self._check_retired(call)
                     self._break(ranks, "a rank's connection closed")
                     raise PoolBrokenError("the pool's ranks are gone; the next call starts fresh ones.") from None
-            watchers = _watch(self, label) if kind in ("cell", "call") and not background else []
+            if kind in ("cell", "call") and not background and CALL_WATCHERS:
+                view = PoolCallView(self, launch, call, self.cells)
+                watchers = _watch(view)
             try:
                 records = self._collect(call, pump, timeout if timeout is not None else self.timeout, watchers)
             finally:
@@ -654,14 +660,16 @@ class PoolEngine:
                 _tell_forked(call)
             return self._outcome(call, kind, records)
         except BaseException as exc:
-            outcome = _outcome_text(self, ranks, exc)
+            outcome, error = _outcome_text(self, ranks, exc), exc
             raise
         finally:
             if self._call_now is call:
                 self._call_now = None
+            if view is not None:
+                view.finish(outcome, error)
             for watcher in watchers:
                 try:
-                    watcher.end(outcome)
+                    watcher.end()
                 except Exception:  # a watcher (the panel) never changes the call's outcome
                     pass
 
@@ -748,6 +756,7 @@ class PoolEngine:
         for reply in answers:
             records[reply.rank] = reply.record
             call.states[reply.rank] = _state_of(reply.record)
+            call.ended[reply.rank] = time.monotonic()
         return answers
 
     def _out_of_step(self, call: _Call, pending: dict[int, Connection], exc: OutOfStep) -> NoReturn:
@@ -1191,11 +1200,11 @@ def _pulled_error(label: str, rank: int, n: int, exc: BaseException) -> BaseExce
     return error
 
 
-def _watch(engine: "PoolEngine", label: str) -> list[Any]:
+def _watch(view: PoolCallView) -> list[Any]:
     watchers = []
     for factory in CALL_WATCHERS:
         try:
-            watcher = factory(engine, label)
+            watcher = factory(view)
         except Exception:  # a watcher (the panel) never stops a call
             continue
         if watcher is not None:

@@ -17,6 +17,8 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
+from air_magic.protocol.units import fmt_bytes
+
 if TYPE_CHECKING:
     from air_magic.kernel.launcher import Launch
 
@@ -49,15 +51,7 @@ _CELL = "padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:n
 _MUTED = "opacity:0.7"
 
 
-def _fmt_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "?"
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000:
-            return f"{value:.0f} {unit}" if unit != "GB" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} TB"
+_fmt_bytes = fmt_bytes  # (one formatter for every surface: protocol/units.py)
 
 
 def _fmt_elapsed(seconds: float) -> str:

@@ -80,6 +80,8 @@ def summary_data(state: "LaunchState") -> dict[str, Any]:
         "version": SUMMARY_VERSION,
         "launch": launch.id,
         "label": launch.label,
+        "noun": str(getattr(launch, "noun", "launch")),  # "pool call" for a pool's call
+        "context": str(getattr(launch, "context", "") or ""),  # the pool's own line, above the title
         "status": launch.status,
         "outcome": state.outcome() or launch.status,
         "where": _where(launch),

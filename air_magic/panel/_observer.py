@@ -219,7 +219,8 @@ class PanelObserver(WidgetPanel):
     def _start_line(self) -> str:
         launch = self.launch
         where = _where(launch)
-        return f"[air_magic] {launch.label} on {where} (launch {launch.id}): {_status_text(launch)}"
+        noun = getattr(launch, "noun", "launch")
+        return f"[air_magic] {launch.label} on {where} ({noun} {launch.id}): {_status_text(launch)}"
 
     def _maybe_print(self) -> None:
         elapsed = self.state.elapsed()

@@ -52,7 +52,7 @@ def _title_html(state: LaunchState) -> str:
     ]
     if not launch.ended_at:  # once it has ended, its outcome line says how long it took
         parts.append(f'<span title="elapsed">{_fmt_clock(state.elapsed())}</span>')
-    parts.append(f'<span style="{_MUTED}">launch {_esc(launch.id)}</span>')
+    parts.append(f'<span style="{_MUTED}">{_noun(launch)} {_esc(launch.id)}</span>')
     run = _run_html(launch)
     if run:
         parts.append(run)
@@ -63,6 +63,16 @@ def _title_html(state: LaunchState) -> str:
         n = len(state.lint.findings)
         parts.append(f'<span style="color:#d97706">lint: {n} finding{"s" if n != 1 else ""}</span>')
     return " · ".join(parts)
+
+
+def _noun(launch: Any) -> str:
+    """What the panel calls it: ``launch``, or ``pool call`` (kernel/pool_view.py)."""
+    return str(getattr(launch, "noun", "launch"))
+
+
+def _context(launch: Any) -> str:
+    """The line above a pool call's title: the pool itself ('' for a launch)."""
+    return str(getattr(launch, "context", "") or "")
 
 
 def _run(launch: Any) -> tuple[str, str, str, str]:
@@ -222,9 +232,17 @@ def _top_html(state: LaunchState) -> str:
     return (
         f'<div class="air-magic-panel" data-air-magic-status="{_esc(launch.status)}" '
         f'data-air-magic-launch="{_esc(launch.id)}" style="{_FONT};max-width:100%;box-sizing:border-box">'
+        f"{_context_html(launch)}"
         f'<div style="overflow-wrap:anywhere">{_title_html(state)}</div>{_run_command_html(launch)}'
         f"{_overall_html(state)}{_table_html(state)}{outcome_html}</div>"
     )
+
+
+def _context_html(launch: Any) -> str:
+    context = _context(launch)
+    if not context:
+        return ""
+    return f'<div data-air-magic-context="1" style="{_MUTED};overflow-wrap:break-word">{_esc(context)}</div>'
 
 
 def _chart_html(state: LaunchState) -> str:
@@ -391,7 +409,11 @@ class LaunchSummary:
     def _text(state: LaunchState) -> str:
         launch = state.launch
         where = _where(launch)
-        lines = [f"[air_magic] {launch.label} on {where} (launch {launch.id}): {state.outcome() or launch.status}"]
+        lines = [
+            f"[air_magic] {launch.label} on {where} ({_noun(launch)} {launch.id}): {state.outcome() or launch.status}"
+        ]
+        if _context(launch):
+            lines.append(f"  {_context(launch)}")
         for rank, log in enumerate(state.logs):
             bits = [state.rank_state(rank)]
             returncode = launch.ranks[rank].returncode

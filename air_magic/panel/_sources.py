@@ -193,9 +193,9 @@ class Series:
 class MetricsReader:
     """New metric lines of one rank's spool file (the line format is ``_protocol``'s)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, start: int = 0) -> None:
         self.path = path
-        self._tail = TailReader(path)
+        self._tail = TailReader(path, start)  # a pool call's: from where the call began
         self.latest: dict[str, tuple[int, float]] = {}
         self.series: dict[str, Series] = {}
         self.max_step: int | None = None

@@ -63,8 +63,12 @@ class LaunchState:
 
     def __init__(self, launch: "Launch") -> None:
         self.launch = launch
-        self.logs = [LogTail(state.log_path) for state in launch.ranks]
-        self.metrics = [MetricsReader(spool_file(launch.work_dir, state.rank)) for state in launch.ranks]
+        # A pool call's ranks say where the call began in their log and metrics files.
+        self.logs = [LogTail(state.log_path, getattr(state, "log_start", 0)) for state in launch.ranks]
+        self.metrics = [
+            MetricsReader(spool_file(launch.work_dir, state.rank), getattr(state, "metrics_start", 0))
+            for state in launch.ranks
+        ]
         self.tracking = bool(getattr(launch.spec, "tracking", False))
         self.usage = UsageSampler(launch.placement.device)
         self.lint: _Lint | None = None
@@ -187,6 +191,8 @@ def rank_state(launch: "Launch", rank: int) -> str:
     the pool says it (``idle`` between its calls)."""
     state = launch.ranks[rank]
     status = launch.status
+    if launch.kind == "pool call":  # what the rank did of the call (kernel/pool_view.py)
+        return str(state.state)
     if launch.kind == "pool" and status == "running":  # the pool's ranks: idle, or what they do of its call
         from air_magic.kernel.pool import pool_of
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import signal
 import time
 from typing import Any, Iterator
@@ -178,18 +179,53 @@ def test_a_pool_cell_that_runs_long_shows_each_rank_live_and_how_it_ended(k: Ker
     quick = k.ok("%%distributed --pool\n0")
     assert quick.displays == []  # a quick cell shows no panel: nothing between the user and the value
     res = k.ok(LONG_CELL, timeout=60)
-    [first, *updates] = [(kind, data) for kind, data, _ in res.displays]
-    assert first[0] == "display_data" and updates and all(kind == "update_display_data" for kind, _ in updates)
-    assert len({display_id for _, _, display_id in res.displays}) == 1  # one display, updated in place
-    live = first[1]["text/plain"].splitlines()
-    assert live[0].startswith("[air_magic] pool of 2 CPU ranks: running Cell In[")
-    assert [line.split(":")[1].split(",")[0].strip() for line in live[1:]] == ["running", "running"]
-    assert any("steps " in line and "/6" in line for line in live[1:]), live  # the call's own tqdm bar
-    last = updates[-1][1]["text/plain"].splitlines()
-    assert ": done after " in last[0]
-    assert [line.split(":")[1].split(",")[0].strip() for line in last[1:]] == ["idle", "idle"]
-    assert "steps 100% 6/6" in last[1] and "rank 1 trained" in last[2]
-    assert "<th style=" in updates[-1][1]["text/html"] and "MiB" in updates[-1][1]["text/html"]
+    # A launch's panel, as text lines (this front end shows no widgets): its start line, then
+    # its summary as the cell's last display, after rank 0's output.
+    [(kind, start, start_id), (end_kind, end, end_id)] = res.displays
+    assert kind == end_kind == "display_data" and end_id == f"{start_id}-end"
+    assert re.fullmatch(
+        r"\[air_magic\] Cell In\[\d+\] on 2 CPU ranks \(pool call [0-9a-f-]+\): running", start["text/plain"]
+    )
+    lines = end["text/plain"].splitlines()
+    assert re.fullmatch(
+        r"\[air_magic\] Cell In\[\d+\] on 2 CPU ranks \(pool call [0-9a-f-]+\): finished in \d+\.\d s", lines[0]
+    )
+    # The pool itself on the line under it: its ranks, the call's number, its age.
+    assert re.fullmatch(r"\[air_magic\]  pool of 2 CPU ranks \(launch [0-9a-f-]+\) · call \d+ · up \d+:\d\d", lines[1])
+    # Each rank says what it did of the call (not "idle"), with its own bar and last line.
+    rank_lines = [line for line in lines if line.startswith("[air_magic]  rank ")]
+    assert [line.split(": ")[1].split(" · ")[0] for line in rank_lines] == ["finished", "finished"]
+    assert all(" · steps · 100% 6/6 · " in line for line in rank_lines), rank_lines
+    assert rank_lines[1].endswith("'rank 1 trained'")
+    html = end["text/html"]
+    assert 'data-air-magic-status="finished"' in html and html.count('data-state="finished"') == 2
+    assert "MiB" not in html and "MiB" not in end["text/plain"]
+
+
+def _shape(summary: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    """What a summary is made of, whatever it is of: its text's lines with the label, the
+    noun, the ids and the numbers taken out, its HTML's tags and its data's fields."""
+    text = [
+        re.sub(r"\d+(\.\d+)?", "N", re.sub(r"\((launch|pool call) [0-9a-f-]+\)|logs: .*", "(ID)", line))
+        for line in summary["text/plain"].splitlines()
+        if not line.startswith("[air_magic]  pool of ")  # the pool's own line: only a pool call has it
+    ]
+    tags = re.findall(r"<(\w+)", re.sub(r'<div data-air-magic-context="1"[^>]*>[^<]*</div>', "", summary["text/html"]))
+    data = sorted(summary["application/vnd.air-magic.summary+json"])
+    return text, tags, data
+
+
+def test_a_pool_call_and_a_launch_end_in_summaries_of_one_model(k: Kernel) -> None:
+    launched = k.ok(LONG_CELL.replace("%%distributed --pool", "%%distributed -n 2"), timeout=120)
+    pooled = k.ok(LONG_CELL, timeout=60)
+    [launch_summary] = [data for _, data, did in launched.displays if did and did.endswith("-end")]
+    [pool_summary] = [data for _, data, did in pooled.displays if did and did.endswith("-end")]
+    assert _shape(pool_summary) == _shape(launch_summary)
+    assert "(launch " in launch_summary["text/plain"].splitlines()[0]
+    assert "(pool call " in pool_summary["text/plain"].splitlines()[0]
+    data = pool_summary["application/vnd.air-magic.summary+json"]
+    assert data["noun"] == "pool call" and data["context"].startswith("pool of 2 CPU ranks")
+    assert [r["state"] for r in data["ranks"]] == ["finished", "finished"]
 
 
 def test_ctrl_c_stops_every_rank_s_cell_and_keeps_the_state(k: Kernel) -> None:
