@@ -22,11 +22,11 @@ Nothing here renders; nothing here runs a thread.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from air_magic.kernel.rank_output import file_size
 from air_magic.protocol import spool_file
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ class PoolRankView:
         self._state = state
         self.rank = state.rank
         self.log_path = state.log_path
-        self.log_start = _size(state.log_path)  # the call's own lines begin here
-        self.metrics_start = _size(metrics_path)  # likewise its points
+        self.log_start = file_size(state.log_path)  # the call's own lines begin here
+        self.metrics_start = file_size(metrics_path)  # likewise its points
 
     @property
     def pid(self) -> int | None:
@@ -239,13 +239,6 @@ class PoolCallView:
     def __repr__(self) -> str:
         took = (self.ended_at or time.time()) - self.started_at
         return f"<pool call {self.id} {self.label}: {self.status} after {took:.1f} s>"
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _clock(seconds: float) -> str:
