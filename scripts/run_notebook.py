@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     notebook = nbformat.read(args.notebook, as_version=4)
     sockets = tempfile.mkdtemp(prefix="am-kernel-")  # 0700: the kernel's sockets are this user's only
-    km = KernelManager(kernel_name="python3", transport="ipc", ip=f"{sockets}/kernel")
+    # A kernel that ends takes its ranks and helper along and deletes its temporary folders:
+    # on a loaded machine that can take longer than the 5 s after which it would be terminated.
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=f"{sockets}/kernel", shutdown_wait_time=60.0)
     client = StreamingClient(notebook, km=km, timeout=args.timeout, kernel_name="python3")
     status = 0
     try:

@@ -79,6 +79,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Every kernel fixture has shut down by now: no rank and no helper of a kernel may
     # remain (a helper of this pytest process itself goes at its exit).
     LIVE_KERNEL_PIDS.clear()
+    # This process's own launcher (tests that launch in-process) ends here rather than at the
+    # interpreter's exit, after this check: its helper and session folders go now.
+    own = sys.modules.get("air_magic.kernel.launcher")
+    if own is not None and own._launcher is not None:
+        own._launcher.shutdown()
     if not wait_until(lambda: not stray_processes(), timeout=5.0):
         leftovers = stray_processes()
         sys.stderr.write("\nair_magic processes left after the test session:\n" + describe(leftovers) + "\n")

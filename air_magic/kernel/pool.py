@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import threading
@@ -363,15 +364,11 @@ class PoolEngine:
                         sock, _ = server.accept()
                     except socket.timeout:
                         continue
-                    sock.settimeout(None)
-                    conn = Connection(sock.detach())
-                    deliver_challenge(conn, authkey)
-                    answer_challenge(conn, authkey)
-                    if not conn.poll(30):
-                        conn.close()
-                        continue
-                    _, rank, pid = conn.recv()
-                    hello[rank] = (conn, pid)
+                    greeted = _greet(sock, authkey, launch.world_size)
+                    if greeted is not None and greeted[0] not in hello:
+                        hello[greeted[0]] = greeted[1:]
+                    elif greeted is not None:
+                        greeted[1].close()
             except BaseException:
                 if launch is not None:
                     _kill(launch)
@@ -1078,6 +1075,35 @@ def _kill(launch: Launch) -> None:
 def _sys_path() -> list[str]:
     cwd = os.getcwd() if os.path.isdir(".") else "/"
     return [p if p else cwd for p in sys.path]
+
+
+#: How long a connection to the pool's listener has to prove it is a rank of this pool.
+_HANDSHAKE_SECONDS = 60
+
+
+def _greet(sock: socket.socket, authkey: bytes, world_size: int) -> tuple[int, Connection, int] | None:
+    """``(rank, connection, pid)`` of a rank that connected, or None for a connection that is
+    not one of this pool's ranks (wrong key, nothing said in time, a reset, a bad hello): it
+    is closed and the pool goes on waiting for its ranks, which a stranger cannot hold up for
+    longer than the handshake's time."""
+    sock.settimeout(None)
+    # Blocking reads that give up after the handshake's time (a Connection reads the descriptor).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", _HANDSHAKE_SECONDS, 0))
+    conn = Connection(sock.detach())
+    try:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        if not conn.poll(_HANDSHAKE_SECONDS):
+            raise EOFError("no hello")
+        kind, rank, pid = conn.recv()
+        if kind != "hello" or not isinstance(rank, int) or not 0 <= rank < world_size or not isinstance(pid, int):
+            raise ValueError("not a rank's hello")
+        with socket.socket(fileno=os.dup(conn.fileno())) as same:  # reads block again
+            same.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+    except Exception:  # whatever a stranger sends, the pool goes on waiting for its ranks
+        conn.close()
+        return None
+    return rank, conn, pid
 
 
 @contextlib.contextmanager

@@ -156,13 +156,31 @@ def test_syntax_error_is_reported_before_launch(k: Kernel) -> None:
     assert launch_count(k) == before
 
 
-def test_rank_traceback_points_at_the_cells_own_lines(k: Kernel) -> None:
+WAIT_FOR_RANK_0 = """
+def _after_rank_0_ended(mark):
+    # Rank 1 fails only once rank 0 has returned and its process ended, however loaded the machine.
+    import os, time, psutil
+    while not (os.path.exists(mark) and open(mark).read().endswith("\\n")):
+        time.sleep(0.01)
+    try:
+        rank0 = psutil.Process(int(open(mark).read()))
+        while rank0.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+    except psutil.NoSuchProcess:
+        pass
+"""
+
+
+def test_rank_traceback_points_at_the_cells_own_lines(k: Kernel, tmp_path: Any) -> None:
+    k.ok(WAIT_FOR_RANK_0)
+    mark = tmp_path / "rank-0.pid"
     res = k.run(
         "%%distributed -n 2\n"
         "import os\n"
         'rank = int(os.environ["RANK"])\n'
-        "if rank == 1:\n"
+        f"if rank == 1 and _after_rank_0_ended('{mark}') is None:\n"
         '    raise ValueError(f"bad value on rank {rank}")\n'
+        f"print(os.getpid(), file=open('{mark}', 'w'))\n"
         "rank"
     )
     assert res.error is not None
@@ -172,7 +190,7 @@ def test_rank_traceback_points_at_the_cells_own_lines(k: Kernel) -> None:
     assert f"Cell In[{n}], line 5" in text
     assert 'raise ValueError(f"bad value on rank {rank}")' in text
     assert "ValueError: bad value on rank 1" in text
-    assert "[air_magic] raised on rank 1 of 2; rank 0 finished." in text  # rank 0 returned at once
+    assert "[air_magic] raised on rank 1 of 2; rank 0 finished." in text  # rank 0 had returned
     # none of air_magic's own frames
     assert "air_magic/rank/main.py" not in text and "air_magic/kernel/launcher.py" not in text
     assert "air_magic/kernel/launch.py" not in text

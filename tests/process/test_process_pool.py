@@ -183,3 +183,49 @@ def test_a_cancel_a_rank_does_not_heed_breaks_the_pool_and_says_where_that_rank_
         assert f"rank 1: at {__file__}, line " in message and " in heeds_on_rank_0_only" in message
         assert "rank 0: had come back, interrupted" in message  # (it heeded the cancel: not "done")
         assert pool.run(int) == [0, 0]  # fresh ranks
+
+
+def test_connections_that_are_not_its_ranks_do_not_stop_a_pool_from_starting() -> None:
+    """Someone else's connections to the pool's socket while its ranks start (one that closes
+    at once, one that writes garbage, one with the wrong key) are dropped: the pool starts."""
+    import socket
+    from multiprocessing.connection import Connection, answer_challenge
+
+    from air_magic.plugins import get_launcher
+
+    session = get_launcher().session_dir
+    done = threading.Event()
+    strangers: list[str] = []
+
+    def stranger() -> None:
+        while not done.is_set():
+            sockets = [n for n in os.listdir(session) if n.startswith("pool-") and n.endswith(".sock")]
+            if sockets:
+                break
+            time.sleep(0.001)
+        else:
+            return
+        address = os.path.join(session, sockets[0])
+        with socket.socket(socket.AF_UNIX) as closes_at_once:
+            closes_at_once.connect(address)
+        strangers.append("closed")
+        with socket.socket(socket.AF_UNIX) as garbage:
+            garbage.connect(address)
+            garbage.sendall(b"\xff" * 64)
+        strangers.append("garbage")
+        wrong = socket.socket(socket.AF_UNIX)
+        wrong.connect(address)
+        try:
+            answer_challenge(Connection(wrong.detach()), b"not the pool's key")
+        except Exception:  # the pool refuses it
+            strangers.append("wrong key refused")
+
+    thread = threading.Thread(target=stranger)
+    thread.start()
+    try:
+        with Pool(2, "CPU", tracking=False) as pool:
+            assert pool.run(rank_and_world) == [(0, 2), (1, 2)]
+    finally:
+        done.set()
+        thread.join(30)
+    assert strangers == ["closed", "garbage", "wrong key refused"]
