@@ -84,9 +84,10 @@ def __getattr__(name: str) -> Any:
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext air_magic``: register ``%%distributed`` and ``%air_lint``, start the helper process."""
     from air_magic.lint.magic import LintMagics
-    from air_magic.magics import DistributedMagics
+    from air_magic.magics import DistributedMagics, show_cell_syntax_errors
 
     ipython.register_magics(DistributedMagics, LintMagics)
+    show_cell_syntax_errors(ipython)
     from air_magic.plugins import get_launcher, lab_target, warm_front_end
 
     launcher = get_launcher()
@@ -105,9 +106,11 @@ def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext air_magic``: remove ``%%distributed``, ``%distributed_pool`` and ``%air_lint``;
     running launches and the kernel's pool are not touched (``air_magic.Pool`` still works).
     Waits (bounded, said after a second) for ended launches' points to be stored in MLflow."""
+    from air_magic.magics import forget_cell_syntax_errors
     from air_magic.plugins import flush_tracking
 
     flush_tracking(30.0)
+    forget_cell_syntax_errors(ipython)
     ipython.magics_manager.magics["cell"].pop("distributed", None)
     ipython.magics_manager.magics["line"].pop("distributed_pool", None)
     ipython.magics_manager.magics["line"].pop("air_lint", None)

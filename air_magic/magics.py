@@ -124,7 +124,7 @@ class DistributedMagics(Magics):
                 argv=[display, *script_args],
             )
         except SyntaxError as exc:
-            raise _cell_syntax_error(exc) from None
+            raise _cell_syntax_error(exc, self.shell, number) from None
         from air_magic.plugins import get_launcher
 
         try:
@@ -193,7 +193,7 @@ class DistributedMagics(Magics):
                 timeout=timeout,
             )
         except SyntaxError as exc:
-            raise _cell_syntax_error(exc) from None
+            raise _cell_syntax_error(exc, self.shell, _cell_number(self.shell)) from None
         return values if engine.last_had_value else None
 
     @magic_arguments()
@@ -260,7 +260,11 @@ class DistributedMagics(Magics):
                 "[air_magic] this kernel has no pool; start one with %distributed_pool -n N (or a %%distributed --pool cell)."
             )
             return None
-        print(engine.describe() + "\n" + engine.table()[0])
+        from IPython.display import display
+
+        from air_magic.panel._pool_status import bundle
+
+        display(bundle(engine), raw=True)  # what Pool.current() shows, as text and as HTML
         return None
 
     def _spec(self, args: Any) -> LaunchSpec:
@@ -282,15 +286,49 @@ class DistributedMagics(Magics):
             raise UsageError(f"%%distributed: {exc}") from None
 
 
-def _cell_syntax_error(exc: SyntaxError) -> BaseException:
+def _cell_syntax_error(exc: SyntaxError, shell: Any = None, number: int | None = None) -> BaseException:
     """A cell's syntax error as the notebook shows it: a line of IPython's own syntax named,
     else the error alone, without the frames of the magic's machinery."""
     ipython_line = _ipython_syntax(exc)
     if ipython_line:
         return UsageError(ipython_line)
-    lines = traceback.format_exception_only(type(exc), exc)
-    exc._render_traceback_ = lambda: "".join(lines).rstrip("\n").splitlines()  # type: ignore[attr-defined]
-    return exc.with_traceback(None)
+    name = exc.filename
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if isinstance(names, dict) and number is not None:  # IPython names it "Cell In[n], line L"
+        name = f"<air_magic cell {number} syntax>"
+        names[name] = number
+    args = (name, exc.lineno, exc.offset, exc.text, exc.end_lineno, exc.end_offset)
+    cell_error = CellSyntaxError(exc.msg, args)
+    lines = traceback.format_exception_only(SyntaxError, cell_error)
+    cell_error._render_traceback_ = lambda: "".join(lines).rstrip("\n").splitlines()  # type: ignore[attr-defined]
+    return cell_error
+
+
+#: A cell's syntax error, as the magics raise it: a ``SyntaxError`` (``except SyntaxError``
+#: catches it, and it is named so), of a class of its own so that IPython draws it as its own
+#: (:func:`show_cell_syntax_errors`) and any other syntax error as before.
+CellSyntaxError = type("SyntaxError", (SyntaxError,), {"__module__": "builtins", "__qualname__": "SyntaxError"})
+
+
+def show_cell_syntax_errors(shell: Any) -> None:
+    """Show a cell's syntax error as IPython shows one in its own cells: the line and a caret,
+    without the frames of IPython and the magic it passed through on the way.  (IPython draws
+    a ``SyntaxError`` raised while code runs with every frame, and never asks the exception how
+    to draw itself.)  Only where no other handler is set: the user's own comes first."""
+    if getattr(shell, "custom_exceptions", None) != ():
+        return
+    shell.set_custom_exc((CellSyntaxError,), _show_syntax_error)
+
+
+def forget_cell_syntax_errors(shell: Any) -> None:
+    if getattr(shell, "custom_exceptions", None) == (CellSyntaxError,):
+        shell.set_custom_exc((), None)
+
+
+def _show_syntax_error(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> Any:
+    stb = shell.SyntaxTB.structured_traceback(etype, value, [])
+    shell._showtraceback(etype, value, stb)
+    return stb
 
 
 def _split_line(line: str) -> tuple[list[str], list[str]]:

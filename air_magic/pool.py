@@ -102,13 +102,13 @@ class Pool:
         return self._engine.status()
 
     def __repr__(self) -> str:
-        return self._engine.describe().removeprefix("[air_magic] ") + "\n" + self._engine.table()[0]
+        return self._engine.text()
 
     def _repr_html_(self) -> str:
-        import html
+        # The same status as %distributed_pool shows, drawn by the panel (panel/_pool_status.py).
+        from air_magic.panel._pool_status import html
 
-        line = html.escape(self._engine.describe().removeprefix("[air_magic] "))
-        return f"<div class='air-magic-pool'><div>{line}</div>{self._engine.table()[1]}</div>"
+        return html(self._engine.facts())
 
     def __enter__(self) -> "Pool":
         return self

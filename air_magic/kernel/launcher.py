@@ -222,6 +222,8 @@ class Launcher:
         """The session's private folders, made again if something deleted them (a temp
         cleaner; a helper stopped with SIGTERM removes them on its way out)."""
         with self._lock:
+            if self._closed:  # shut down (the kernel is exiting): nothing is made again
+                return
             for path in (self.session_dir, self.shm_root):
                 if path and not os.path.isdir(path):
                     os.makedirs(path, mode=0o700, exist_ok=True)
@@ -319,10 +321,29 @@ _launcher: Launcher | None = None
 _launcher_lock = threading.Lock()
 
 
+_exiting = False
+
+
+def _at_exit() -> None:
+    """The interpreter is exiting: the launcher ends, and no new one is made (a thread that
+    asks for one now would leave folders that no exit handler removes)."""
+    global _exiting
+    with _launcher_lock:
+        _exiting = True
+        found = _launcher
+    if found is not None:
+        found.shutdown()
+
+
+atexit.register(_at_exit)
+
+
 def get_launcher() -> Launcher:
     """The kernel's launcher (created on first use)."""
     global _launcher
     with _launcher_lock:
+        if _exiting:
+            raise LaunchError("the kernel is shutting down; no launch can start now")
         if _launcher is None or _launcher._closed:
             _launcher = Launcher()
         return _launcher

@@ -1007,9 +1007,13 @@ class PoolEngine:
         """What ``%distributed_pool`` shows: ranks, state, memory per rank, cells run, uptime."""
         return _status.status(self)
 
-    def table(self) -> tuple[str, str]:
-        """The pool's ranks as text and as HTML."""
-        return _status.table(self)
+    def facts(self) -> _status.PoolFacts:
+        """What every surface says of the pool (drawn as text and as HTML)."""
+        return _status.facts(self)
+
+    def text(self) -> str:
+        """The pool's line, then a line per rank."""
+        return _status.text(self)
 
     def describe(self) -> str:
         """The pool's one line."""

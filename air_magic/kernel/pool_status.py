@@ -1,22 +1,26 @@
 """What a pool says of itself: its ranks, their memory, the call they run, how it stands
 (``%distributed_pool``, ``Pool.current()``, ``pool.status()``; the engine is
-:mod:`air_magic.kernel.pool`)::
+:mod:`air_magic.kernel.pool`).  One model, drawn as text here and as HTML by
+:mod:`air_magic.panel._pool_status`, so every place says the same thing in the same words::
 
     engine (ranks, the call running, its per-rank states) --status()--> a dict
-        --describe()--> "[air_magic] pool of 2 CPU ranks: idle, 3 calls run, up 42 s; ..."
-        --table()-----> one row per rank, as text and as HTML
+        --facts()--> the phrases: title, state, calls, age, restarts, memory, run, and a row
+                     per rank (state, memory, the call it runs)
+        --text()---> "[air_magic] pool of 2 CPU ranks: idle, 3 calls run, up 42 s; ..."
+                     then "  rank 0: idle, 210 MB" per rank
 """
 
 from __future__ import annotations
 
-import html
 import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from air_magic.kernel.launch import Launch
+from air_magic.protocol.units import fmt_bytes
 from air_magic.spec import LaunchSpec
 
-__all__ = ["status", "describe", "table", "PoolEngine"]
+__all__ = ["status", "facts", "describe", "text", "PoolFacts", "RankRow", "PoolEngine"]
 
 
 class PoolEngine(Protocol):
@@ -72,58 +76,96 @@ def status(engine: PoolEngine) -> dict[str, Any]:
     }
 
 
-def table(engine: PoolEngine) -> tuple[str, str]:
-    """The pool's ranks as text and as HTML: state, memory, the call they run (or ran last)."""
+@dataclass(frozen=True)
+class RankRow:
+    rank: int
+    state: str
+    memory: str  # "GPU 12.9 GB · 210 MB", "210 MB" or ""
+    call: str  # the call it runs, or ""
+
+
+@dataclass(frozen=True)
+class PoolFacts:
+    """The phrases every surface says of a pool, in the same words."""
+
+    title: str  # "pool of 2 CPU ranks on ray"
+    state: str  # "idle", "running", "broken"...
+    broken_because: str  # why, for a broken pool ("" otherwise)
+    calls: str  # "3 calls run"
+    age: str  # "up 42 s"
+    restarts: str  # "restarted 1 time" or ""
+    memory: str  # "memory per rank: 210 MB, 205 MB" or ""
+    gpu_memory: str  # "GPU memory per rank: 12.9 GB, 1.6 GB" or ""
+    run: str  # "MLflow run 'name' (id ...) has a child run for each cell that logs" or ""
+    rows: list[RankRow] = field(default_factory=list)
+    launch: Any = None  # the pool's launch (its MLflow run's id, name, link, command), if started
+
+
+def _uptime(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"up {seconds:.0f} s"
+    minutes, sec = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"up {hours} h {minutes:02d} min" if hours else f"up {minutes} min {sec:02d} s"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def facts(engine: PoolEngine) -> PoolFacts:
     info = status(engine)
+    n = info["ranks"] or engine.spec.num_accelerators or 0
+    where = f" on {engine.spec.backend}" if engine.spec.backend != "local" else ""
+    device = str(info["device"] or "cpu").upper()
+    memory, gpus = info["memory"], info["gpu_memory"]
     rows = []
     for rank in range(info["ranks"]):
-        memory, gpu = info["memory"][rank], info["gpu_memory"][rank]
-        mem = "" if memory is None else f"{memory / 2**20:.0f} MiB"
-        if gpu is not None:
-            mem = f"GPU {gpu / 2**30:.1f} GiB" + (f" · {mem}" if mem else "")
+        mem = "" if memory[rank] is None else fmt_bytes(memory[rank])
+        if gpus[rank] is not None:
+            mem = f"GPU {fmt_bytes(gpus[rank])}" + (f" · {mem}" if mem else "")
         state = info["rank_states"][rank]
-        call = info["call"] if state == "running" else ""
-        rows.append((str(rank), state, mem, call))
-    text = "\n".join(
-        f"  rank {r}: " + (f"running {call}" if call else state) + (f", {mem}" if mem else "")
-        for r, state, mem, call in rows
-    )
-    cells = "".join(
-        "<tr>" + "".join(f"<td style='padding:0 12px 0 0'>{html.escape(v)}</td>" for v in row) + "</tr>" for row in rows
-    )
-    head = "".join(
-        f"<th style='text-align:left;padding:0 12px 0 0'>{h}</th>" for h in ("rank", "state", "memory", "running")
-    )
-    return text, f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>"
-
-
-def describe(engine: PoolEngine) -> str:
-    """The pool's one line (``[air_magic] pool of 2 CPU ranks: idle, 3 calls run, up 42 s...``)."""
-    info = status(engine)
-    mem = (
-        ", ".join("?" if m is None else f"{m / 2**20:.0f} MiB" for m in info["memory"])
-        if any(m is not None for m in info["memory"])
-        else ""
-    )
-    where = f" on {engine.spec.backend}" if engine.spec.backend != "local" else ""
-    gpus = info["gpu_memory"]
-    gpu = (
-        "; GPU memory per rank: " + ", ".join("?" if g is None else f"{g / 2**30:.1f} GiB" for g in gpus)
+        rows.append(RankRow(rank, state, mem, info["call"] if state == "running" else ""))
+    restarts = info["restarts"]
+    return PoolFacts(
+        title=f"pool of {n} {device} rank{'s' * (n != 1)}{where}",
+        state=info["state"],
+        broken_because=engine.broken_because if info["state"] == "broken" else "",
+        calls=f"{_plural(info['cells'], 'call')} run",
+        age=_uptime(info["uptime"]),
+        restarts=f"restarted {_plural(restarts, 'time')}" if restarts else "",
+        memory="memory per rank: " + ", ".join(fmt_bytes(m) for m in memory)
+        if any(m is not None for m in memory)
+        else "",
+        gpu_memory="GPU memory per rank: " + ", ".join(fmt_bytes(g) for g in gpus)
         if any(g is not None for g in gpus)
-        else ""
+        else "",
+        run=_run_text(engine),
+        rows=rows,
+        launch=engine.launch,
     )
-    state = info["state"]
-    if state == "broken" and engine.broken_because:
-        state = f"broken ({engine.broken_because}; the next call starts fresh ranks)"
-    n = info["ranks"] or engine.spec.num_accelerators or 0
-    return (
-        f"[air_magic] pool of {n} {str(info['device'] or 'cpu').upper()} rank{'s' * (n != 1)}{where}: "
-        f"{state}, {info['cells']} call{'s' * (info['cells'] != 1)} run, up {info['uptime']:.0f} s"
-        + (f", restarted {info['restarts']} time{'s' * (info['restarts'] != 1)}" if info["restarts"] else "")
-        + (f"; memory per rank: {mem}" if mem else "")
-        + gpu
-        + _run_text(engine)
-    )
+
+
+def describe(engine: PoolEngine, told: PoolFacts | None = None) -> str:
+    """The pool's one line (``[air_magic] pool of 2 CPU ranks: idle, 3 calls run, up 42 s...``)."""
+    f = told or facts(engine)
+    state = f.state
+    if f.broken_because:
+        state = f"broken ({f.broken_because}; the next call starts fresh ranks)"
+    head = ", ".join(part for part in (state, f.calls, f.age, f.restarts) if part)
+    tail = "".join(f"; {part}" for part in (f.memory, f.gpu_memory, f.run) if part)
+    return f"[air_magic] {f.title}: {head}{tail}"
+
+
+def text(engine: PoolEngine, told: PoolFacts | None = None) -> str:
+    """The line, then a line per rank (``  rank 1: running train, 210 MB``)."""
+    f = told or facts(engine)
+    lines = [describe(engine, f)]
+    for row in f.rows:
+        doing = f"running {row.call}" if row.call else row.state
+        lines.append(f"  rank {row.rank}: {doing}" + (f", {row.memory}" if row.memory else ""))
+    return "\n".join(lines)
 
 
 def _run_text(engine: PoolEngine) -> str:
@@ -132,4 +174,4 @@ def _run_text(engine: PoolEngine) -> str:
         return ""
     name = getattr(launch, "run_name", None)
     named = f"'{name}' " if name else ""
-    return f"; MLflow run {named}(id {launch.run_id}) has a child run for each cell that logs"
+    return f"MLflow run {named}(id {launch.run_id}) has a child run for each cell that logs"

@@ -151,9 +151,26 @@ def test_syntax_error_is_reported_before_launch(k: Kernel) -> None:
     assert res.error["ename"] == "SyntaxError"
     assert "'(' was never closed" in res.error_text
     n = res.reply["execution_count"]
-    # line 3 of the cell, counting the %%distributed line
-    assert f"Cell In[{n}]:3" in res.error_text
+    # line 3 of the cell, counting the %%distributed line, as IPython shows its own syntax
+    # errors: the line and a caret, no frame of IPython's or the magic's
+    assert res.error_text.splitlines() == [
+        f"  Cell In[{n}], line 3",
+        "    y = (",
+        "        ^",
+        "SyntaxError: '(' was never closed",
+    ]
     assert launch_count(k) == before
+    # the same in a pool cell, and code that catches SyntaxError still catches it
+    pool = k.run("%%distributed --pool -n 2\nx = 1\ny = (\n")
+    assert pool.error is not None and pool.error["ename"] == "SyntaxError"
+    m = pool.reply["execution_count"]
+    assert pool.error_text.splitlines()[0] == f"  Cell In[{m}], line 3" and "magics.py" not in pool.error_text
+    k.ok("%distributed_pool --stop")
+    caught = k.ok(
+        "try:\n    get_ipython().run_cell_magic('distributed', '-n 2', 'y = (')\n"
+        "except SyntaxError as e:\n    print('caught', type(e).__name__, e.lineno)"
+    )
+    assert "caught SyntaxError 2" in caught.stdout
 
 
 WAIT_FOR_RANK_0 = """

@@ -143,13 +143,29 @@ def test_a_different_n_names_the_pool_and_how_to_stop_it(k: Kernel) -> None:
     assert res.result is None
 
 
-def test_the_line_magic_shows_the_pool(k: Kernel) -> None:
+def pool_status(k: Kernel) -> dict[str, str]:
+    """What ``%distributed_pool`` displays: its one display, as text and as HTML."""
     res = k.ok("%distributed_pool")
-    [line] = [x for x in res.stdout.splitlines() if x.startswith("[air_magic] pool of")]
+    [(kind, data, _)] = res.displays
+    assert kind == "display_data" and res.stdout == ""
+    return data
+
+
+def test_the_line_magic_shows_the_pool(k: Kernel) -> None:
+    shown = pool_status(k)
+    text = shown["text/plain"]
+    [line] = [x for x in text.splitlines() if x.startswith("[air_magic] pool of")]
     assert line.startswith("[air_magic] pool of 2 CPU ranks: idle, ")
-    assert "memory per rank: " in line and line.count("MiB") == 2
-    ranks = [x.strip() for x in res.stdout.splitlines() if x.startswith("  rank ")]
+    assert "memory per rank: " in line and line.count(" MB") == 2  # the panel's units
+    ranks = [x.strip() for x in text.splitlines() if x.startswith("  rank ")]
     assert [x.split(",")[0] for x in ranks] == ["rank 0: idle", "rank 1: idle"]
+    # The same status as Pool.current() draws, in a notebook and in a terminal (one model)
+    # (up to the pool's age, which may tick between the two cells)
+    assert text.split(", up ")[0] == k.value("repr(air_magic.Pool.current())").split(", up ")[0]
+    markup = shown["text/html"]
+    assert markup.split("up ")[0] == k.value("air_magic.Pool.current()._repr_html_()").split("up ")[0]
+    assert "<b>[air_magic] pool of 2 CPU ranks</b>" in markup and "● idle</span>" in markup
+    assert ">running<" not in markup  # no column that would be empty: no rank runs a call
 
 
 def test_the_pool_s_status_names_the_call_a_rank_still_runs(k: Kernel) -> None:
@@ -157,12 +173,15 @@ def test_the_pool_s_status_names_the_call_a_rank_still_runs(k: Kernel) -> None:
         "import os, time, air_magic\ndef rank_one_sleeps():\n    if os.environ['RANK'] == '1':\n        time.sleep(4)\n\n"
         "call = air_magic.Pool.current().submit(rank_one_sleeps)\ntime.sleep(1.5)"
     )
-    ranks = [x.strip() for x in k.ok("%distributed_pool").stdout.splitlines() if x.startswith("  rank ")]
+    shown = pool_status(k)
+    ranks = [x.strip() for x in shown["text/plain"].splitlines() if x.startswith("  rank ")]
     # rank 0 came back from the call: "done" (issue 33, item 10: not "idle" while the call still runs)
     assert [x.split(",")[0] for x in ranks] == ["rank 0: done", "rank 1: running rank_one_sleeps"]
+    assert ">running</th>" in shown["text/html"] and ">rank_one_sleeps</td>" in shown["text/html"]
+    assert "✔ done</span>" in shown["text/html"] and "● running</span>" in shown["text/html"]
     k.ok("call.result(timeout=30)")
     html = k.value("air_magic.Pool.current()._repr_html_()")
-    assert "<th style='text-align:left;padding:0 12px 0 0'>state</th>" in html and html.count(">idle<") == 2
+    assert ">state</th>" in html and html.count("● idle</span>") == 3  # the pool's, and each rank's
 
 
 LONG_CELL = """\

@@ -63,10 +63,14 @@ def test_a_gpu_pool_says_each_rank_s_gpu_memory(monkeypatch: pytest.MonkeyPatch,
     )
     engine = _engine("cuda", ranks)
     assert engine.status()["gpu_memory"] == [12 * 2**30, 3 * 2**29]
-    assert "; GPU memory per rank: 12.0 GiB, 1.5 GiB" in engine.describe()
-    text, markup = engine.table()
-    assert [line.split(",")[1].strip().split(" · ")[0] for line in text.splitlines()] == ["GPU 12.0 GiB", "GPU 1.5 GiB"]
-    assert "GPU 12.0 GiB · " in markup
+    assert "; GPU memory per rank: 12.9 GB, 1.6 GB" in engine.describe()  # the panel's units
+    text = engine.text()
+    ranks = text.splitlines()[1:]
+    assert [line.split(",")[1].strip().split(" · ")[0] for line in ranks] == ["GPU 12.9 GB", "GPU 1.6 GB"]
+    from air_magic.panel._pool_status import html
+
+    markup = html(engine.facts())
+    assert "GPU 12.9 GB · " in markup and ">memory</th>" in markup
 
 
 def test_a_cpu_pool_never_asks_nvml(monkeypatch: pytest.MonkeyPatch, ranks: list[int]) -> None:
