@@ -34,7 +34,10 @@ _WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 STOP_NOTE_BLOCKING = (
     "interrupt the kernel to stop (■ in the toolbar): a click cannot reach a kernel busy with this cell"
 )
-STOP_NOTE_SUBSHELL = "Stop works during this cell: the front end sends clicks on a kernel subshell"
+#: What Stop does, said where it works while the cell runs (the front end sends clicks on a
+#: kernel subshell): for a launch, and for a pool's call (kernel/pool_view.py's noun).
+STOP_NOTE_SUBSHELL = "Stop ends this launch and its ranks, as interrupting the kernel (■) does"
+STOP_NOTE_POOL = "Stop interrupts this cell on every rank, as ■ does; the pool and its state stay"
 
 
 class WidgetPanel:
@@ -181,7 +184,8 @@ class WidgetPanel:
         elif self.background:
             enabled, note = True, "Stop cancels this background launch"
         elif subshells_active(self.shell):
-            enabled, note = True, STOP_NOTE_SUBSHELL
+            pool_call = getattr(launch, "noun", "launch") == "pool call"
+            enabled, note = True, STOP_NOTE_POOL if pool_call else STOP_NOTE_SUBSHELL
         else:
             enabled, note = False, STOP_NOTE_BLOCKING
         self._set("stop", not enabled, trait="disabled")

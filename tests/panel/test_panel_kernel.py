@@ -200,7 +200,11 @@ def test_a_click_on_a_subshell_stops_a_blocking_launch(wire: Wire) -> None:
         assert wire.wait_for(lambda: any(p.status == "running" and not p.root.closed for p in wire.panels()), 20)
         panel = [p for p in wire.panels() if not p.root.closed][-1]
         assert wire.wait_for(
-            lambda: panel.stop.state["disabled"] is False and "subshell" in panel.note.state["value"], 5
+            lambda: (
+                panel.stop.state["disabled"] is False
+                and "Stop ends this launch and its ranks" in panel.note.state["value"]
+            ),
+            5,
         ), panel.note.state
         click = kc.session.msg(
             "comm_msg", {"comm_id": panel.stop.comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
