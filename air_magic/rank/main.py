@@ -286,6 +286,47 @@ def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None
         os.unlink(ask)
 
 
+class _BarLine:
+    """Whether the log's last line is a progress bar's state (a write that drew it after a
+    ``\r``, as tqdm draws each update), shared by the rank's ``sys.stdout`` and ``sys.stderr``.
+
+    Text printed while a bar's state ends the log's line (a ``print`` inside the loop) would
+    run into it: ``steps 40%|████ | 4/10 loss 0.3``, and a snapshot of the bar with every
+    print.  Such text starts with a ``\r`` instead: in the cell (and in the log as it is kept)
+    it takes the line's place, so the prints keep lines of their own and the bar one line,
+    its last state; the panel shows the bar live."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def separate(self, data: bytes) -> bytes:
+        given = data
+        if self.open and data and data[:1] not in (b"\r", b"\n"):
+            data = b"\r" + data
+        back, end = given.rfind(b"\r"), given.rfind(b"\n")
+        if back > end and back < len(given) - 1:
+            self.open = True  # a bar's state was drawn after a \r, and the line is not ended
+        elif given:  # the line ended, or plain text (after a \r of its own) is on it now
+            self.open = False
+        return data
+
+
+_bar_line = _BarLine()
+
+
+class _LogFile(io.FileIO):
+    """A descriptor that appends to the rank's log (text after a progress bar's state starts
+    with a ``\r``: :class:`_BarLine`)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd, "w", closefd=False)
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        super().write(_bar_line.separate(bytes(data)))
+        return size
+
+
 class _RangedFile(io.FileIO):
     """A descriptor that appends to the rank's log, and records in ``ranges`` the byte range
     of each write (two little-endian int64: start, end), so that the kernel shows these
@@ -302,17 +343,19 @@ class _RangedFile(io.FileIO):
 
     def write(self, data: Any) -> int:
         size = memoryview(data).nbytes
+        written = _bar_line.separate(bytes(data))
         if size:
             try:
                 start = os.fstat(self.fileno()).st_size  # where an appending write lands
-                os.write(self._ranges, struct.pack("<qq", start, start + size))
+                os.write(self._ranges, struct.pack("<qq", start, start + len(written)))
             except OSError:
                 pass  # the output is in the log all the same, shown as stdout
-        return super().write(data) or 0
+        super().write(written)
+        return size
 
 
 def _text_stream(fd: int, like: Any, ranges: int | None = None) -> io.TextIOWrapper:
-    raw = io.FileIO(fd, "w", closefd=False) if ranges is None else _RangedFile(fd, ranges)
+    raw = _LogFile(fd) if ranges is None else _RangedFile(fd, ranges)
     encoding = getattr(like, "encoding", None) or "utf-8"
     errors = getattr(like, "errors", None) or "backslashreplace"
     return io.TextIOWrapper(raw, encoding=encoding, errors=errors, write_through=True)

@@ -50,6 +50,34 @@ def test_rank_zero_prints_stream_into_the_cell_in_order(k: Kernel) -> None:
     assert log.splitlines() == [f"rank1 step {i}" for i in range(20)]
 
 
+def _as_shown(stream: str) -> list[str]:
+    """The lines a notebook shows of a stream: a ``\r`` takes the line back to its start."""
+    return [([part for part in line.split("\r") if part] or [""])[-1] for line in stream.split("\n")][:-1]
+
+
+def test_a_print_inside_a_progress_bar_s_loop_keeps_a_line_of_its_own(k: Kernel) -> None:
+    """tqdm on rank 0's stdout with a print at each step: the prints on lines of their own and
+    the bar one line, at its last state (a terminal would show a snapshot of the bar per print)."""
+    res = k.run(
+        "%%distributed -n 2\n"
+        "import sys, time\n"
+        "from tqdm import tqdm\n"
+        "for step in tqdm(range(4), desc='steps', file=sys.stdout, mininterval=0):\n"
+        "    print('loss', step, flush=True)\n"
+        "    time.sleep(0.05)\n"
+        "print('done')\n"
+    )
+    assert res.error is None, res.error_text
+    shown = [line for line in _as_shown(res.stdout) if not line.startswith("[air_magic]")]
+    assert shown[:4] == ["loss 0", "loss 1", "loss 2", "loss 3"]
+    [bar] = [line for line in shown if line.startswith("steps")]
+    assert "100%" in bar and "4/4" in bar
+    assert shown[-1] == "done"
+    # the log as it is kept: the same lines
+    log = [line for line in k.value("_last_log(0)").splitlines() if line]
+    assert log[:4] == ["loss 0", "loss 1", "loss 2", "loss 3"] and log[-1] == "done"
+
+
 def test_output_arrives_while_the_cell_is_still_running(k: Kernel) -> None:
     msg_id = k.execute(
         '%%distributed -n 2\nimport time\nprint("first", flush=True)\ntime.sleep(1.5)\nprint("second", flush=True)\n'

@@ -132,3 +132,26 @@ def test_a_log_without_stderr_ranges_is_all_stdout(tmp_path: Any, capsys: Any) -
     log.write("a\nb\n")
     OutputPump(log.path, limit=1 << 20).pump(final=True)
     assert capsys.readouterr() == ("a\nb\n", "")
+
+
+def test_text_after_a_progress_bar_s_state_takes_its_line() -> None:
+    """The rank's streams (rank/main.py's _BarLine): a print after a bar's state starts with
+    a carriage return; anything else is written as it was given."""
+    from air_magic.rank.main import _BarLine
+
+    line = _BarLine()
+    writes = [b"\rsteps 10%", b"loss", b" ", b"1", b"\n", b"\rsteps 20%", b"\rsteps 30%", b"\n", b"plain", b"\n"]
+    assert [line.separate(w) for w in writes] == [
+        b"\rsteps 10%",
+        b"\rloss",  # takes the bar's line
+        b" ",
+        b"1",
+        b"\n",
+        b"\rsteps 20%",
+        b"\rsteps 30%",  # a bar's own redraw, as it was
+        b"\n",  # the bar's end
+        b"plain",
+        b"\n",
+    ]
+    line = _BarLine()
+    assert line.separate(b"50%\r") == b"50%\r" and line.separate(b"next\n") == b"next\n"  # a bar that returns first
