@@ -155,6 +155,9 @@ class CellResult:
     execution_count: int | None = None
     #: (msg_type, data, display_id) of each display_data / update_display_data, in order.
     displays: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
+    #: Where the outputs come in the cell, in order: "stdout", "stderr", "display_data"
+    #: (an update changes a display in place: it is not a place).
+    order: list[str] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.stdout, self.result, self.error))
@@ -168,6 +171,7 @@ class CellResult:
         kind, content = msg["msg_type"], msg["content"]
         if kind == "stream":
             self.streams.append((content["name"], content["text"]))
+            self.order.append(content["name"])
             if content["name"] == "stdout":
                 self.stdout += content["text"]
             else:
@@ -179,6 +183,8 @@ class CellResult:
         elif kind in ("display_data", "update_display_data"):
             display_id = (content.get("transient") or {}).get("display_id")
             self.displays.append((kind, content.get("data") or {}, display_id))
+            if kind == "display_data":
+                self.order.append(kind)
         elif kind == "error":
             tb = [strip_ansi(line) for line in content["traceback"]]
             self.error = {

@@ -100,6 +100,7 @@ _UNIX_PATH_MAX = 107
 #: each returns a watcher, or None.  Its ``tick()`` is called from the call's wait loop (every
 #: few tens of ms: it must be cheap) and its ``end()`` once the call is over and the view says
 #: how (the live panel registers one: :mod:`air_magic.panel._pool`; plugins.py wires it).
+#: While its ``holds_output()`` is true, rank 0's output waits (the panel shows above it).
 CALL_WATCHERS: list[Callable[[PoolCallView], Any]] = []
 
 _pools: list["PoolEngine"] = []  # open pools of this kernel, the most recently started last
@@ -692,7 +693,8 @@ class PoolEngine:
                         call.forked[reply.rank] = reply.forked
                     if isinstance(reply.record, ErrorRecord) and grace_until is None:
                         grace_until = time.monotonic() + GRACE
-                pump.pump()
+                if not any(_holds_output(watcher) for watcher in watchers):
+                    pump.pump()
                 if not pending:
                     break
                 for watcher in watchers:
@@ -1079,6 +1081,14 @@ def _kill(launch: Launch) -> None:
 def _sys_path() -> list[str]:
     cwd = os.getcwd() if os.path.isdir(".") else "/"
     return [p if p else cwd for p in sys.path]
+
+
+def _holds_output(watcher: Any) -> bool:
+    """Whether ``watcher`` (the panel) wants rank 0's output held until it has shown itself."""
+    try:
+        return bool(watcher.holds_output())
+    except Exception:  # a watcher (the panel) never changes the call's outcome
+        return False
 
 
 #: How long a connection to the pool's listener has to prove it is a rank of this pool.

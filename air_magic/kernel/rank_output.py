@@ -393,6 +393,11 @@ class OutputPump:
     def pump(self, final: bool = False) -> None:
         with self._lock:
             self._pump(final)
+            while final and not self.stopped and self._held is None and self.reader.offset < file_size(self.path):
+                offset = self.reader.offset  # the final pump writes all that is left (a read is 1 MiB)
+                self._pump(final)
+                if self.reader.offset == offset:
+                    break
             if final:
                 self._end_line()
 

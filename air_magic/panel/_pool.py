@@ -50,6 +50,11 @@ class PoolCallPanel:
     def shown(self) -> bool:
         return self.observer is not None
 
+    def holds_output(self) -> bool:
+        """Rank 0's output waits for the panel (or the call's end): the panel stays above it,
+        in the first cell as in the next, even when the cell prints in its first second."""
+        return self.observer is None
+
     def tick(self) -> None:
         """From the cell's own wait loop (every few tens of ms): nothing but a clock read for
         SHOW_AFTER s; then the panel, once; then the lines it queued for the cell."""

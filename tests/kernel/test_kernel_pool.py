@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import psutil
 import pytest
-from harness import POOL_RANK_PIDS, Kernel, alive, helper_processes, wait_until
+from harness import POOL_RANK_PIDS, Kernel, alive, helper_processes, user_lines, wait_until
 
 pytestmark = pytest.mark.kernel
 
@@ -192,6 +192,27 @@ for step in tqdm(range(6), desc="steps", file=sys.stdout, mininterval=0):
     time.sleep(0.5 if os.environ["RANK"] == "0" else 0.7)
 print("rank", os.environ["RANK"], "trained", flush=True)
 """
+
+
+EARLY_PRINT = """\
+%%distributed --pool
+import time
+print("at once", flush=True)
+time.sleep(1.6)
+print("later", flush=True)
+"""
+
+
+def test_a_pool_cell_s_panel_is_above_what_it_prints_even_in_its_first_second(k: Kernel) -> None:
+    for _ in range(2):  # the first pool cell of the pool and the next alike
+        res = k.ok(EARLY_PRINT, timeout=60)
+        assert user_lines(res.stdout) == ["at once", "later"]
+        first_print = next(i for i, text in enumerate(res.streams) if "at once" in text[1])
+        stream_places = [i for i, where in enumerate(res.order) if where in ("stdout", "stderr")]
+        # the panel's place comes before the stream message that holds the first print
+        assert res.order.index("display_data") < stream_places[first_print], res.order
+    quick = k.ok('%%distributed --pool\nprint("quick")')
+    assert quick.displays == [] and user_lines(quick.stdout) == ["quick"]  # held until the end, not lost
 
 
 def test_a_pool_cell_that_runs_long_shows_each_rank_live_and_how_it_ended(k: Kernel) -> None:
