@@ -73,6 +73,48 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
+def gone(pid: int) -> bool:
+    """Whether the process ``pid`` has ended (a zombie has)."""
+    try:
+        return not alive(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return True
+
+
+def values(res: "CellResult") -> Any:
+    """A cell's ``Out`` (a launch's or pool cell's list of the ranks' values), read back."""
+    import ast
+
+    assert res.error is None, res.error_text
+    assert res.result is not None, f"no Out; stdout={res.stdout!r} stderr={res.stderr!r}"
+    return ast.literal_eval(res.result)
+
+
+def pool_pids(k: "Kernel") -> list[int]:
+    """The pids of the ranks of the kernel's pool."""
+    return k.value("__import__('air_magic').Pool.current().status()['pids']")
+
+
+def kernel_with_a_pool(kernel_factory: Any, first: str) -> Iterator["Kernel"]:
+    """A module's kernel (its first cell ``first``) with a pool of 2 ranks that stays from one
+    test to the next; for a module-scoped fixture.  With :func:`the_pool_stays`."""
+    kernel = kernel_factory()
+    kernel.ok(first)
+    kernel.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
+    yield kernel
+    POOL_RANK_PIDS.clear()
+    kernel.shutdown()
+
+
+def the_pool_stays(k: "Kernel") -> Iterator[None]:
+    """After each test: the kernel's pool's ranks (if it has a pool) are not leftovers;
+    nothing else may stay.  For an autouse fixture."""
+    yield
+    POOL_RANK_PIDS.clear()
+    if k.value("__import__('air_magic').Pool.current() is not None"):
+        POOL_RANK_PIDS.update(pool_pids(k))
+
+
 def _is_helper_command(cmdline: list[str]) -> bool:
     return any(a == "-m" and b == "air_magic.rank.zygote" for a, b in zip(cmdline, cmdline[1:]))
 

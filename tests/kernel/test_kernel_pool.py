@@ -5,7 +5,6 @@ the timeout, and the kernel's end taking the pool along."""
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import signal
@@ -14,44 +13,30 @@ from typing import Any, Iterator
 
 import psutil
 import pytest
-from harness import POOL_RANK_PIDS, Kernel, alive, helper_processes, user_lines, wait_until
+from harness import (
+    Kernel,
+    gone,
+    helper_processes,
+    kernel_with_a_pool,
+    pool_pids,
+    the_pool_stays,
+    user_lines,
+    values,
+    wait_until,
+)
 
 pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")
 def k(kernel_factory: Any) -> Iterator[Kernel]:
-    kernel = kernel_factory()
-    kernel.ok("%load_ext air_magic")
-    kernel.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
-    yield kernel
-    POOL_RANK_PIDS.clear()
-    kernel.shutdown()
+    yield from kernel_with_a_pool(kernel_factory, "%load_ext air_magic")
 
 
 @pytest.fixture(autouse=True)
 def the_pool_may_stay(k: Kernel) -> Iterator[None]:
     """The module's pool outlives each test (its ranks are not leftovers); nothing else may."""
-    yield
-    POOL_RANK_PIDS.clear()
-    POOL_RANK_PIDS.update(pool_pids(k))
-
-
-def gone_or_zombie(pid: int) -> bool:
-    try:
-        return not alive(psutil.Process(pid))
-    except psutil.NoSuchProcess:
-        return True
-
-
-def values(res: Any) -> Any:
-    assert res.error is None, res.error_text
-    assert res.result is not None, f"no Out; stdout={res.stdout!r} stderr={res.stderr!r}"
-    return ast.literal_eval(res.result)
-
-
-def pool_pids(k: Kernel) -> list[int]:
-    return k.value("[p for p in __import__('air_magic').Pool.current().status()['pids']]")
+    yield from the_pool_stays(k)
 
 
 def test_names_a_cell_assigns_stay_on_the_ranks_for_the_next_cell(k: Kernel) -> None:
@@ -304,7 +289,7 @@ def test_a_killed_rank_breaks_the_pool_and_the_next_cell_restarts_it_saying_so(k
     assert time.monotonic() - begin < 5
     assert res.error is not None, res.stdout
     assert "the pool is broken (rank 1 ended (exit -9))" in res.error["evalue"], res.error_text
-    assert wait_until(lambda: all(gone_or_zombie(p) for p in pids), timeout=10)
+    assert wait_until(lambda: all(gone(p) for p in pids), timeout=10)
     begin = time.monotonic()
     res = k.run("%%distributed --pool\n'old' in globals()", timeout=60)
     assert time.monotonic() - begin < 10
@@ -351,11 +336,11 @@ def test_stop_leaves_no_rank_and_a_new_pool_starts(kernel_factory: Any) -> None:
         pids = pool_pids(kernel)
         res = kernel.ok("%distributed_pool --stop")
         assert res.stdout.strip() == "[air_magic] the pool was stopped."
-        assert wait_until(lambda: all(gone_or_zombie(p) for p in pids), timeout=10)
+        assert wait_until(lambda: all(gone(p) for p in pids), timeout=10)
         assert values(kernel.run("%%distributed --pool -n 1 --no-tracking\n'x' in globals()", timeout=180)) == [False]
         kernel.ok("%unload_ext air_magic")  # the magics go; the pool stays, for air_magic.Pool
-        gone = kernel.run("%distributed_pool")
-        assert "Line magic function `%distributed_pool` not found" in gone.stderr + gone.error_text
+        unloaded = kernel.run("%distributed_pool")
+        assert "Line magic function `%distributed_pool` not found" in unloaded.stderr + unloaded.error_text
         assert kernel.value("__import__('air_magic').Pool.current().run(int)") == [0]
     finally:
         kernel.shutdown()
@@ -379,6 +364,6 @@ def test_the_kernel_s_end_takes_the_pool_along(kernel_factory: Any, how: str) ->
         else:
             kernel.km.shutdown_kernel(now=True)
             kernel.forget()
-        assert wait_until(lambda: all(gone_or_zombie(p) for p in pids + helpers), timeout=10), how
+        assert wait_until(lambda: all(gone(p) for p in pids + helpers), timeout=10), how
     finally:
         kernel.shutdown()

@@ -6,53 +6,26 @@ true one, and the limits are bounded and said."""
 
 from __future__ import annotations
 
-import ast
 import os
 import signal
 import time
 from typing import Any, Iterator
 
-import psutil
 import pytest
-from harness import POOL_RANK_PIDS, Kernel, alive, wait_until
+from harness import Kernel, gone, kernel_with_a_pool, pool_pids, the_pool_stays, values, wait_until
 
 pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")
 def k(kernel_factory: Any) -> Iterator[Kernel]:
-    kernel = kernel_factory()
-    kernel.ok("import air_magic, os, sys, time")
-    kernel.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
-    yield kernel
-    POOL_RANK_PIDS.clear()
-    kernel.shutdown()
+    yield from kernel_with_a_pool(kernel_factory, "import air_magic, os, sys, time")
 
 
 @pytest.fixture(autouse=True)
 def the_pool_may_stay(k: Kernel) -> Iterator[None]:
     """The module's pool outlives each test (its ranks are not leftovers); nothing else may."""
-    yield
-    POOL_RANK_PIDS.clear()
-    if k.value("air_magic.Pool.current() is not None"):
-        POOL_RANK_PIDS.update(pool_pids(k))
-
-
-def values(res: Any) -> Any:
-    assert res.error is None, res.error_text
-    assert res.result is not None, f"no Out; stdout={res.stdout!r} stderr={res.stderr!r}"
-    return ast.literal_eval(res.result)
-
-
-def pool_pids(k: Kernel) -> list[int]:
-    return k.value("air_magic.Pool.current().status()['pids']")
-
-
-def gone(pid: int) -> bool:
-    try:
-        return not alive(psutil.Process(pid))
-    except psutil.NoSuchProcess:
-        return True
+    yield from the_pool_stays(k)
 
 
 def ensure_pool(k: Kernel) -> None:
