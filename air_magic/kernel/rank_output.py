@@ -38,6 +38,22 @@ from air_magic.protocol import (
 from air_magic.rank import results as _results
 
 
+def _bounded(handle: Any, size: int, limit: int) -> bytes:
+    """What a log of ``size`` bytes (open in ``handle``) keeps under ``limit``: its first
+    sixteenth, a line saying how much is gone, its end."""
+    head_size = limit // 16
+    tail_size = limit - head_size
+    head = handle.read(head_size)
+    handle.seek(size - tail_size)
+    tail = handle.read()
+    cut = size - head_size - tail_size
+    mark = (
+        f"\n[air_magic] {cut} bytes of this rank's output were cut here: its log keeps the first "
+        f"{_size(head_size)} and the last {_size(tail_size)} (AIR_MAGIC_LOG_LIMIT).\n"
+    ).encode()
+    return head + mark + tail
+
+
 def bound_log(path: str, limit: int) -> None:
     """Cut the middle out of a log longer than ``limit``: its first sixteenth and its end
     stay, with a line saying how much is gone (a rank that printed 1 GB leaves 16 MB)."""
@@ -45,21 +61,12 @@ def bound_log(path: str, limit: int) -> None:
         size = os.path.getsize(path)
         if size <= limit:
             return
-        head_size = limit // 16
-        tail_size = limit - head_size
         with open(path, "rb") as handle:
-            head = handle.read(head_size)
-            handle.seek(size - tail_size)
-            tail = handle.read()
-        cut = size - head_size - tail_size
-        mark = (
-            f"\n[air_magic] {cut} bytes of this rank's output were cut here: its log keeps the first "
-            f"{_size(head_size)} and the last {_size(tail_size)} (AIR_MAGIC_LOG_LIMIT).\n"
-        ).encode()
+            kept = _bounded(handle, size, limit)
         tmp = f"{path}.bounded"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as handle:
-            handle.write(head + mark + tail)
+            handle.write(kept)
         os.replace(tmp, path)
     except OSError:
         pass
@@ -75,19 +82,10 @@ def bound_log_in_place(path: str, limit: int) -> None:
         size = os.path.getsize(path)
         if size <= limit:
             return
-        head_size = limit // 16
-        tail_size = limit - head_size
         with open(path, "r+b") as handle:
-            head = handle.read(head_size)
-            handle.seek(size - tail_size)
-            tail = handle.read()
-            cut = size - head_size - tail_size
-            mark = (
-                f"\n[air_magic] {cut} bytes of this rank's output were cut here: its log keeps the first "
-                f"{_size(head_size)} and the last {_size(tail_size)} (AIR_MAGIC_LOG_LIMIT).\n"
-            ).encode()
+            kept = _bounded(handle, size, limit)
             handle.seek(0)
-            handle.write(head + mark + tail)
+            handle.write(kept)
             handle.truncate()
         ranges = stderr_ranges_path(path)
         if os.path.exists(ranges):
