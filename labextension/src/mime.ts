@@ -37,6 +37,10 @@ interface ISummary {
   charts: { [key: string]: { [rank: string]: [number, number][] } };
   tracking: boolean;
   run: { id: string; name: string; url: string; command: string } | null;
+  /** "launch", or "pool call" for a call of a pool (air_magic/kernel/pool_view.py). */
+  noun?: string;
+  /** A pool call's pool, said on a line above the title ('' for a launch). */
+  context?: string;
   /** What is still stored of the run after the end ("MLflow: storing 1,234 points…"); '' once stored. */
   storing?: string;
   /** The chart model the kernel's panel draws its SVG from too (air_magic/panel/_svg.py chart_model). */
@@ -81,6 +85,9 @@ function renderSummary(data: ISummary): HTMLElement {
     'data-air-magic-status': data.status,
     'data-air-magic-launch': data.launch
   });
+  if (data.context) {
+    root.appendChild(el('div', { class: 'air-magic-muted', 'data-air-magic-context': '1' }, data.context));
+  }
   const title = el('div', { class: 'air-magic-Summary-title' });
   title.appendChild(el('b', {}, data.label));
   title.appendChild(document.createTextNode(` on ${data.where} · `));
@@ -88,7 +95,7 @@ function renderSummary(data: ISummary): HTMLElement {
     `${STATUS_ICON[data.status] ?? '●'} ${data.status}`));
   // How long it took is in the outcome line ("finished in 38.0 s"): said once.
   title.appendChild(document.createTextNode(' · '));
-  title.appendChild(el('span', { class: 'air-magic-muted' }, `launch ${data.launch}`));
+  title.appendChild(el('span', { class: 'air-magic-muted' }, `${data.noun || 'launch'} ${data.launch}`));
   root.appendChild(title);
   if (data.run) {
     const run = el('div', { 'data-air-magic-run': '1' }, 'MLflow run ');
