@@ -205,6 +205,14 @@ class CellResult:
         return iter((self.stdout, self.result, self.error))
 
     @property
+    def shown_text(self) -> str:
+        """What the cell shows as text: its stdout, then each display's text form (a
+        magic's status, such as ``%distributed_pool``'s, is a display)."""
+        return self.stdout + "".join(
+            str(data.get("text/plain", "")) + "\n" for kind, data, _ in self.displays if kind == "display_data"
+        )
+
+    @property
     def error_text(self) -> str:
         return self.error["text"] if self.error else ""
 

@@ -61,10 +61,27 @@ export interface IReply {
   [key: string]: unknown;
 }
 
-const ENDED = new Set(['finished', 'failed', 'timed out', 'cancelled']);
+/** States in which nothing runs: a launch that ended, a pool between its cells or broken. */
+const NOT_RUNNING = new Set(['finished', 'failed', 'timed out', 'cancelled', 'idle', 'broken']);
 
 export function isRunning(launch: ILaunch): boolean {
-  return !ENDED.has(launch.status);
+  return !NOT_RUNNING.has(shownStatus(launch));
+}
+
+/**
+ * The state the sidebar and the status bar say: a launch's own, but for a pool's launch
+ * (which runs as long as the pool lives) the pool's: idle between its cells, broken when a
+ * rank is, running while a cell runs (its ranks' states are the pool's, from the kernel).
+ */
+export function shownStatus(launch: ILaunch): string {
+  if (launch.kind !== 'pool' || launch.status !== 'running' || !launch.ranks.length) {
+    return launch.status;
+  }
+  const states = launch.ranks.map(rank => rank.state);
+  if (states.includes('broken')) {
+    return 'broken';
+  }
+  return states.every(state => state === 'idle') ? 'idle' : 'running';
 }
 
 /**

@@ -9,7 +9,9 @@ export const STATUS_ICON: { [status: string]: string } = {
   failed: '✖',
   'timed out': '⏱',
   cancelled: '■',
-  stopped: '■'
+  stopped: '■',
+  idle: '●',
+  broken: '✖'
 };
 
 export const RANK_COLORS = [

@@ -10,7 +10,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { NotebookPanel } from '@jupyterlab/notebook';
 import { Widget } from '@lumino/widgets';
 
-import { ILaunch, isRunning, KernelChannel } from './channel';
+import { ILaunch, isRunning, KernelChannel, shownStatus } from './channel';
 import { el, formatElapsed, STATUS_ICON } from './dom';
 
 /** Where the sidebar finds the current notebook and its channel. */
@@ -76,20 +76,24 @@ export class LaunchesPanel extends Widget {
 
   private _item(launch: ILaunch, channel: KernelChannel, panel: NotebookPanel): HTMLElement {
     const running = isRunning(launch);
+    const status = shownStatus(launch);
+    const pool = launch.kind === 'pool';
     const elapsed = running ? Date.now() / 1000 + channel.skew - launch.started_at : launch.elapsed;
     const item = el('li', {
       class: 'air-magic-Launch',
       'data-air-magic-item': launch.id,
-      'data-status': launch.status
+      'data-status': status
     });
     const head = el('div', { class: 'air-magic-Launch-head' });
     head.appendChild(
-      el('span', { class: `air-magic-status air-magic-status-${launch.status.replace(' ', '-')}` },
-        `${STATUS_ICON[launch.status] ?? '●'} ${launch.status}`)
+      el('span', { class: `air-magic-status air-magic-status-${status.replace(' ', '-')}` },
+        `${STATUS_ICON[status] ?? '●'} ${status}`)
     );
     head.appendChild(el('b', { class: 'air-magic-Launch-label' }, launch.label));
-    head.appendChild(el('span', { class: 'air-magic-elapsed', 'data-started': String(launch.started_at) },
-      formatElapsed(elapsed)));
+    if (!(pool && (status === 'idle' || status === 'broken'))) {  // a pool between its cells has no clock to show
+      head.appendChild(el('span', { class: 'air-magic-elapsed', 'data-started': String(launch.started_at) },
+        formatElapsed(elapsed)));
+    }
     item.appendChild(head);
     const ranks = el('div', { class: 'air-magic-Launch-ranks' }, `${launch.where}: `);
     for (const rank of launch.ranks) {
@@ -125,7 +129,11 @@ export class LaunchesPanel extends Widget {
     const actions = el('div', { class: 'air-magic-Launch-actions' });
     if (running) {
       const stop = el('button', { class: 'jp-mod-styled jp-mod-warn air-magic-stop' }, 'Stop');
-      stop.title = launch.blocking ? 'Stop this launch (its cell is running)' : 'Stop this background launch';
+      stop.title = pool
+        ? 'Interrupt the running pool cell, as Ctrl-C does (the ranks and their state stay)'
+        : launch.blocking
+          ? 'Stop this launch (its cell is running)'
+          : 'Stop this background launch';
       stop.onclick = async () => {
         stop.setAttribute('disabled', '');
         stop.textContent = 'Stopping…';
@@ -174,7 +182,7 @@ export class LaunchesPanel extends Widget {
     const skew = this._channel?.skew ?? 0;
     this.node.querySelectorAll('[data-air-magic-item][data-status] .air-magic-elapsed').forEach(node => {
       const item = node.closest('[data-status]') as HTMLElement;
-      if (item && !['finished', 'failed', 'timed out', 'cancelled'].includes(item.dataset.status ?? '')) {
+      if (item && !['finished', 'failed', 'timed out', 'cancelled', 'idle', 'broken'].includes(item.dataset.status ?? '')) {
         const started = Number((node as HTMLElement).dataset.started);
         node.textContent = formatElapsed(Date.now() / 1000 + skew - started);
       }
@@ -236,7 +244,7 @@ export class LaunchesStatus extends Widget {
     this.node.dataset.running = String(running);
     this.node.textContent = running
       ? `air_magic: ${running} running`
-      : `air_magic: ${channel.launches.length ? channel.launches[0].status : 'idle'}`;
+      : `air_magic: ${channel.launches.length ? shownStatus(channel.launches[0]) : 'idle'}`;
   }
 
   private _channel: KernelChannel | null = null;

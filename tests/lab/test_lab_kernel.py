@@ -329,7 +329,7 @@ def test_stop_on_a_pool_cell_interrupts_it_as_ctrl_c_does_and_the_pool_stays(ker
         listed = [d for d in front.latest(comm_id) if d["id"] == pool_launch["id"]]
         assert listed and listed[0]["status"] == "running", listed  # not "cancelled"
         assert [r["state"] for r in listed[0]["ranks"]] == ["idle", "idle"]  # as the cell's table says
-        assert "idle" in kernel.ok("%distributed_pool").stdout
+        assert "idle" in kernel.ok("%distributed_pool").shown_text
         assert kernel.value("%%distributed --pool\nx + 1") == [42, 42]
         # With no cell running there is nothing to stop: the answer says so, and the pool stays.
         idle = front.request(comm_id, {"type": "stop", "launch": pool_launch["id"]}, subshell=subshell)

@@ -53,7 +53,7 @@ def test_a_ray_pool_keeps_its_namespace_and_its_group_across_cells_on_both_nodes
     pool.ok(AGAIN, timeout=60)
     assert pool.value("_") == [(3.0, 3.0, True, 0.5), (3.0, 3.0, True, 0.5)]
     assert pool.value("p.pull('w')[1].item()") == 3.0
-    assert "on ray: idle, 4 calls run" in pool.ok("%distributed_pool").stdout
+    assert "on ray: idle, 4 calls run" in pool.ok("%distributed_pool").shown_text
 
 
 def test_a_launch_between_pool_cells_borrows_the_pool_s_agents_and_the_pool_stays(
