@@ -107,6 +107,13 @@ def pool_panel(view: "PoolCallView") -> Any:
     return pool_call_panel(view)
 
 
+def lab_call(view: "PoolCallView") -> Any:
+    """The JupyterLab extension's pool item: the cell a pool runs (panel._lab)."""
+    from air_magic.panel._lab import lab_call_watcher
+
+    return lab_call_watcher(view)
+
+
 def tracking_off(launch: "Launch") -> None:
     """Says so in the cell when a launch has tracking off (after the other plug-ins started)."""
     if not launch.spec.tracking:
@@ -168,6 +175,7 @@ def register() -> None:
 
         Launch.render = panel_mimebundle
         _pool.CALL_WATCHERS.append(pool_panel)
+        _pool.CALL_WATCHERS.append(lab_call)
         Launcher.add_observer(tracking)
         Launcher.add_observer(panel)
         Launcher.add_observer(tracking_off)

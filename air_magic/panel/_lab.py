@@ -122,6 +122,8 @@ class LabChannel:
         self.running: dict[str, tuple["Launch", dict[str, Any]]] = {}  # id -> (launch, its cell)
         self.ended: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECENT)
         self.log_paths: dict[str, list[str]] = {}  # the ended launches' logs, by id
+        #: a pool's launch id -> the call running on it (its view, its cell, when it began)
+        self.calls: dict[str, tuple[Any, dict[str, Any], float]] = {}
         self._wake = threading.Event()
         self._watcher: threading.Thread | None = None
         self._sent: Any = None
@@ -131,11 +133,42 @@ class LabChannel:
 
     def launches(self) -> list[dict[str, Any]]:
         with self._lock:
-            running = [describe(launch, cell) for launch, cell in self.running.values()]
+            running = [self._describe(launch, cell) for launch, cell in self.running.values()]
             return sorted(running, key=lambda d: -d["started_at"]) + list(self.ended)
 
     def message(self) -> dict[str, Any]:
         return {"type": "launches", "launches": self.launches(), "now": time.time()}
+
+    def _describe(self, launch: "Launch", cell: dict[str, Any]) -> dict[str, Any]:
+        """A launch as listed; a pool's while one of its cells runs: that cell (its clock,
+        where Go to cell goes) and each rank's progress in it."""
+        described = describe(launch, cell)
+        call = self.calls.get(launch.id)
+        if call is not None:
+            view, call_cell, began = call
+            described["cell"] = call_cell
+            described["started_at"] = began
+            described["elapsed"] = time.time() - began
+            progress = _progress(view)
+            for rank in described["ranks"]:
+                rank["progress"] = progress.get(rank["rank"], "")
+        return described
+
+    def call_began(self, view: Any, cell: dict[str, Any]) -> None:
+        with self._lock:
+            self.calls[view.pool.id] = (view, cell, time.time())
+            listening = bool(self.comms)
+        if listening:  # (a pool cell with no front end listening costs a dict entry, no more)
+            self.push()
+
+    def call_ended(self, view: Any) -> None:
+        with self._lock:
+            listed = self.calls.get(view.pool.id)
+            if listed is not None and listed[0] is view:
+                del self.calls[view.pool.id]
+            listening = bool(self.comms)
+        if listening:
+            self.push()
 
     def started(self, launch: "Launch", cell: dict[str, Any]) -> None:
         with self._lock:
@@ -354,3 +387,31 @@ def lab_observer(launch: "Launch") -> _LabObserver | None:
     with lab._lock:
         lab.shell = shell  # the watcher releases its iopub socket through it
     return _LabObserver(lab)
+
+
+class _LabCallWatcher:
+    """A pool's call, told to the channel (kernel/pool.py's CALL_WATCHERS): the sidebar's pool
+    item shows the running cell, its clock and its ranks' progress."""
+
+    def __init__(self, lab: LabChannel, view: Any) -> None:
+        self.lab = lab
+        self.view = view
+        lab.call_began(view, _cell())
+
+    def holds_output(self) -> bool:
+        return False
+
+    def tick(self) -> None:
+        pass
+
+    def end(self) -> None:
+        self.lab.call_ended(self.view)
+
+
+def lab_call_watcher(view: Any) -> _LabCallWatcher | None:
+    """The pool's factory: a call is listed where a kernel can have the extension."""
+    from IPython import get_ipython
+
+    if _kernel(get_ipython()) is None:
+        return None
+    return _LabCallWatcher(channel(), view)

@@ -309,10 +309,18 @@ def test_stop_on_a_pool_cell_interrupts_it_as_ctrl_c_does_and_the_pool_stays(ker
         subshell = front.subshell()
         comm_id = front.open(subshell=subshell)
         front.wait("the list", lambda: front.comm_data(comm_id, "launches"))
+        count = kernel.value("get_ipython().execution_count")  # the next cell's In[N], after this one's
+        began = time.time()
         cell = kernel.execute("%%distributed --pool\nimport time\nwhile True:\n    time.sleep(0.01)")
         pool_launch = front.wait(
-            "the pool's launch", lambda: [d for d in front.latest(comm_id) if d["kind"] == "pool"], timeout=30
+            "the pool's launch, running the cell",
+            lambda: [
+                d for d in front.latest(comm_id) if d["kind"] == "pool" and d["cell"].get("execution_count") == count
+            ],
+            timeout=30,
         )[0]
+        # The pool's item is the running cell's: Go to cell goes there, its clock is the cell's.
+        assert pool_launch["started_at"] >= began - 1.0, (pool_launch, began)
         time.sleep(1.0)  # the cell runs on both ranks
         reply = front.request(comm_id, {"type": "stop", "launch": pool_launch["id"]}, subshell=subshell)
         assert reply["ok"] is True, reply
