@@ -1,7 +1,8 @@
 """A pool of ranks that stays across cells: the kernel side (the rank side is
 :mod:`air_magic.rank.pool`; what travels between them, :mod:`air_magic.kernel.pool_wire`;
 what the pool says of itself, :mod:`air_magic.kernel.pool_status`; a call seen as a
-launch, for the panel, :mod:`air_magic.kernel.pool_view`).
+launch, for the panel, :mod:`air_magic.kernel.pool_view`; where the ranks connect and how
+each is known as one of the pool's, :mod:`air_magic.kernel.pool_listener`).
 
 A pool is a launch that stays: its ranks are forked by the helper as for any launch (so a
 kernel's shutdown, restart or death takes them along), join the default process group
@@ -28,17 +29,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import shutil
 import signal
 import socket
-import struct
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, NoReturn
 
 import cloudpickle
@@ -50,6 +47,8 @@ from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_status as _status
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
+from air_magic.kernel.pool_listener import greet as _greet
+from air_magic.kernel.pool_listener import listener as _listener
 from air_magic.kernel.pool_view import PoolCallView
 from air_magic.kernel.pool_wire import OutOfStep, replies
 from air_magic.kernel.rank_output import (
@@ -92,9 +91,6 @@ _EVEN_ROUNDS = 3
 #: Seconds a rank whose connection closed has to end (its exit then says how it ended) before
 #: the closed connection itself is the reason the pool breaks.
 _CLOSED_GRACE = 1.0
-#: The longest path a Unix socket's address may have (``sun_path`` holds 108 bytes).
-_UNIX_PATH_MAX = 107
-
 #: Factories called as a pool's cell or call begins in the caller's thread (not a
 #: ``submit``), with the call seen as a launch (:class:`~air_magic.kernel.pool_view.PoolCallView`):
 #: each returns a watcher, or None.  Its ``tick()`` is called from the call's wait loop (every
@@ -1089,88 +1085,6 @@ def _holds_output(watcher: Any) -> bool:
         return bool(watcher.holds_output())
     except Exception:  # a watcher (the panel) never changes the call's outcome
         return False
-
-
-#: How long a connection to the pool's listener has to prove it is a rank of this pool.
-_HANDSHAKE_SECONDS = 60
-
-
-def _greet(sock: socket.socket, authkey: bytes, world_size: int) -> tuple[int, Connection, int] | None:
-    """``(rank, connection, pid)`` of a rank that connected, or None for a connection that is
-    not one of this pool's ranks (wrong key, nothing said in time, a reset, a bad hello): it
-    is closed and the pool goes on waiting for its ranks, which a stranger cannot hold up for
-    longer than the handshake's time."""
-    sock.settimeout(None)
-    # Blocking reads that give up after the handshake's time (a Connection reads the descriptor).
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", _HANDSHAKE_SECONDS, 0))
-    conn = Connection(sock.detach())
-    try:
-        deliver_challenge(conn, authkey)
-        answer_challenge(conn, authkey)
-        if not conn.poll(_HANDSHAKE_SECONDS):
-            raise EOFError("no hello")
-        kind, rank, pid = conn.recv()
-        if kind != "hello" or not isinstance(rank, int) or not 0 <= rank < world_size or not isinstance(pid, int):
-            raise ValueError("not a rank's hello")
-        with socket.socket(fileno=os.dup(conn.fileno())) as same:  # reads block again
-            same.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-    except Exception:  # whatever a stranger sends, the pool goes on waiting for its ranks
-        conn.close()
-        return None
-    return rank, conn, pid
-
-
-@contextlib.contextmanager
-def _listener(backend: Any, session_dir: str) -> Iterator[tuple[socket.socket, Any]]:
-    """Where the ranks connect: a Unix socket in a private folder (the session's, or a short
-    one of its own when the session's path is too long for a socket's address), or for
-    ranks on other machines a TCP port at the address they reach the kernel at."""
-    folder: str | None = None
-    if backend.local_processes:
-        address: Any = os.path.join(session_dir, f"pool-{uuid.uuid4().hex[:12]}.sock")
-        if len(os.fsencode(address)) > _UNIX_PATH_MAX:
-            folder = _short_private_folder()
-            address = os.path.join(folder, "pool.sock")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            server.bind(address)
-            os.chmod(address, 0o600)
-        except BaseException:
-            server.close()
-            if folder:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise
-    else:
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        server.bind((backend.kernel_address(), 0))
-        address = server.getsockname()[:2]
-    try:
-        server.listen(1024)
-        server.settimeout(0.05)
-        yield server, address
-    finally:
-        server.close()
-        if isinstance(address, str):
-            try:
-                os.unlink(address)
-            except OSError:
-                pass
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _short_private_folder() -> str:
-    """A new folder only this user can use, at a short path (``/tmp/am-xxxxxxxx``)."""
-    for base in ("/tmp", "/dev/shm", "/var/tmp"):
-        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
-            try:
-                return tempfile.mkdtemp(prefix="am-", dir=base)  # 0700, a name no one else has
-            except OSError:
-                continue
-    raise LaunchError(
-        "the pool needs a Unix socket, and no short folder is writable here (/tmp, /dev/shm, /var/tmp) while "
-        "the temporary folder's path is too long for one; set TMPDIR to a shorter folder."
-    )
 
 
 def _finished_note(finished: list[dict[str, Any]], call: _Call) -> str:

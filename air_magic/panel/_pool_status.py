@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from air_magic.panel._format import _CELL, _FONT, _esc
+from air_magic.panel._format import _CELL, _FONT, _STATUS_STYLE, _esc
 from air_magic.panel._render import _run_command_html, _run_html
 
 if TYPE_CHECKING:
@@ -22,18 +22,17 @@ if TYPE_CHECKING:
 
 __all__ = ["bundle", "html", "STATE_STYLE"]
 
-#: How each state of a pool, and of its ranks, is drawn: the launch panel's marks and colours.
+#: How each state of a pool, and of its ranks, is drawn: the launch panel's marks and colours
+#: (a rank done with the call as a finished launch, a broken pool as a failed one).
 STATE_STYLE = {
-    "new": ("○", "#6b7280"),
-    "starting": ("○", "#6b7280"),
-    "idle": ("●", "#16a34a"),
-    "running": ("●", "#2563eb"),
-    "done": ("✔", "#16a34a"),
-    "failed": ("✖", "#dc2626"),
-    "broken": ("✖", "#dc2626"),
-    "stopped": ("■", "#6b7280"),
-    "ended": ("■", "#6b7280"),
-    "closed": ("■", "#6b7280"),
+    **_STATUS_STYLE,
+    "new": _STATUS_STYLE["starting"],
+    "idle": ("●", _STATUS_STYLE["finished"][1]),
+    "done": _STATUS_STYLE["finished"],
+    "broken": _STATUS_STYLE["failed"],
+    "stopped": _STATUS_STYLE["cancelled"],
+    "ended": _STATUS_STYLE["cancelled"],
+    "closed": _STATUS_STYLE["cancelled"],
 }
 
 
