@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     except CellExecutionError:
         status = 1
     finally:
+        # nbclient shuts down only the kernels of managers it made: this one is ours to end.
+        # Left alone, the kernel sees this process gone and leaves at once (os._exit), before
+        # its exit hooks end the helper and delete its temporary folders.
+        if km.has_kernel:
+            km.shutdown_kernel()
         shutil.rmtree(sockets, ignore_errors=True)
     if args.output:
         nbformat.write(notebook, args.output)

@@ -173,5 +173,8 @@ def test_the_quickstart_s_runner_talks_to_its_kernel_over_private_unix_sockets(t
     assert done.returncode == 0, done.stderr
     assert "--- cell 0 ---" in done.stdout and "hello from True\n" in done.stdout
     assert "without encryption" not in done.stdout + done.stderr, done.stderr
+    # The runner ends its kernel (whose exit hooks delete its folders): the kernel never finds
+    # its parent gone and leaves without them.
+    assert "Parent appears to have exited" not in done.stdout + done.stderr, done.stderr
     assert nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[0].outputs
     assert not list(tmp_path.glob("kernel-*"))  # no socket files left where it ran
