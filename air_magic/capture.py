@@ -101,6 +101,9 @@ class Payload:
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: The ranks' ``sys.argv``: the cell or function name, then the script arguments.
     argv: list[str] = field(default_factory=list)
+    #: What lists (the lab sidebar) show the launch as one item with: a pool's key, the same
+    #: for each start of its ranks; '' for a launch of its own.
+    group: str = ""
 
     def dumps(self) -> bytes:
         return dumps({"kind": self.kind, **self.data})

@@ -128,6 +128,8 @@ class Launch:
         self.label = payload.label
         self.kind = payload.kind
         self.id = f"{launcher.next_number():04d}-{uuid.uuid4().hex[:8]}"
+        #: The item lists show it as: a pool's key (one item across its restarts), else its id.
+        self.group = payload.group or self.id
         self.work_dir = os.path.join(launcher.session_dir, self.id)
         self.started_at = time.time()
         # Kept after the kernel exits (the user's log folder), else in the session folder.

@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, NoReturn
@@ -228,6 +229,8 @@ class PoolEngine:
         self.cells = 0
         self.started_at = 0.0
         self.restarts = 0
+        #: The pool's own name in lists (the lab sidebar): its launches, one per start, share it.
+        self.key = f"pool-{uuid.uuid4().hex[:8]}"
         self.last_had_value = False
         self.start_seconds = 0.0
         self._told_shadowed: set[str] = set()
@@ -343,6 +346,7 @@ class PoolEngine:
                 label="pool",
                 data={"address": address, "authkey": authkey, "device": placement.device},
                 argv=["pool"],
+                group=self.key,
             )
             try:
                 self._sent_env = dict(os.environ)
@@ -399,13 +403,13 @@ class PoolEngine:
             )
             raise
 
-    def close(self) -> None:
+    def close(self, why: str = "closed") -> None:
         """Stop the ranks (each ends its loop; the launch ends).  A call running on them ends
-        with an error that says so."""
+        with an error that says so (``the pool was {why} while ...``)."""
         if self._closed:
             return
         launch = self.launch
-        self._retire("closed")
+        self._retire(why)
         self._closed = True
         if self._nvml is not None:
             self._nvml.close()
@@ -731,14 +735,12 @@ class PoolEngine:
         why = call.ranks.retired
         if not why:
             return
-        how = (
-            "pool.restart() or %distributed_pool --restart"
-            if why == "restarted"
-            else ("pool.close() or %distributed_pool --stop")
-        )
+        how = {
+            "restarted": " (pool.restart() or %distributed_pool --restart)",
+            "closed": " (pool.close() or %distributed_pool --stop)",
+        }.get(why, "")
         raise PoolBrokenError(
-            f"the pool was {why} while {call.label} ran on it ({how}); its ranks were stopped, so this call has "
-            "no values."
+            f"the pool was {why} while {call.label} ran on it{how}; its ranks were stopped, so this call has no values."
         )
 
     def _take_replies(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any]) -> list[Any]:

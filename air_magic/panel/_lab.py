@@ -23,13 +23,16 @@ changed: no front end polls it::
     {"type": "stop", "launch", "request"}   --->    Launch.cancel(); reply {"ok": ...} (a pool's
                                                      launch: its running cell is interrupted as
                                                      Ctrl-C does it, the ranks stay)
+    {"type": "close", "launch", "request"}  --->    a pool's launch: the pool is closed (the page
+                                                     asked the user first); reply {"ok": ...}
     {"type": "log", "launch", "rank", ...}  --->    the end of that rank's log; reply {"text"}
 
 Every message from the front end that asks something carries ``request``; its answer is
 ``{"type": "reply", "request": ..., "ok": true|false, ...}``.  A launch is described by
 :func:`describe` (``launches``: the running ones and the last ``_RECENT`` ended ones, newest
 first); an ended launch is kept as that description only, so the list never holds a
-launch's values.
+launch's values.  A pool is one item for its whole life (``item``: the pool's key, shared by
+the launch of each start of its ranks) with the pool's own state (``pool``).
 
 Stopping a blocking launch.  JupyterLab >= 4.4 sends comm messages on a kernel subshell
 when the kernel has them (ipykernel >= 7): the message is handled on the subshell's
@@ -71,8 +74,9 @@ def describe(launch: "Launch", cell: dict[str, Any] | None = None) -> dict[str, 
     run = None
     if launch.run_id or launch.run_name:
         run = {"id": launch.run_id or "", "name": launch.run_name or "", "url": launch.run_url or ""}
-    return {
+    described: dict[str, Any] = {
         "id": launch.id,
+        "item": launch.group,
         "label": launch.label,
         "kind": launch.kind,
         "status": launch.status,
@@ -97,6 +101,31 @@ def describe(launch: "Launch", cell: dict[str, Any] | None = None) -> dict[str, 
         "run": run,
         "logs": len(launch.ranks),
     }
+    if launch.kind == "pool":
+        described["pool"] = facts = _pool_facts(launch)
+        if facts["state"] == "closed":
+            return _closed(described)
+    return described
+
+
+def _closed(described: dict[str, Any]) -> dict[str, Any]:
+    """A pool's item once the pool is closed: the pool and each of its ranks say so."""
+    return {
+        **described,
+        "pool": {**described["pool"], "state": "closed"},
+        "ranks": [{**rank, "state": "closed", "progress": ""} for rank in described["ranks"]],
+    }
+
+
+def _pool_facts(launch: "Launch") -> dict[str, Any]:
+    """A pool's launch: the pool's own state (what ``pool.state`` and ``%distributed_pool``
+    say), its restarts and its cells; ``closed`` once no open pool runs on it."""
+    from air_magic.kernel.pool import pool_of
+
+    engine = pool_of(launch.id)
+    if engine is None:
+        return {"state": "closed", "restarts": None, "calls": None}
+    return {"state": engine.state, "restarts": engine.restarts, "calls": engine.cells}
 
 
 def _progress(launch: "Launch") -> dict[int, str]:
@@ -132,9 +161,24 @@ class LabChannel:
     # -- what is listed ------------------------------------------------------------------------
 
     def launches(self) -> list[dict[str, Any]]:
+        """The running launches (newest first), then the ended ones: one item each, a pool's
+        starts one item (the newest start's), and a pool no longer open said ``closed``."""
+        from air_magic.kernel.pool import open_pools
+
         with self._lock:
             running = [self._describe(launch, cell) for launch, cell in self.running.values()]
-            return sorted(running, key=lambda d: -d["started_at"]) + list(self.ended)
+            ended = list(self.ended)
+        open_keys = {engine.key for engine in open_pools()}
+        listed = sorted(running, key=lambda d: -d["started_at"])
+        seen = {d["item"] for d in listed}
+        for described in ended:
+            if described["item"] in seen:
+                continue
+            seen.add(described["item"])
+            if "pool" in described and described["item"] not in open_keys:
+                described = _closed(described)
+            listed.append(described)
+        return listed
 
     def message(self) -> dict[str, Any]:
         return {"type": "launches", "launches": self.launches(), "now": time.time()}
@@ -263,6 +307,8 @@ class LabChannel:
                 return
             if kind == "stop":
                 reply = self.stop(str(data.get("launch")))
+            elif kind == "close":
+                reply = self.close_pool(str(data.get("launch")))
             elif kind == "log":
                 reply = self.log(str(data.get("launch")), int(data.get("rank", 0)), int(data.get("bytes", _LOG_BYTES)))
             else:
@@ -289,6 +335,19 @@ class LabChannel:
                 }
             return {"ok": False, "error": f"launch {launch_id} is not running"}
         self._wake.set()
+        return {"ok": True, "launch": launch_id}
+
+    def close_pool(self, launch_id: str) -> dict[str, Any]:
+        """The sidebar's Close on a pool: its ranks end and their names are lost (the front end
+        asked the user first); a cell running on it ends saying the sidebar closed the pool."""
+        from air_magic.kernel.pool import pool_of
+
+        engine = pool_of(launch_id)
+        if engine is None:
+            return {"ok": False, "error": f"no open pool runs as launch {launch_id}"}
+        engine.close("closed from the JupyterLab sidebar")
+        self._wake.set()
+        self.push()
         return {"ok": True, "launch": launch_id}
 
     def log(self, launch_id: str, rank: int, limit: int) -> dict[str, Any]:

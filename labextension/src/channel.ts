@@ -38,8 +38,18 @@ export interface IRank {
   progress?: string;
 }
 
+/** A pool's own facts (kernel: pool.state, restarts, cells run); its launches share one item. */
+export interface IPool {
+  state: string;
+  restarts: number | null;
+  calls: number | null;
+}
+
 export interface ILaunch {
   id: string;
+  /** The sidebar item it is shown as: a pool's key (the same across its restarts), else its id. */
+  item?: string;
+  pool?: IPool;
   label: string;
   kind: string;
   status: string;
@@ -62,7 +72,7 @@ export interface IReply {
 }
 
 /** States in which nothing runs: a launch that ended, a pool between its cells or broken. */
-const NOT_RUNNING = new Set(['finished', 'failed', 'timed out', 'cancelled', 'idle', 'broken']);
+const NOT_RUNNING = new Set(['finished', 'failed', 'timed out', 'cancelled', 'idle', 'broken', 'closed']);
 
 export function isRunning(launch: ILaunch): boolean {
   return !NOT_RUNNING.has(shownStatus(launch));
@@ -74,6 +84,9 @@ export function isRunning(launch: ILaunch): boolean {
  * rank is, running while a cell runs (its ranks' states are the pool's, from the kernel).
  */
 export function shownStatus(launch: ILaunch): string {
+  if (launch.pool) {
+    return launch.pool.state === 'new' ? 'starting' : launch.pool.state;  // the kernel's pool.state
+  }
   if (launch.kind !== 'pool' || launch.status !== 'running' || !launch.ranks.length) {
     return launch.status;
   }
@@ -128,6 +141,11 @@ export class KernelChannel {
       return { ok: true, interrupted: true };
     }
     return this.request({ type: 'stop', launch: launch.id });
+  }
+
+  /** Close a pool (its ranks end, their names are lost: the sidebar asks the user first). */
+  close(launch: ILaunch): Promise<IReply> {
+    return this.request({ type: 'close', launch: launch.id });
   }
 
   /** The end of a rank's log. */

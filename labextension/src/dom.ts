@@ -11,7 +11,8 @@ export const STATUS_ICON: { [status: string]: string } = {
   cancelled: '■',
   stopped: '■',
   idle: '●',
-  broken: '✖'
+  broken: '✖',
+  closed: '■'
 };
 
 export const RANK_COLORS = [

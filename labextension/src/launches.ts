@@ -81,7 +81,7 @@ export class LaunchesPanel extends Widget {
     const elapsed = running ? Date.now() / 1000 + channel.skew - launch.started_at : launch.elapsed;
     const item = el('li', {
       class: 'air-magic-Launch',
-      'data-air-magic-item': launch.id,
+      'data-air-magic-item': launch.item ?? launch.id,
       'data-status': status
     });
     const head = el('div', { class: 'air-magic-Launch-head' });
@@ -90,7 +90,7 @@ export class LaunchesPanel extends Widget {
         `${STATUS_ICON[status] ?? '●'} ${status}`)
     );
     head.appendChild(el('b', { class: 'air-magic-Launch-label' }, launch.label));
-    if (!(pool && (status === 'idle' || status === 'broken'))) {  // a pool between its cells has no clock to show
+    if (!(pool && !running)) {  // a pool between its cells (or broken, or closed) has no clock to show
       head.appendChild(el('span', { class: 'air-magic-elapsed', 'data-started': String(launch.started_at) },
         formatElapsed(elapsed)));
     }
@@ -111,7 +111,15 @@ export class LaunchesPanel extends Widget {
       ranks.appendChild(button);
     }
     item.appendChild(ranks);
-    if (launch.outcome) {
+    if (launch.pool && launch.pool.state !== 'closed') {
+      const { calls, restarts } = launch.pool;
+      const facts = [`${calls ?? 0} cell${calls === 1 ? '' : 's'} run`];
+      if (restarts) {
+        facts.push(`restarted ${restarts}×`);
+      }
+      item.appendChild(el('div', { class: 'air-magic-muted air-magic-Pool-facts' }, facts.join(' · ')));
+    }
+    if (launch.outcome && !pool) {  // a pool's launch ends when the pool does: "closed" says it
       // A narrow sidebar: "cancelled after 6.2 s", the error's sentence on hover (the cell has it whole).
       const short = launch.outcome.split(': ')[0];
       item.appendChild(el('div', { class: 'air-magic-Launch-outcome', title: launch.outcome }, short));
@@ -146,12 +154,46 @@ export class LaunchesPanel extends Widget {
       };
       actions.appendChild(stop);
     }
+    if (launch.pool && launch.pool.state !== 'closed') {
+      const close = el('button', { class: 'jp-mod-styled air-magic-close' }, 'Close pool');
+      close.title = 'End the pool: its ranks stop, and what its cells made there is lost';
+      close.onclick = () => void this._closePool(channel, launch, close);
+      actions.appendChild(close);
+    }
     const cell = el('button', { class: 'jp-mod-styled air-magic-cell' }, 'Go to cell');
     cell.title = launch.cell.execution_count ? `the cell In [${launch.cell.execution_count}]` : 'the cell that started it';
     cell.onclick = () => goToCell(panel, launch);
     actions.appendChild(cell);
     item.appendChild(actions);
     return item;
+  }
+
+  private async _closePool(channel: KernelChannel, launch: ILaunch, button: HTMLElement): Promise<void> {
+    const n = launch.world_size;
+    const running = launch.pool?.state === 'running';
+    const body = el(
+      'div',
+      { class: 'air-magic-CloseDialog' },
+      `Its ${n} rank${n === 1 ? '' : 's'} end, and everything its cells made on them (models, optimizers, data) ` +
+        `is lost.${running ? ' The cell running on it now ends without values.' : ''} ` +
+        'The next pool cell starts a new pool.'
+    );
+    const answer = await showDialog({
+      title: 'Close the pool?',
+      body: new Widget({ node: body }),
+      buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Close pool' })]
+    });
+    if (!answer.button.accept) {
+      return;
+    }
+    button.setAttribute('disabled', '');
+    button.textContent = 'Closing…';
+    const reply = await channel.close(launch);
+    if (!reply.ok) {
+      button.textContent = 'Close pool';
+      button.removeAttribute('disabled');
+      void showDialog({ title: 'Close pool', body: reply.error ?? 'it could not be closed', buttons: [Dialog.okButton()] });
+    }
   }
 
   private async _showLog(channel: KernelChannel, launch: ILaunch, rank: number): Promise<void> {
@@ -182,7 +224,7 @@ export class LaunchesPanel extends Widget {
     const skew = this._channel?.skew ?? 0;
     this.node.querySelectorAll('[data-air-magic-item][data-status] .air-magic-elapsed').forEach(node => {
       const item = node.closest('[data-status]') as HTMLElement;
-      if (item && !['finished', 'failed', 'timed out', 'cancelled', 'idle', 'broken'].includes(item.dataset.status ?? '')) {
+      if (item && !['finished', 'failed', 'timed out', 'cancelled', 'idle', 'broken', 'closed'].includes(item.dataset.status ?? '')) {
         const started = Number((node as HTMLElement).dataset.started);
         node.textContent = formatElapsed(Date.now() / 1000 + skew - started);
       }

@@ -233,10 +233,15 @@ def test_the_sidebar_lists_a_running_launch_and_stops_it(lab: dict[str, Any], pa
 
 def test_stop_in_the_sidebar_on_a_pool_cell_stops_the_cell_and_keeps_the_pool(lab: dict[str, Any], page: Page) -> None:
     """What Ctrl-C does: the cell ends with the pool's KeyboardInterrupt, the same rank
-    processes live on, and the sidebar keeps the pool's launch running (not cancelled)."""
-    tools = page
-    shots = _artifacts(lab["tmp"])
-    _open(tools, f"{lab['base']}/lab/tree/pool.ipynb?reset&token={lab['token']}")
+    processes live on, and the sidebar keeps the pool's launch running (not cancelled); then
+    a restart updates the pool's one item, and Close pool (asked first) ends it."""
+    _open(page, f"{lab['base']}/lab/tree/pool.ipynb?reset&token={lab['token']}")
+    _pool_in_the_sidebar(page, _artifacts(lab["tmp"]), "pool")
+
+
+def _pool_in_the_sidebar(tools: Page, shots: Path, name: str, notebook7: bool = False) -> None:
+    """Notebook 7 has no status bar, and its own settings registry throws while its page loads
+    (see test_notebook_7_lists_a_launch_and_stops_it): only the extension's errors count there."""
     tools.evaluate(RUN_ALL)
     assert tools.evaluate(OPEN_SIDEBAR)
     _poll(
@@ -267,9 +272,59 @@ def test_stop_in_the_sidebar_on_a_pool_cell_stops_the_cell_and_keeps_the_pool(la
     for width, height in ((1280, 900), (1024, 768)):
         tools.page.set_viewport_size({"width": width, "height": height})
         time.sleep(0.5)
-        tools.page.screenshot(path=str(shots / f"pool-stop-{width}x{height}.png"))
+        tools.page.screenshot(path=str(shots / f"{name}-stop-{width}x{height}.png"))
     tools.page.set_viewport_size({"width": 1280, "height": 1000})
-    assert not tools.errors, tools.errors
+
+    # A restart updates the pool's item (the same item, "restarted 1×"), it adds none.
+    tools.evaluate(EXECUTE % json.dumps("%distributed_pool --restart"))
+    assert wait_until(lambda: len(rank_processes()) == 2 and sorted(p.pid for p in rank_processes()) != pids, 120)
+    state = _sidebar(tools, lambda s: "restarted 1×" in s["text"], 60, "the restart in the pool's item")
+    assert [i["id"] for i in state["items"]] == [item["id"]], state
+    # Close pool asks first, naming what is lost; Cancel keeps the pool, Close pool ends it.
+    close = f'[data-air-magic-item="{item["id"]}"] .air-magic-close'
+    tools.page.locator(close).click()
+    _poll_dialog(tools, "Close the pool?")
+    assert "everything its cells made on them (models, optimizers, data) is lost" in tools.evaluate(DIALOG_BODY)
+    for width, height in ((1280, 900), (1024, 768)):
+        tools.page.set_viewport_size({"width": width, "height": height})
+        time.sleep(0.5)
+        tools.page.screenshot(path=str(shots / f"{name}-close-dialog-{width}x{height}.png"))
+    tools.page.locator(".jp-Dialog-footer button", has_text="Cancel").click()
+    time.sleep(1.0)
+    assert len(rank_processes()) == 2
+    tools.page.locator(close).click()
+    _poll_dialog(tools, "Close the pool?")
+    tools.page.locator(".jp-Dialog-footer button", has_text="Close pool").click()
+    assert wait_until(lambda: not rank_processes(), timeout=20)
+    state = _sidebar(tools, lambda s: s["items"][0]["status"] == "closed", 30, "the pool's item closed")
+    assert [(i["id"], i["status"], i["ranks"]) for i in state["items"]] == [
+        (item["id"], "closed", ["closed", "closed"])
+    ], state
+    assert not state["items"][0]["stop"] and tools.evaluate(f"document.querySelector('{close}') === null") is True
+    assert state["status"] == (None if notebook7 else "air_magic: closed"), state
+    tools.evaluate(MASK_CLOCKS)
+    for width, height in ((1280, 900), (1024, 768)):
+        tools.page.set_viewport_size({"width": width, "height": height})
+        time.sleep(0.5)
+        tools.page.screenshot(path=str(shots / f"{name}-closed-{width}x{height}.png"))
+    tools.page.set_viewport_size({"width": 1280, "height": 1000})
+    errors = [e for e in tools.errors if not notebook7 or "air-magic" in e or "air_magic" in e or "schema" not in e]
+    assert not errors, errors
+
+
+# Code run in the notebook's kernel as the page's own request (no cell of the notebook).
+EXECUTE = (
+    "(() => { const w = [...window.jupyterapp.shell.widgets('main')].find(w => w.sessionContext);"
+    " w.sessionContext.session.kernel.requestExecute({code: %s}); return true; })()"
+)
+DIALOG_BODY = "(() => { const d = document.querySelector('.jp-Dialog-body'); return d ? d.innerText : ''; })()"
+
+
+def _poll_dialog(tools: Page, title: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while title not in tools.evaluate(DIALOG):
+        assert time.monotonic() < deadline, f"no dialog {title!r}: {tools.evaluate(DIALOG)}"
+        time.sleep(0.2)
 
 
 # Where the saved notebook is reopened: a server that has no kernel of that name nor language.
@@ -470,7 +525,7 @@ def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], pag
 def notebook7(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("notebook7")
     _install_extension(tmp)
-    with serve_jupyter(tmp, {"launch.ipynb": LAUNCH_CELLS}, app="notebook") as server:
+    with serve_jupyter(tmp, {"launch.ipynb": LAUNCH_CELLS, "pool.ipynb": POOL_CELLS}, app="notebook") as server:
         try:
             yield server
         finally:
@@ -486,6 +541,11 @@ def test_notebook_7_lists_a_launch_and_stops_it(notebook7: dict[str, Any], page:
     # extension's own errors count here.
     ours = [e for e in tools.errors if "air-magic" in e or "air_magic" in e or "schema" not in e]
     assert not ours, ours
+
+
+def test_notebook_7_shows_a_pool_stops_its_cell_and_closes_it(notebook7: dict[str, Any], page: Page) -> None:
+    _open(page, f"{notebook7['base']}/notebooks/pool.ipynb?token={notebook7['token']}")
+    _pool_in_the_sidebar(page, _artifacts(notebook7["tmp"]), "notebook7-pool", notebook7=True)
 
 
 SHORT_CELLS = [SETUP, "%%distributed -n 2\nimport os\nint(os.environ['RANK'])"]

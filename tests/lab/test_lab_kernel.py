@@ -360,3 +360,106 @@ def test_stop_on_a_pool_cell_interrupts_it_as_ctrl_c_does_and_the_pool_stays(ker
         assert kernel.value("%%distributed --pool\nx") == [41, 41]
     finally:
         kernel.shutdown()
+
+
+def _said(front: Front, msg_id: str) -> str:
+    """What a cell showed (its streams, displays and value as text), read from the front's messages."""
+    parts = []
+    for m in front.messages:
+        if m["parent_header"].get("msg_id") != msg_id:
+            continue
+        content = m["content"]
+        if m["msg_type"] == "stream":
+            parts.append(content["text"])
+        elif m["msg_type"] in ("display_data", "update_display_data", "execute_result"):
+            parts.append(content["data"].get("text/plain", ""))
+        elif m["msg_type"] == "error":
+            parts.append(f"{content['ename']}: {content['evalue']}")
+    return "\n".join(parts)
+
+
+def _value(front: Front, expr: str) -> Any:
+    import ast
+
+    msg_id = front.run(expr, timeout=60)
+    results = [
+        m["content"]["data"]["text/plain"]
+        for m in front.messages
+        if m["msg_type"] == "execute_result" and m["parent_header"].get("msg_id") == msg_id
+    ]
+    assert results, _said(front, msg_id)
+    return ast.literal_eval(results[0])
+
+
+def test_a_pool_is_one_item_whose_state_every_surface_says_and_close_ends_it(kernel_factory: Any) -> None:
+    """The sidebar's list has one item per pool for its whole life (a restart updates it), with
+    the pool's own state, the same as ``pool.state`` and ``%distributed_pool`` say: idle, after a
+    rank's error, after a restart; its Close ends the ranks (the page asked first), a cell
+    running on it ends saying the sidebar closed it, and the item says closed."""
+    kernel = kernel_factory()
+    try:
+        front = Front(kernel)
+        subshell = front.subshell()
+        comm_id = front.open(subshell=subshell)
+        front.wait("the list", lambda: front.comm_data(comm_id, "launches"))
+        front.run("%distributed_pool -n 2 --no-tracking", timeout=180)
+        pids = sorted(p.pid for p in rank_processes())
+        assert len(pids) == 2
+
+        def pool_items() -> list[dict[str, Any]]:
+            return [d for d in front.latest(comm_id) if d["kind"] == "pool"]
+
+        def agree(state: str) -> dict[str, Any]:
+            """The list, pool.state and %distributed_pool say ``state`` (and the list one item)."""
+            front.wait(f"the pool's item {state}", lambda: [d for d in pool_items() if d["pool"]["state"] == state])
+            front.drain(0.5)
+            items = pool_items()
+            assert len(items) == 1 and items[0]["pool"]["state"] == state, items
+            assert _value(front, "import air_magic; air_magic.Pool.current().state") == state
+            assert "[air_magic] pool" in _said(front, front.run("%distributed_pool")), state
+            assert state in _said(front, front.run("%distributed_pool"))
+            return items[0]
+
+        item = agree("idle")
+        key = item["item"]
+        assert item["pool"]["restarts"] == 0 and key.startswith("pool-")
+        front.run("%%distributed --pool\nx = 41", timeout=60)
+        # A rank's error fails the cell; the pool and its names stay (idle again).
+        failed = front.run(
+            "%%distributed --pool\nimport torch.distributed as dist\nif dist.get_rank() == 1:\n    1 / 0"
+        )
+        assert "ZeroDivisionError" in _said(front, failed)
+        assert agree("idle")["pool"]["calls"] == 2
+        # A restart: the same item (its key), restarted once; new ranks.
+        front.run("%distributed_pool --restart", timeout=180)
+        item = agree("idle")
+        assert item["item"] == key and item["pool"]["restarts"] == 1
+        assert sorted(p.pid for p in rank_processes()) != pids
+        # Close from the sidebar while a cell runs on the pool: the cell says who closed it.
+        count = _value(front, "get_ipython().execution_count")  # the next cell's In[N], after this one's
+        cell = kernel.execute("%%distributed --pool\nimport time\nwhile True:\n    time.sleep(0.01)")
+        front.wait("the pool's cell running", lambda: [d for d in pool_items() if d["pool"]["state"] == "running"])
+        time.sleep(0.5)
+        reply = front.request(comm_id, {"type": "close", "launch": pool_items()[0]["id"]}, subshell=subshell)
+        assert reply["ok"] is True, reply
+        front.wait("the cell's end", lambda: front.ended(cell), timeout=30)
+        assert _said(front, cell).endswith(
+            f"PoolBrokenError: the pool was closed from the JupyterLab sidebar while Cell In[{count}] ran on it; its "
+            "ranks were stopped, so this call has no values."
+        ), _said(front, cell)
+        assert wait_until(lambda: not rank_processes(), timeout=10)
+        front.wait("the item closed", lambda: [d for d in pool_items() if d["pool"]["state"] == "closed"])
+        front.drain(0.5)
+        assert [(d["item"], d["pool"]["state"]) for d in pool_items()] == [(key, "closed")]
+        assert [r["state"] for r in pool_items()[0]["ranks"]] == ["closed", "closed"]
+        assert _value(front, "air_magic.Pool.current() is None") is True
+        # Closing what is closed says so.
+        again = front.request(comm_id, {"type": "close", "launch": item["id"]}, subshell=subshell)
+        assert again == {
+            "type": "reply",
+            "request": again["request"],
+            "ok": False,
+            "error": f"no open pool runs as launch {item['id']}",
+        }
+    finally:
+        kernel.shutdown()
