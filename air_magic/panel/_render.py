@@ -157,7 +157,9 @@ def _overall_text(state: LaunchState) -> str:
 # cuts its text with an ellipsis (table-layout: fixed), so the table never outgrows the cell.
 # The progress keeps to one line (its bar, then its text cut at the column's end, whole on
 # hover): at 1280 px a wrapped one doubled every row while the metrics column had room.
-_COLUMNS = (("rank", "4em"), ("state", "8.5em"), ("progress", "40%"), ("metrics", "12%"), ("usage", "11em"))
+# Fixed and relative widths leave the last line room down to a ~590 px output area (1024 px
+# with a sidebar open), where wider ones had squeezed it to nothing.
+_COLUMNS = (("rank", "3.5em"), ("state", "8em"), ("progress", "30%"), ("metrics", "11%"), ("usage", "10em"))
 _WRAP = "white-space:normal;overflow-wrap:anywhere"
 _ELLIPSIS = "white-space:pre;overflow:hidden;text-overflow:ellipsis"
 

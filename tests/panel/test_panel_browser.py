@@ -92,7 +92,8 @@ WIDTHS = r"""
     panel: root,
     table: root.querySelector('table'),
   };
-  const found = {page: document.documentElement.clientWidth, status: root.dataset.airMagicStatus};
+  const found = {page: document.documentElement.clientWidth, status: root.dataset.airMagicStatus,
+                 columns: [...root.querySelectorAll('th')].map(th => [th.innerText, th.getBoundingClientRect().width])};
   for (const [name, box] of Object.entries(boxes)) {
     if (box) found[name] = {scroll: box.scrollWidth, client: box.clientWidth, right: box.getBoundingClientRect().right};
   }
@@ -101,16 +102,18 @@ WIDTHS = r"""
 """
 
 
-def _check_widths(tools: Page, index: int) -> dict[str, Any]:
+def _check_widths(tools: Page, index: int, page: int = 1280) -> dict[str, Any]:
     """No horizontal overflow: neither the output area nor the panel (nor its table) is wider than its box."""
     found = json.loads(tools.evaluate(f"{WIDTHS}({index})"))
     assert found is not None, "no panel in the cell"
-    assert found["page"] == 1280, found
+    assert found["page"] == page, found
     for name in ("area", "output", "widget", "panel"):
         if name in found:
             assert found[name]["scroll"] <= found[name]["client"], (name, found)
     if "table" in found and "panel" in found:
         assert found["table"]["right"] <= found["panel"]["right"] + 1, found
+    # Every column of the rank table is there to read (none squeezed to nothing by the others).
+    assert all(width >= 40 for _, width in found["columns"]), found["columns"]
     return found
 
 
@@ -308,6 +311,17 @@ def test_panel_updates_live_and_ends_in_success(lab: dict[str, Any], browser: Pa
     widths = _check_widths(tools, 1)
     if widths["status"] == "running":
         _screenshot(tools, 1, Path(os.environ.get("AIR_MAGIC_UI_SCREENSHOT") or lab["tmp"] / "panel-1280.png"))
+    # So it does at 1024x768 with a sidebar open (the file browser's, as wide as JupyterLab opens it).
+    tools.page.set_viewport_size({"width": 1024, "height": 768})
+    tools.evaluate("(() => { window.jupyterapp.shell.activateById('filebrowser'); return true; })()")
+    time.sleep(1.0)
+    narrow = _check_widths(tools, 1, page=1024)
+    if narrow["status"] == "running":
+        folder = Path(os.environ.get("AIR_MAGIC_UI_ARTIFACTS") or lab["tmp"])
+        folder.mkdir(parents=True, exist_ok=True)
+        tools.page.screenshot(path=str(folder / "panel-1024x768-sidebar.png"))
+    tools.evaluate("(() => { window.jupyterapp.shell.collapseLeft(); return true; })()")
+    tools.page.set_viewport_size({"width": 1280, "height": 1600})
 
     # ... and a success at the end: the static summary in place of the widgets.
     def finished(state: dict[str, Any]) -> bool:
