@@ -285,7 +285,7 @@ def _log_html(state: LaunchState, rank: int) -> str:
     body = _esc("\n".join(log.lines)) if log.lines else "(nothing printed yet)"
     # column-reverse keeps a scrolled box at its bottom, where the newest lines are
     return (
-        f'<div style="{_FONT}"><div style="{_MUTED}">last {len(log.lines)} lines · {_log_where(state, rank)}</div>'
+        f'<div style="{_FONT}"><div style="{_MUTED}">{_last_lines(len(log.lines))} · {_log_where(state, rank)}</div>'
         '<div style="display:flex;flex-direction:column-reverse;max-height:320px;overflow:auto">'
         f'<pre style="margin:0;{_MONO};white-space:pre-wrap">{body}</pre></div></div>'
     )
@@ -455,7 +455,7 @@ class LaunchSummary:
                 continue
             body = _esc("\n".join(tail))
             details.append(
-                f"<details><summary>rank {rank} log (last {len(tail)} lines)</summary>"
+                f"<details><summary>rank {rank} log ({_last_lines(len(tail))})</summary>"
                 f'<div style="{_MUTED}">{_log_where(state, rank)}</div>'
                 f'<pre style="margin:0;{_MONO};white-space:pre-wrap;max-height:300px;overflow:auto">{body}</pre>'
                 "</details>"
@@ -476,3 +476,7 @@ class LaunchSummary:
 
     def __repr__(self) -> str:
         return self.text
+
+
+def _last_lines(n: int) -> str:
+    return "its last line" if n == 1 else f"last {n} lines"

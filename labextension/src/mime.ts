@@ -163,7 +163,7 @@ function renderSummary(data: ISummary): HTMLElement {
       continue;
     }
     const details = el('details');
-    details.appendChild(el('summary', {}, `rank ${rank.rank} log (last ${rank.log_tail.length} lines)`));
+    details.appendChild(el('summary', {}, `rank ${rank.rank} log (${rank.log_tail.length === 1 ? 'its last line' : `last ${rank.log_tail.length} lines`})`));
     details.appendChild(el('div', { class: 'air-magic-muted' }, `full log: ${rank.log_path}`));
     details.appendChild(el('pre', { class: 'air-magic-log' }, rank.log_tail.length ? rank.log_tail.join('\n') : '(nothing printed)'));
     root.appendChild(details);

@@ -163,7 +163,8 @@ def _sidebar(tools: Page, until: Any, timeout: float, what: str) -> dict[str, An
 def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("lab")
     _install_extension(tmp)
-    with serve_jupyter(tmp, {"launch.ipynb": LAUNCH_CELLS, "pool.ipynb": POOL_CELLS}) as server:
+    cells = {"launch.ipynb": LAUNCH_CELLS, "pool.ipynb": POOL_CELLS, "pool-life.ipynb": POOL_LIFE_CELLS}
+    with serve_jupyter(tmp, cells) as server:
         yield server
 
 
@@ -308,6 +309,81 @@ def _pool_in_the_sidebar(tools: Page, shots: Path, name: str, notebook7: bool = 
         time.sleep(0.5)
         tools.page.screenshot(path=str(shots / f"{name}-closed-{width}x{height}.png"))
     tools.page.set_viewport_size({"width": 1280, "height": 1000})
+    errors = [e for e in tools.errors if not notebook7 or "air-magic" in e or "air_magic" in e or "schema" not in e]
+    assert not errors, errors
+
+
+POOL_LIFE_CELLS = [
+    SETUP,
+    "%distributed_pool -n 2 --no-tracking",
+    "%%distributed --pool\nimport time\nfrom tqdm.auto import tqdm\n"
+    "for i in tqdm(range(30), desc='epoch'):\n    time.sleep(0.15)\nx = 41",
+    "%%distributed --pool\nimport torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('rank 1 says no')",
+]
+
+
+def test_a_pool_cell_live_ended_failed_saved_and_reopened(lab: dict[str, Any], page: Page) -> None:
+    _pool_life(page, lab, f"{lab['base']}/lab/tree/pool-life.ipynb?reset&token={lab['token']}", "pool-life")
+
+
+def _pool_life(tools: Page, server: dict[str, Any], url: str, name: str, notebook7: bool = False) -> None:
+    """A pool cell's live panel (the pool's line on top, each rank's bar), then its summary
+    (done, each rank finished); a failing pool cell (rank 1's error, the pool idle again in the
+    sidebar); the notebook saved and reopened: the summary drawn again from the saved output."""
+    shots = _artifacts(server["tmp"])
+    _open(tools, url)
+    tools.evaluate(RUN_ALL)
+    assert tools.evaluate(OPEN_SIDEBAR)
+
+    def cell(state: dict[str, Any], index: int) -> dict[str, Any]:
+        cells = state.get("cells", [])  # (none while the page loads)
+        return cells[index] if len(cells) > index else {}
+
+    def live(state: dict[str, Any]) -> bool:
+        panels = cell(state, 2).get("panels", [])
+        return bool(panels) and panels[0]["status"] == "running" and any("epoch" in row for row in panels[0]["rows"])
+
+    state = _poll(tools, [], live, 180, "the pool cell's live panel")
+    assert "pool of 2 CPU ranks" in cell(state, 2)["text"], cell(state, 2)["text"]
+    tools.evaluate(MASK_CLOCKS)
+    tools.page.set_viewport_size({"width": 1280, "height": 900})
+    tools.page.screenshot(path=str(shots / f"{name}-live-1280x900.png"))
+
+    def failed(state: dict[str, Any]) -> bool:
+        return "ValueError: rank 1 says no" in cell(state, 3).get("text", "")
+
+    state = _poll(tools, [], failed, 120, "the failing pool cell's error")
+    ended = cell(state, 2)["panels"][0]
+    assert ended["status"] == "finished" and [row.split()[0] for row in ended["rows"]] == ["finished", "finished"]
+    # The pool is idle again after its cell failed: the sidebar says so, and so does the kernel.
+    item = _sidebar(tools, lambda s: bool(s["items"]) and s["items"][0]["status"] == "idle", 30, "the pool idle")
+    assert item["items"][0]["ranks"] == ["idle", "idle"] and "2 cells run" in item["items"][0]["text"], item
+    tools.evaluate(MASK_CLOCKS)
+    for width, height in ((1280, 900), (1024, 768)):
+        tools.page.set_viewport_size({"width": width, "height": height})
+        time.sleep(0.5)
+        tools.page.screenshot(path=str(shots / f"{name}-ended-{width}x{height}.png"))
+    tools.page.set_viewport_size({"width": 1280, "height": 1000})
+
+    # Saved and reopened: the pool cell's summary is drawn again from what the file keeps.
+    tools.evaluate(SAVE)
+    path = server["root"] / "pool-life.ipynb"
+    assert wait_until(lambda: SUMMARY_MIME in path.read_text(), timeout=20)
+    saved = nbformat.read(path, as_version=4)
+    bundle = [o.data for o in saved.cells[2].outputs if o.output_type == "display_data" and SUMMARY_MIME in o.data][0]
+    assert bundle[SUMMARY_MIME]["status"] == "finished" and "pool of 2 CPU ranks" in bundle[SUMMARY_MIME]["context"]
+    tools.goto(url.replace("?reset&", "?"))
+    state = _poll(
+        tools,
+        [],
+        lambda s: bool(cell(s, 2).get("panels")) and "ValueError" in cell(s, 3).get("text", ""),
+        60,
+        "the reopened notebook's summary",
+    )
+    assert cell(state, 2)["panels"][0]["status"] == "finished"
+    assert "pool of 2 CPU ranks" in cell(state, 2)["text"]
+    tools.evaluate(MASK_CLOCKS)
+    tools.page.screenshot(path=str(shots / f"{name}-reopened-1280x1000.png"))
     errors = [e for e in tools.errors if not notebook7 or "air-magic" in e or "air_magic" in e or "schema" not in e]
     assert not errors, errors
 
@@ -525,7 +601,8 @@ def test_the_migrate_command_gives_what_lint_fix_writes(lab: dict[str, Any], pag
 def notebook7(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("notebook7")
     _install_extension(tmp)
-    with serve_jupyter(tmp, {"launch.ipynb": LAUNCH_CELLS, "pool.ipynb": POOL_CELLS}, app="notebook") as server:
+    cells = {"launch.ipynb": LAUNCH_CELLS, "pool.ipynb": POOL_CELLS, "pool-life.ipynb": POOL_LIFE_CELLS}
+    with serve_jupyter(tmp, cells, app="notebook") as server:
         try:
             yield server
         finally:
@@ -546,6 +623,11 @@ def test_notebook_7_lists_a_launch_and_stops_it(notebook7: dict[str, Any], page:
 def test_notebook_7_shows_a_pool_stops_its_cell_and_closes_it(notebook7: dict[str, Any], page: Page) -> None:
     _open(page, f"{notebook7['base']}/notebooks/pool.ipynb?token={notebook7['token']}")
     _pool_in_the_sidebar(page, _artifacts(notebook7["tmp"]), "notebook7-pool", notebook7=True)
+
+
+def test_notebook_7_shows_a_pool_cell_live_ended_failed_and_reopened(notebook7: dict[str, Any], page: Page) -> None:
+    url = f"{notebook7['base']}/notebooks/pool-life.ipynb?token={notebook7['token']}"
+    _pool_life(page, notebook7, url, "notebook7-pool-life", notebook7=True)
 
 
 SHORT_CELLS = [SETUP, "%%distributed -n 2\nimport os\nint(os.environ['RANK'])"]
