@@ -49,6 +49,10 @@ Environment variable           Setting (default)
 ``AIR_MAGIC_FLIGHT_RECORDER``  ``flight_recorder``: collectives torch's Flight Recorder keeps
                                per rank (2000; 0: off), for the hang report and a pool's
                                Ctrl-C; a ``TORCH_FR_BUFFER_SIZE`` of the user's wins
+``AIR_MAGIC_ON_BREAKPOINT``    ``on_breakpoint``: what a breakpoint in a rank does: ``prompt``
+                               (default: a pdb prompt in the waiting cell; skipped with
+                               one line where there is no stdin), ``skip``, or ``error``
+                               (the rank fails where there is no stdin, or always)
 =============================  ===========================================================
 
 Set by air_magic for its own child processes, not settings: ``AIR_MAGIC_TRACKING_DIR``
@@ -105,6 +109,8 @@ RAY_STRATEGY_ENV = "AIR_MAGIC_RAY_STRATEGY"
 RAY_PLACE_TIMEOUT_ENV = "AIR_MAGIC_RAY_PLACE_TIMEOUT"
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 FLIGHT_RECORDER_ENV = "AIR_MAGIC_FLIGHT_RECORDER"
+ON_BREAKPOINT_ENV = "AIR_MAGIC_ON_BREAKPOINT"
+ON_BREAKPOINT = ("prompt", "skip", "error")
 
 _PANEL_OFF = ("0", "off", "false", "no", "none")
 
@@ -292,6 +298,16 @@ class Settings:
         return text
 
     @property
+    def on_breakpoint(self) -> str:
+        """What a breakpoint in a rank does (``AIR_MAGIC_ON_BREAKPOINT``): prompt, skip or error."""
+        text = self._env(ON_BREAKPOINT_ENV, "prompt").strip().lower() or "prompt"
+        if text not in ON_BREAKPOINT:
+            raise ConfigurationError(
+                f"{ON_BREAKPOINT_ENV} must be one of {', '.join(ON_BREAKPOINT)}, got {text!r}; unset it for prompt."
+            )
+        return text
+
+    @property
     def ray_place_timeout(self) -> float:
         """Seconds a Ray launch waits for room on the cluster (``AIR_MAGIC_RAY_PLACE_TIMEOUT``, 60)."""
         return self._number(RAY_PLACE_TIMEOUT_ENV, 60.0)
@@ -355,6 +371,7 @@ _CHECKED = (
     "ray_strategy",
     "ray_place_timeout",
     "flight_recorder",
+    "on_breakpoint",
 )
 
 

@@ -14,7 +14,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 
@@ -200,6 +200,10 @@ class CellResult:
     #: Where the outputs come in the cell, in order: "stdout", "stderr", "display_data"
     #: (an update changes a display in place: it is not a place).
     order: list[str] = field(default_factory=list)
+    #: The input requests it made (a rank's pdb prompt) and the seconds since it was sent;
+    #: what was answered (``Kernel.run_with_stdin``).
+    prompts: list[tuple[str, float]] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.stdout, self.result, self.error))
@@ -309,6 +313,49 @@ class Kernel:
             idle = res.record(msg)
             if until is not None and until(res):
                 return res
+        res.reply = self._shell_reply(msg_id, max(1.0, deadline - time.monotonic()))
+        return res
+
+    def run_with_stdin(
+        self, code: str, answers: list[str] | Callable[[str, "CellResult"], str | None], timeout: float = 120.0
+    ) -> "CellResult":
+        """A cell run as a front end that allows stdin runs it: each input request (a rank's
+        pdb prompt) is answered with the next of ``answers`` (or ``answers(prompt, result)``;
+        None there interrupts the kernel instead, as the notebook's Interrupt does).  The
+        result's ``prompts`` lists each prompt with the seconds since the cell was sent."""
+        msg_id = self.kc.execute(code, store_history=True, allow_stdin=True)
+        res = CellResult()
+        queue_of = list(answers) if isinstance(answers, list) else None
+        began = time.monotonic()
+        deadline = began + timeout
+        idle = False
+        while not idle:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell did not finish in {timeout} s; output so far: {res.stdout[-2000:]!r}")
+            try:
+                request = self.kc.get_stdin_msg(timeout=0.02)
+            except queue.Empty:
+                request = None
+            if request is not None:
+                prompt = request["content"]["prompt"]
+                res.prompts.append((prompt, time.monotonic() - began))
+                if queue_of is not None:
+                    answer: str | None = queue_of.pop(0) if queue_of else "c"
+                else:
+                    answer = answers(prompt, res)  # type: ignore[operator]
+                if answer is None:
+                    self.km.interrupt_kernel()
+                else:
+                    res.answers.append(answer)
+                    self.kc.input(answer)
+            while True:
+                try:
+                    msg = self.kc.get_iopub_msg(timeout=0.01)
+                except queue.Empty:
+                    break
+                if msg["parent_header"].get("msg_id") == msg_id and res.record(msg):
+                    idle = True
+                    break
         res.reply = self._shell_reply(msg_id, max(1.0, deadline - time.monotonic()))
         return res
 

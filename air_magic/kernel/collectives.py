@@ -26,9 +26,11 @@ from air_magic.protocol import ask_for_collectives, collectives_path
 __all__ = ["ask", "plan_even", "uneven", "describe_op", "user_where"]
 
 
-def ask(work_dir: str, ranks: list[int], timeout: float = 1.0) -> dict[int, dict[str, Any] | None]:
+def ask(
+    work_dir: str, ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None
+) -> dict[int, dict[str, Any] | None]:
     """Each rank's collectives (None for a rank that did not answer within ``timeout`` s, or
-    whose torch records none)."""
+    whose torch records none); the ranks that did not answer are added to ``unanswered``."""
     tokens = {rank: ask_for_collectives(work_dir, rank) for rank in ranks}
     found: dict[int, dict[str, Any] | None] = {rank: None for rank in ranks}
     waiting = {rank for rank, token in tokens.items() if token}
@@ -41,6 +43,8 @@ def ask(work_dir: str, ranks: list[int], timeout: float = 1.0) -> dict[int, dict
                 found[rank] = data if data.get("recorded") else None
         if waiting:
             time.sleep(0.01)
+    if unanswered is not None:
+        unanswered.update(waiting)
     return found
 
 

@@ -30,6 +30,7 @@ from air_magic.capture import Payload
 from air_magic.errors import LaunchCancelledError, LaunchError, interrupted
 from air_magic.kernel import logs as _logs
 from air_magic.kernel import outcome as _outcome
+from air_magic.kernel.debugger import BreakpointDesk
 from air_magic.kernel.outcome import RankState, describe_exit
 from air_magic.kernel.rank_output import (
     OutputPump,
@@ -391,11 +392,15 @@ class Launch:
         raise self._internal_error
 
     def _wait_streaming(self, pump: OutputPump, stall: StallWatch, interrupt: "_InterruptFlag") -> list[Any]:
+        # A rank stopped at a breakpoint: its pdb prompt in this cell (ranks of this machine).
+        desk = BreakpointDesk(self.work_dir, self.world_size) if self.local_processes else None
         try:
             while not self._done.wait(_POLL):
                 interrupt.raise_if_set()
                 self.print_notices(final=False)
                 pump.pump()
+                if desk is not None:
+                    desk.poll()
                 stall.check()
         except KeyboardInterrupt:
             self._interrupted = True  # before the stop: the outcome says who stopped it

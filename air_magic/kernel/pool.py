@@ -46,6 +46,7 @@ from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, Res
 from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_status as _status
+from air_magic.kernel.debugger import BreakpointDesk
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool_listener import greet as _greet
@@ -633,6 +634,9 @@ class PoolEngine:
         except OSError:
             pass
         message = capture.dumps((kind, call.id, data | {"label": label} | self._kernel_state()))  # once
+        desk = None  # breakpoint(): a prompt in this cell; from what the ranks say after this
+        if not background and launch.local_processes:
+            desk = BreakpointDesk(launch.work_dir, len(ranks.conns), from_now=True)
         call.states = {r: "running" for r in range(len(ranks.conns))}
         self._call_now = self._last_call = call
         self.current = label
@@ -652,7 +656,7 @@ class PoolEngine:
                 view = PoolCallView(self, launch, call, self.cells)
                 watchers = _watch(view)
             try:
-                records = self._collect(call, pump, timeout if timeout is not None else self.timeout, watchers)
+                records = self._collect(call, pump, timeout if timeout is not None else self.timeout, watchers, desk)
             finally:
                 pump.pump(final=True)
                 _tell_forked(call)
@@ -677,8 +681,10 @@ class PoolEngine:
         pump: OutputPump,
         timeout: float | None,
         watchers: list[Any] = [],  # noqa: B006 - read only
+        desk: BreakpointDesk | None = None,
     ) -> dict[int, Any]:
-        """Every rank's record, waiting for them; a fault breaks the pool."""
+        """Every rank's record, waiting for them (serving the prompts of ranks stopped at a
+        breakpoint, through ``desk``); a fault breaks the pool."""
         ranks = call.ranks
         records: dict[int, Any] = {}
         pending = dict(enumerate(ranks.conns))
@@ -687,6 +693,8 @@ class PoolEngine:
         try:
             while pending:
                 self._check_retired(call)
+                if desk is not None:
+                    desk.poll()
                 for reply in self._take_replies(call, pending, records):
                     self.rank_names = set(reply.names) if reply.rank == 0 else self.rank_names & set(reply.names)
                     if reply.forked:
@@ -804,10 +812,14 @@ class PoolEngine:
             self._take_replies(call, pending, records)
             now = time.monotonic()
             if pending and now >= next_look and len(pending) < len(call.ranks.conns):
-                made, _ = self._even_out(call, pending)
+                unanswered: set[int] = set()
+                made, _ = self._even_out(call, pending, unanswered)
                 next_look = time.monotonic() + 0.1
                 if made:
                     finished.extend(made)
+                # Progress, or a rank still reading its collectives (a second of CPU the first
+                # time, more on a loaded machine): more time, up to _FINISH_FOR in all.
+                if made or unanswered:
                     deadline = min(max(deadline, time.monotonic() + GRACE), began + _FINISH_FOR)
         if pending:
             self._not_stopped(call, pending, records, "you interrupted the pool's cell")
@@ -835,15 +847,22 @@ class PoolEngine:
             error.add_note(_finished_note(finished, call))
         raise error
 
-    def _even_out(self, call: _Call, pending: dict[int, Connection]) -> tuple[list[dict[str, Any]], list[str]]:
+    def _even_out(
+        self, call: _Call, pending: dict[int, Connection], unanswered: set[int] | None = None
+    ) -> tuple[list[dict[str, Any]], list[str]]:
         """One round: the collectives some ranks started (or wait in) and the ranks back from
         the call lack, made by those (each in its group, on zeros).  Returns what was made
-        (empty: nothing to do) and, when nothing could be made, the groups left uneven."""
+        (empty: nothing to do) and, when nothing could be made, the groups left uneven; the
+        ranks that did not say their collectives in time are added to ``unanswered``."""
         launch = call.ranks.launch
         if not launch.local_processes:
             return [], []
         n = len(call.ranks.conns)
-        seen = _collectives.ask(launch.work_dir, list(range(n)), timeout=1.0)
+        seen = _collectives.ask(launch.work_dir, list(range(n)), timeout=1.0, unanswered=unanswered)
+        if unanswered is not None and any(seen.values()):
+            # A rank still in the call whose recorder could not be read this time (its read
+            # failed, on a loaded machine) while its peers' could: worth another look.
+            unanswered.update(rank for rank in pending if seen.get(rank) is None)
         plan = _collectives.plan_even(seen, set(range(n)) - set(pending))
         if not plan:
             return [], [] if pending else _collectives.uneven(seen)

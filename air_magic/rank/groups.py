@@ -18,11 +18,9 @@ gone, gloo's sockets close with the process).
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import sys
 import types
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["keep_destroyed_groups", "kept"]
 
@@ -36,11 +34,9 @@ kept: list[Any] = []
 def keep_destroyed_groups() -> None:
     """Make ``torch.distributed.destroy_process_group`` keep what it destroys: now if
     torch is imported (the helper preloads it), else as soon as it is."""
-    c10d = sys.modules.get(_C10D)
-    if c10d is not None:
-        _patch(c10d)
-    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    from air_magic.rank import patching
+
+    patching.on_import(_C10D, _patch)
 
 
 def _patch(c10d: types.ModuleType) -> None:
@@ -68,34 +64,3 @@ def _groups_destroyed(c10d: types.ModuleType, group: Any) -> list[Any]:
         return [group]
     registry = getattr(getattr(c10d, "_world", None), "pg_map", None) or {}
     return list(registry)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches ``distributed_c10d`` once imported (a rank whose helper did not preload torch)."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _C10D:
-            return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._loader.exec_module(module)
-        _patch(module)

@@ -62,6 +62,7 @@ from air_magic.protocol import (
     stack_request_path,
     stderr_ranges_path,
 )
+from air_magic.rank import debugger as _debugger
 from air_magic.rank import groups as _groups
 from air_magic.rank import results as _results
 from air_magic.rank import tracking_shim as _rank_tracking
@@ -100,6 +101,7 @@ def child_main(request: LaunchRequest, rank: int, port: int, alive_fd: int, clos
         _apply_process_limits(request)
         _install_notebook_builtins()
         _groups.keep_destroyed_groups()  # torch 2.13: DDP + gloo can hang as the model is freed
+        _debugger.install(request.work_dir, rank, request.sources)  # breakpoint(): a prompt in the cell
         code = _run(request, rank)
     except BaseException:  # anything at all: the rank must still leave by os._exit
         try:

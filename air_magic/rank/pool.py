@@ -47,6 +47,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableRecord, ValueRecord, printable
+from air_magic.rank import debugger as _debugger
 from air_magic.rank import interrupts as _interrupts
 from air_magic.rank import tracking_shim as _tracking
 
@@ -167,6 +168,8 @@ def _handle(
     for filename, (_display, source) in sources.items():
         lines = source.splitlines(keepends=True)
         linecache.cache[filename] = (len(source), None, lines, filename)
+    _debugger.remember_sources(sources)  # a breakpoint names the cell as the notebook does
+    _debugger.reset()
     try:
         if kind == "finish":  # a collective a peer waits in, made on zeros (a pool's Ctrl-C)
             from air_magic.rank import collectives

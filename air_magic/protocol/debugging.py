@@ -1,0 +1,79 @@
+"""What a rank stopped at a breakpoint and the kernel say to each other (stdlib only).
+
+Both ends live in the launch's private folder (0700), one pair per rank::
+
+    rank (air_magic.rank.debugger)                 kernel (air_magic.kernel.debugger)
+    ------------------------------                 ----------------------------------
+    breakpoint(): debug-<rank>.in (a FIFO) made
+    {"kind": "stop", "first": true, "where",
+     "prompt", "text"} appended to
+    debug-<rank>.events  ----------------------->  the waiting cell's loop reads it:
+                                                   ANSWER_SKIP / _ERROR (no stdin, or the
+                         <-----------------------  setting), else each command the
+    runs the command; its output and the next      user types at the kernel's own input()
+    prompt in the next "stop" event  ------------>  shown in the cell, the next input()
+    continues: {"kind": "resumed", "text"}  ----->  the rest of its output shown
+    ANSWER_QUIT (q, EOF, Interrupt): KeyboardInterrupt at the breakpoint's line
+
+A rank whose first "stop" is not answered within ``ASK_SECONDS`` (nobody waits for the launch:
+a background launch) goes on as if skipped.  Events are JSON lines, each one ``write``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = [
+    "ANSWER_ERROR",
+    "ANSWER_QUIT",
+    "ANSWER_SKIP",
+    "ASK_SECONDS",
+    "answers_path",
+    "encode_event",
+    "events_path",
+    "read_events",
+]
+
+#: Control answers start with a NUL byte: no pdb command does.
+ANSWER_SKIP = "\x00skip"
+ANSWER_ERROR = "\x00error"
+ANSWER_QUIT = "\x00quit"
+
+#: How long a rank waits for the kernel to take up its first stop before it goes on.
+ASK_SECONDS = 5.0
+
+
+def events_path(work_dir: str, rank: int) -> str:
+    """What ``rank``'s debugger tells the kernel (JSON lines, appended)."""
+    return os.path.join(work_dir, f"debug-{rank}.events")
+
+
+def answers_path(work_dir: str, rank: int) -> str:
+    """The FIFO on which ``rank``'s debugger reads the kernel's answers (one per line)."""
+    return os.path.join(work_dir, f"debug-{rank}.in")
+
+
+def encode_event(kind: str, **fields: Any) -> bytes:
+    return (json.dumps({"kind": kind, **fields}) + "\n").encode("utf-8")
+
+
+def read_events(path: str, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The whole events after ``offset`` (a line not yet ended waits), and the new offset."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    events = []
+    for line in data[:end].splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events, offset + end

@@ -1,0 +1,277 @@
+"""A rank's debugger: ``breakpoint()`` and its kin stop the rank and open pdb in the cell
+that waits for it, through the kernel's own stdin.
+
+A rank's stdin is ``/dev/null``: a plain pdb would read EOF at once and quit.  Here every
+way into pdb goes to :class:`RankPdb`, whose commands come from the kernel and whose output
+goes to it (:mod:`air_magic.protocol.debugging` draws the exchange)::
+
+    breakpoint()             sys.breakpointhook  (PYTHONBREAKPOINT=0 skips; another hook it names runs)
+    pdb.set_trace()          patched at the rank's start
+    IPython's set_trace()    patched once IPython.core.debugger is imported
+    dist.breakpoint(rank=k)  patched once torch.distributed is imported: rank k stops; the
+                             others run on to their next collective and wait there (no barrier
+                             that spins, no group timeout changed)
+        |
+        v
+    RankPdb.interaction --> cmdloop --> _Answers.readline():
+        the output so far and the prompt as a "stop" event; the answer read from the FIFO
+        (a pdb command, or a control answer: skip, error, quit)
+
+Quitting (``q``, EOF or Interrupt in the notebook) raises KeyboardInterrupt at the line the
+rank was at, with tracing off: the launch or the pool's cell then ends as after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import pdb
+import select
+import sys
+import types
+from typing import Any
+
+from air_magic.protocol.debugging import (
+    ANSWER_ERROR,
+    ANSWER_QUIT,
+    ANSWER_SKIP,
+    ASK_SECONDS,
+    answers_path,
+    encode_event,
+    events_path,
+)
+
+__all__ = ["install", "RankPdb", "set_trace", "remember_sources", "reset", "BreakpointError"]
+
+#: filename -> the name the notebook knows it by ("Cell In[3]"), for the places pdb names.
+_display: dict[str, str] = {}
+_where: dict[str, Any] = {"work_dir": None, "rank": 0}
+
+
+class BreakpointError(RuntimeError):
+    """A breakpoint where nobody can debug, with ``AIR_MAGIC_ON_BREAKPOINT=error``."""
+
+
+def install(work_dir: str, rank: int, sources: dict[str, tuple[str, str]]) -> None:
+    """Every way into pdb in this rank goes to :class:`RankPdb`."""
+    _where.update(work_dir=work_dir, rank=rank)
+    remember_sources(sources)
+    sys.breakpointhook = _breakpointhook
+    pdb.set_trace = set_trace  # type: ignore[assignment]
+    from air_magic.rank import patching
+
+    patching.on_import("IPython.core.debugger", _patch_ipython)
+    patching.on_import("torch.distributed", _patch_torch)
+
+
+def remember_sources(sources: dict[str, tuple[str, str]]) -> None:
+    for filename, (display, _source) in sources.items():
+        _display[filename] = display
+
+
+def _breakpointhook(*args: Any, **kwargs: Any) -> Any:
+    hook = os.environ.get("PYTHONBREAKPOINT")
+    if hook == "0":
+        return None
+    if hook and hook not in ("pdb.set_trace", "pdb:set_trace"):
+        return sys.__breakpointhook__(*args, **kwargs)  # the user's own debugger, as Python does
+    return set_trace(sys._getframe().f_back)
+
+
+def set_trace(frame: types.FrameType | None = None, *, header: str | None = None) -> None:
+    """Stop this rank at ``frame`` (the caller's by default) in the notebook's debugger."""
+    if _where["work_dir"] is None:  # not in a rank (imported elsewhere): plain pdb
+        pdb.Pdb().set_trace(frame or sys._getframe().f_back)
+        return
+    frame = frame or sys._getframe().f_back
+    debugger = RankPdb()
+    debugger.called_at = _place(frame)
+    if header:
+        debugger.message(header)
+    debugger.set_trace(frame)
+
+
+def _patch_ipython(module: types.ModuleType) -> None:
+    def ipython_set_trace(frame: types.FrameType | None = None) -> None:
+        set_trace(frame or sys._getframe().f_back)
+
+    module.set_trace = ipython_set_trace  # type: ignore[attr-defined]
+
+
+def _patch_torch(module: types.ModuleType) -> None:
+    def breakpoint(rank: int = 0, skip: int = 0, timeout_s: int = 3600) -> None:  # noqa: A001 - torch's name
+        """torch.distributed.breakpoint, in a rank of air_magic: rank ``rank`` stops in the
+        notebook's debugger; the others go on until they need it (their next collective)."""
+        if skip > 0:
+            key = "_air_magic_breakpoint_calls"
+            counter = getattr(breakpoint, key, 0) + 1
+            setattr(breakpoint, key, counter)
+            if counter <= skip:
+                return
+        if module.get_rank() == rank:
+            set_trace(sys._getframe().f_back)
+
+    module.breakpoint = breakpoint  # type: ignore[attr-defined]
+
+
+class _Output:
+    """pdb's stdout: kept until the next prompt (or the rank goes on), then sent."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.text.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> str:
+        text, self.text = "".join(self.text), []
+        for filename, display in _display.items():
+            text = text.replace(filename, display)
+        return text
+
+
+_fifo: dict[str, Any] = {"fd": None, "buffer": b""}  # the answers' FIFO, opened at the first stop
+_nobody = {"waits": False}  # a first stop nobody took up: later ones are skipped at once
+
+
+def reset() -> None:
+    """A new call of a pool's rank: whoever waits for it may take up its breakpoints."""
+    _nobody["waits"] = False
+
+
+def _answers_fd() -> int:
+    if _fifo["fd"] is None:
+        path = answers_path(_where["work_dir"], _where["rank"])
+        try:
+            os.mkfifo(path, 0o600)
+        except FileExistsError:
+            pass
+        _fifo["fd"] = os.open(path, os.O_RDWR)  # never EOF; the kernel opens it to answer
+    return int(_fifo["fd"])
+
+
+class _Answers:
+    """pdb's stdin: each ``readline`` sends the output so far and the prompt, then waits for
+    the kernel's answer."""
+
+    def __init__(self, debugger: "RankPdb") -> None:
+        self.debugger = debugger
+        self.asked = False
+
+    def readline(self) -> str:
+        debugger = self.debugger
+        if _nobody["waits"]:
+            debugger.skipped = True
+            return "continue\n"
+        _answers_fd()
+        text = debugger.out.take()
+        prompt = debugger.prompt
+        if text.endswith(prompt):
+            text = text[: -len(prompt)]
+        where = debugger.where()
+        first = not self.asked
+        self.asked = True
+        _send("stop", first=first, where=where, prompt=prompt, text=text)
+        line = self._line(ASK_SECONDS if first else None)
+        if line is None or line == ANSWER_SKIP:
+            debugger.skipped = True
+            _nobody["waits"] = line is None
+            why = "nobody waits for this launch" if line is None else "there is no stdin to debug it from"
+            sys.stderr.write(
+                f"[air_magic] breakpoint at {where} on rank {_where['rank']} skipped: {why} "
+                "(PYTHONBREAKPOINT=0 turns breakpoints off)\n"
+            )
+            sys.stderr.flush()
+            return "continue\n"
+        if line == ANSWER_ERROR:
+            raise BreakpointError(
+                f"breakpoint at {where} on rank {_where['rank']}: there is no stdin to debug it from "
+                "(AIR_MAGIC_ON_BREAKPOINT=error; PYTHONBREAKPOINT=0 turns breakpoints off)"
+            )
+        if line == ANSWER_QUIT:
+            raise KeyboardInterrupt(f"you quit the debugger on rank {_where['rank']}")
+        return line + "\n"
+
+    def _line(self, timeout: float | None) -> str | None:
+        fd = _answers_fd()
+        while b"\n" not in _fifo["buffer"]:
+            if timeout is not None:
+                readable, _, _ = select.select([fd], [], [], timeout)
+                if not readable:
+                    return None
+            _fifo["buffer"] += os.read(fd, 4096)
+        line, _, _fifo["buffer"] = _fifo["buffer"].partition(b"\n")
+        return str(line.decode("utf-8", "replace").rstrip("\r"))
+
+
+def _place(frame: types.FrameType | None) -> str:
+    if frame is None:
+        return "?"
+    name = frame.f_code.co_filename
+    shown = _display.get(name) or os.path.basename(name)
+    return f"{shown}, line {frame.f_lineno}"
+
+
+def _send(kind: str, **fields: Any) -> None:
+    path = events_path(_where["work_dir"], _where["rank"])
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, encode_event(kind, rank=_where["rank"], **fields))
+    finally:
+        os.close(fd)
+
+
+class RankPdb(pdb.Pdb):
+    """pdb whose commands come from the notebook's input box, for one rank."""
+
+    def __init__(self) -> None:
+        self.out = _Output()
+        self.answers = _Answers(self)
+        # nosigint: the rank's own SIGINT handling (a pool's safe points) stays in place.
+        super().__init__(stdin=self.answers, stdout=self.out, nosigint=True)  # type: ignore[arg-type]
+        self.use_rawinput = False
+        self.prompt = f"(Pdb rank {_where['rank']}) "
+        self.skipped = False
+        self.called_at = ""  # the line of the breakpoint() (pdb stops at the next one)
+
+    def where(self) -> str:
+        """Where the rank stopped: the breakpoint's own line at the first stop, then pdb's."""
+        if self.called_at and not self.answers.asked:
+            return self.called_at
+        return _place(self.curframe)
+
+    def _cmdloop(self) -> None:
+        # pdb's own loop prints "--KeyboardInterrupt--" and asks again: here an interrupt (or
+        # a quit from the notebook) ends the debugging and raises in the rank's code.
+        self.allow_kbdint = True
+        try:
+            self.cmdloop()
+        except BaseException:
+            self._stop_tracing()
+            raise
+        finally:
+            self.allow_kbdint = False
+        if self.skipped:
+            self._stop_tracing()
+        else:
+            text = self.out.take()
+            _send("resumed", text=text)
+
+    def do_clear(self, arg: str) -> Any:
+        if not arg:  # pdb asks "Clear all breaks?" with input(): there is no input here
+            self.clear_all_breaks()
+            self.message("Deleted all breakpoints")
+            return None
+        return super().do_clear(arg)
+
+    def _stop_tracing(self) -> None:
+        self.clear_all_breaks()
+        self.set_continue()
+        sys.settrace(None)
+        frame = sys._getframe().f_back
+        while frame is not None:
+            frame.f_trace = None  # type: ignore[assignment]
+            frame = frame.f_back

@@ -1,0 +1,178 @@
+"""A rank's breakpoint opens pdb in the waiting cell, through the kernel's own stdin.
+
+The front end is played with jupyter_client as JupyterLab plays it: the cell is sent with
+``allow_stdin=True`` and each ``input_request`` (the rank's pdb prompt) is answered on the
+stdin channel (``Kernel.run_with_stdin``).  Launches and pool cells; ``breakpoint()``,
+``pdb.set_trace()``, IPython's ``set_trace()`` and ``torch.distributed.breakpoint()``; ``q``,
+the notebook's Interrupt and two ranks stopped at once; and where nobody can answer
+(``allow_stdin=False``, as nbclient and papermill run cells): the one-line skip, never a
+hang; ``PYTHONBREAKPOINT=0``; ``AIR_MAGIC_ON_BREAKPOINT=error``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Iterator
+
+import pytest
+from harness import Kernel, kernel_with_a_pool, pool_pids, rank_processes, the_pool_stays, wait_until
+
+pytestmark = pytest.mark.kernel
+
+STOP_BOTH = "%%distributed -n 2\nx = 5\nbreakpoint()\ny = x + 1\n(x, y)"
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_factory: Any) -> Iterator[Kernel]:
+    k = kernel_factory()
+    yield k
+    k.shutdown()
+
+
+def test_a_breakpoint_in_a_launch_opens_pdb_in_the_cell_and_c_ends_it_with_every_value(kernel: Kernel) -> None:
+    res = kernel.run_with_stdin(STOP_BOTH, ["p x", "l", "n", "p y", "c", "c"])
+    assert res.error is None, res.error_text
+    assert res.result == "[(5, 6), (5, 6)]"
+    # One prompt per command, rank 0's first (then rank 1's, stopped at the same line meanwhile).
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 0) "] * 5 + ["(Pdb rank 1) "]
+    out = res.stdout
+    # The breakpoint's own line (3); whether rank 1 has stopped by then too is the machine's timing.
+    assert re.search(r"\[air_magic\] rank 0 stopped at a breakpoint, Cell In\[\d+\], line 3( |;)", out), out
+    assert "> Cell In[" in out and "-> y = x + 1" in out  # pdb names the cell as the notebook does
+    assert "\n5\n" in out and "\n6\n" in out  # p x, then p y after n
+    assert "  4  ->\ty = x + 1" in out.replace("  4  \t", "  4  ->\t")  # l shows the cell's own lines
+    assert "source not available" not in out
+    assert "[air_magic] rank 1 stopped at a breakpoint" in out
+
+
+def test_q_at_the_prompt_stops_every_rank_and_the_next_cell_works(kernel: Kernel) -> None:
+    code = "%%distributed -n 2\nimport os, time\nif os.environ['RANK'] == '1':\n    breakpoint()\ntime.sleep(60)"
+    res = kernel.run_with_stdin(code, ["q"], timeout=60)
+    assert res.error is not None and res.error["ename"] == "KeyboardInterrupt", res.error_text
+    assert "[air_magic] you quit the debugger on rank 1: every rank stops" in res.stdout
+    assert wait_until(lambda: not rank_processes(), timeout=10)
+    assert kernel.value("%%distributed -n 2\n1") == [1, 1]
+
+
+def test_the_notebook_s_interrupt_at_the_prompt_stops_every_rank(kernel: Kernel) -> None:
+    code = "%%distributed -n 2\nbreakpoint()\nimport time\ntime.sleep(60)"
+    res = kernel.run_with_stdin(code, lambda prompt, res: None, timeout=60)  # Interrupt, not an answer
+    assert res.error is not None and res.error["ename"] == "KeyboardInterrupt", res.error_text
+    assert "[air_magic] you interrupted the debugger on rank 0: every rank stops" in res.stdout
+    assert wait_until(lambda: not rank_processes(), timeout=10)
+
+
+def test_pdb_set_trace_ipython_s_set_trace_and_all_c_for_two_stopped_ranks(kernel: Kernel) -> None:
+    code = (
+        "%%distributed -n 2\n"
+        "import os\n"
+        "r = int(os.environ['RANK'])\n"
+        "if r == 0:\n"
+        "    import pdb; pdb.set_trace()\n"
+        "else:\n"
+        "    from IPython.core.debugger import set_trace; set_trace()\n"
+        "r * 10"
+    )
+
+    def answer(prompt: str, res: Any) -> str:
+        if not res.answers:
+            time.sleep(1.0)  # rank 1 stops too meanwhile
+            return ":ranks"
+        return ":all c"
+
+    res = kernel.run_with_stdin(code, answer)
+    assert res.error is None, res.error_text
+    assert res.result == "[0, 10]"
+    # Both were stopped when ':ranks' was asked (rank 1 stops while rank 0's prompt waits).
+    assert "  rank 0: Cell In[" in res.stdout and "  rank 1: Cell In[" in res.stdout, res.stdout
+    assert len(res.prompts) == 2
+
+
+def test_without_stdin_a_breakpoint_is_skipped_with_one_line_and_never_hangs(kernel: Kernel) -> None:
+    res = kernel.run(STOP_BOTH, timeout=60)  # allow_stdin=False, as nbclient and papermill send cells
+    assert res.error is None, res.error_text
+    assert res.result == "[(5, 6), (5, 6)]"
+    assert res.stderr.count("breakpoint at Cell In[") == 1  # rank 0's line (rank 1's is in its log)
+    assert (
+        "line 3 on rank 0 skipped: there is no stdin to debug it from (PYTHONBREAKPOINT=0 turns breakpoints off)"
+    ) in res.stderr
+
+
+def test_pythonbreakpoint_0_is_honoured(kernel: Kernel) -> None:
+    kernel.ok("import os; os.environ['PYTHONBREAKPOINT'] = '0'")
+    try:
+        res = kernel.run_with_stdin(STOP_BOTH, [], timeout=60)
+        assert res.error is None and res.result == "[(5, 6), (5, 6)]" and not res.prompts
+        assert "breakpoint" not in res.stdout + res.stderr
+    finally:
+        kernel.ok("del os.environ['PYTHONBREAKPOINT']")
+
+
+def test_on_breakpoint_error_fails_the_rank_that_stopped(kernel: Kernel) -> None:
+    kernel.ok("import os; os.environ['AIR_MAGIC_ON_BREAKPOINT'] = 'error'")
+    try:
+        res = kernel.run(
+            "%%distributed -n 2\nimport os\nif os.environ['RANK'] == '1':\n    breakpoint()\n1", timeout=60
+        )
+    finally:
+        kernel.ok("del os.environ['AIR_MAGIC_ON_BREAKPOINT']")
+    assert res.error is not None and res.error["ename"] == "BreakpointError", res.error_text
+    assert "breakpoint at Cell In[" in res.error_text and "line 4 on rank 1: there is no stdin to debug it from" in (
+        res.error_text
+    )
+
+
+# -- in a pool: the ranks and their names stay ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool_kernel(kernel_factory: Any) -> Iterator[Kernel]:
+    yield from kernel_with_a_pool(kernel_factory, "import air_magic")
+
+
+@pytest.fixture(autouse=True)
+def _pool_stays(request: pytest.FixtureRequest) -> Iterator[None]:
+    if "pool_kernel" not in request.fixturenames:
+        yield
+        return
+    yield from the_pool_stays(request.getfixturevalue("pool_kernel"))
+
+
+def test_a_pool_cell_steps_over_a_collective_and_c_gives_every_value(pool_kernel: Kernel) -> None:
+    kernel = pool_kernel
+    code = (
+        "%%distributed --pool\n"
+        "import torch, torch.distributed as dist\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "if dist.get_rank() == 0:\n"
+        "    breakpoint()\n"
+        "dist.all_reduce(t)\n"
+        "t.item()"
+    )
+    res = kernel.run_with_stdin(code, ["p t.item()", "n", "p t.item()", "c"])
+    assert res.error is None, res.error_text
+    assert res.result == "[3.0, 3.0]"
+    assert "\n1.0\n" in res.stdout and "\n3.0\n" in res.stdout  # before and after the all_reduce
+    assert {p for p, _ in res.prompts} == {"(Pdb rank 0) "}
+    assert kernel.value("%%distributed --pool\nt.item()") == [3.0, 3.0]  # the names stay
+
+
+def test_q_on_a_pool_s_dist_breakpoint_keeps_the_pool_and_its_names(pool_kernel: Kernel) -> None:
+    kernel = pool_kernel
+    pids = pool_pids(kernel)
+    kernel.ok("%%distributed --pool\nkept = 41")
+    code = "%%distributed --pool\nimport torch.distributed as dist\ndist.breakpoint(rank=1)\ndist.barrier()\nkept"
+    res = kernel.run_with_stdin(code, ["q"], timeout=60)
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 1) "]
+    assert res.error is not None and res.error["evalue"] == (
+        "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
+    ), res.error_text
+    assert pool_pids(kernel) == pids
+    assert kernel.value("%%distributed --pool\nimport torch.distributed as dist\ndist.barrier()\nkept + 1") == [42, 42]
+
+
+def test_a_pool_cell_without_stdin_skips_its_breakpoint(pool_kernel: Kernel) -> None:
+    res = pool_kernel.run("%%distributed --pool\nbreakpoint()\n'went on'", timeout=60)
+    assert res.error is None and res.result == "['went on', 'went on']", res.error_text
+    assert "on rank 0 skipped: there is no stdin to debug it from" in res.stderr
