@@ -103,7 +103,8 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """``%unload_ext air_magic``: remove ``%%distributed``, ``%distributed_pool`` and ``%air_lint``;
+    """``%unload_ext air_magic``: remove ``%%distributed``, ``%distributed_pool``, ``%distributed_debug``
+    and ``%air_lint``;
     running launches and the kernel's pool are not touched (``air_magic.Pool`` still works).
     Waits (bounded, said after a second) for ended launches' points to be stored in MLflow."""
     from air_magic.magics import forget_cell_syntax_errors
@@ -113,6 +114,7 @@ def unload_ipython_extension(ipython: Any) -> None:
     forget_cell_syntax_errors(ipython)
     ipython.magics_manager.magics["cell"].pop("distributed", None)
     ipython.magics_manager.magics["line"].pop("distributed_pool", None)
+    ipython.magics_manager.magics["line"].pop("distributed_debug", None)
     ipython.magics_manager.magics["line"].pop("air_lint", None)
 
 

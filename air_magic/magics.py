@@ -267,6 +267,41 @@ class DistributedMagics(Magics):
         display(bundle(engine), raw=True)  # what Pool.current() shows, as text and as HTML
         return None
 
+    @magic_arguments()
+    @argument("rank", nargs="?", type=int, help="The rank to look into (default: the one that failed first).")
+    @line_magic
+    def distributed_debug(self, line: str) -> None:
+        """The post-mortem of a pool cell that failed: pdb in a rank's frames, here.
+
+        Right after a failed ``%%distributed --pool`` cell (the rank keeps its exception until
+        the next pool cell; leaving pdb lets it go, with the memory its frames held)::
+
+            In [5]: %%distributed --pool
+               ...: loss = model(batch).sum() / 0   # fails on every rank
+            In [6]: %distributed_debug 1
+            (Pdb rank 1) p batch.shape
+
+        ``%pdb on`` opens it on its own as a rank raises, in launches too.
+        """
+        args = self.distributed_debug.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
+        from air_magic.kernel.pool import current_pool
+
+        engine = current_pool()
+        if engine is None:
+            raise UsageError("%distributed_debug: this kernel has no pool (%pdb on opens a launch's post-mortem).")
+        if args.rank is not None and not 0 <= args.rank < engine.world_size:
+            raise UsageError(f"%distributed_debug: the pool has ranks 0 to {engine.world_size - 1}, not {args.rank}.")
+        if not engine.debug(args.rank):
+            which = (
+                f"rank {args.rank} of the pool keeps no exception"
+                if args.rank is not None
+                else "no rank of the pool keeps an exception"
+            )
+            raise UsageError(
+                f"%distributed_debug: {which}: the last pool cell did not fail there (a rank keeps its exception "
+                "until the next pool cell)."
+            )
+
     def _spec(self, args: Any) -> LaunchSpec:
         try:
             if args.timeout is not None:

@@ -41,7 +41,7 @@ from air_magic.protocol.debugging import (
 )
 from air_magic.settings import settings
 
-__all__ = ["BreakpointDesk", "HELP"]
+__all__ = ["BreakpointDesk", "HELP", "post_mortem_on"]
 
 HELP = """air_magic's debugger commands (besides pdb's own: help, p, pp, l, ll, w, u, d, n, s, c, b, display, interact):
   :all CMD   send CMD to every rank stopped now (e.g. ':all c' continues them all)
@@ -124,14 +124,20 @@ class BreakpointDesk:
             waiting = waiting if others else ""
             tip = "" if self.helped else " (:help for air_magic's commands; q stops every rank)"
             self.helped = True
-            _show(f"[air_magic] rank {rank} stopped at a breakpoint, {where}{waiting}{tip}\n")
+            if event.get("post_mortem"):
+                _spare_the_kernel_s_post_mortem()  # this cell's error is the rank's: its frames were shown
+                _show(f"[air_magic] rank {rank}'s post-mortem, where it raised: {where}{waiting}{tip}\n")
+            else:
+                _show(f"[air_magic] rank {rank} stopped at a breakpoint, {where}{waiting}{tip}\n")
         try:
             with _default_sigint():
                 line = input(event.get("prompt") or f"(Pdb rank {rank}) ")
         except KeyboardInterrupt:
-            self._quit(rank, "you interrupted the debugger")
+            self._quit(rank, "you interrupted the debugger", event)
+            return
         except EOFError:
-            self._quit(rank, "the debugger's input ended")
+            self._quit(rank, "the debugger's input ended", event)
+            return
         except Exception as exc:  # no stdin after all (StdinNotImplementedError): as skipped
             if type(exc).__name__ != "StdinNotImplementedError":
                 raise
@@ -144,7 +150,8 @@ class BreakpointDesk:
         if command.startswith(":"):  # about the other ranks: what they said meanwhile counts
             self._read()
         if command in ("q", "quit", "exit"):
-            self._quit(rank, "you quit the debugger")
+            self._quit(rank, "you quit the debugger", event)
+            return
         if command == ":help":
             _show(HELP + "\n")
             self.stopped[rank] = {**event, "first": False, "text": ""}
@@ -169,8 +176,13 @@ class BreakpointDesk:
                 self._answer(other, sent)
         self._answer(rank, command[5:].strip() if command.startswith(":all ") else line)
 
-    def _quit(self, rank: int, why: str) -> None:
-        """Every stopped rank raises KeyboardInterrupt; so does the waiting loop."""
+    def _quit(self, rank: int, why: str, event: dict[str, Any] | None = None) -> None:
+        """Every stopped rank raises KeyboardInterrupt; so does the waiting loop.  In a
+        post-mortem only that one ends: the rank's error stays the outcome."""
+        if event is not None and event.get("post_mortem"):
+            self._answer(rank, ANSWER_QUIT)
+            _show(f"[air_magic] rank {rank}'s post-mortem ended\n")
+            return
         self.quit_rank = rank
         for other in [rank, *sorted(self.stopped)]:
             self._answer(other, ANSWER_QUIT)
@@ -190,6 +202,35 @@ class BreakpointDesk:
             os.write(fd, (line.replace("\n", " ") + "\n").encode("utf-8"))
         finally:
             os.close(fd)
+
+
+def post_mortem_on() -> bool:
+    """Whether the kernel has ``%pdb on``: a rank that raises then opens pdb in its frames."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return bool(getattr(shell, "call_pdb", False))
+
+
+def _spare_the_kernel_s_post_mortem() -> None:
+    """``%pdb on`` would open the kernel's own frames (air_magic's waiting loop) once the cell
+    raises the rank's error: off until this cell has run."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or not getattr(shell, "call_pdb", False):
+        return
+    shell.call_pdb = False
+
+    def restore(*_: Any) -> None:
+        shell.call_pdb = True
+        shell.events.unregister("post_run_cell", restore)
+
+    shell.events.register("post_run_cell", restore)
 
 
 def _show(text: str) -> None:

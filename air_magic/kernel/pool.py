@@ -46,7 +46,7 @@ from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, Res
 from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_status as _status
-from air_magic.kernel.debugger import BreakpointDesk
+from air_magic.kernel.debugger import BreakpointDesk, post_mortem_on
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool_listener import greet as _greet
@@ -230,6 +230,7 @@ class PoolEngine:
         self.cells = 0
         self.started_at = 0.0
         self.restarts = 0
+        self.last_failed_rank: int | None = None  # the rank that failed first in the last call
         #: The pool's own name in lists (the lab sidebar): its launches, one per start, share it.
         self.key = f"pool-{uuid.uuid4().hex[:8]}"
         self.last_had_value = False
@@ -598,10 +599,24 @@ class PoolEngine:
             ranks = self._ready()
             return self._call(ranks, "pull", {"name": name}, f"pull({name!r})")
 
+    def debug(self, rank: int | None = None) -> bool:
+        """The post-mortem of ``rank``'s exception in the last call (default: the rank that
+        failed first), in pdb through the kernel's stdin; the rank lets the traceback go after
+        it.  False where that rank keeps no exception (the last call did not fail there)."""
+        with self._turn():
+            ranks = self._ready()
+            wanted = self.last_failed_rank if rank is None else rank
+            if wanted is None or not 0 <= wanted < len(ranks.conns):
+                return False
+            self.last_failed_rank = None
+            values = self._call(ranks, "debug", {"rank": wanted}, f"%distributed_debug {wanted}")
+            return bool(values[wanted])
+
     def _kernel_state(self) -> dict[str, Any]:
         """What a launch takes from the kernel at each launch, for this call: the working
-        directory, and ``sys.path`` and the environment where they changed since the last call."""
-        state: dict[str, Any] = {"cwd": working_directory()}
+        directory, and ``sys.path`` and the environment where they changed since the last call;
+        whether the kernel's ``%pdb`` is on."""
+        state: dict[str, Any] = {"cwd": working_directory(), "postmortem": post_mortem_on()}
         path = _sys_path()
         if path != self._sent_path:
             state["sys_path"] = self._sent_path = path
@@ -999,7 +1014,14 @@ class PoolEngine:
             first = _first_failure(errors)
             if errors[first].type_name == "KeyboardInterrupt":
                 raise interrupted("the pool's cell was interrupted on its ranks; the pool and its state are intact.")
-            raise self._rank_exception(call, records, first)
+            error = self._rank_exception(call, records, first)
+            if kind in ("cell", "call") and call.ranks.launch.local_processes:
+                self.last_failed_rank = first
+                error.add_note(
+                    f"[air_magic] %distributed_debug opens rank {first}'s post-mortem (pdb in its frames) until the "
+                    "next pool cell."
+                )
+            raise error
         n = len(call.ranks.conns)
         values = []
         for rank in range(n):

@@ -14,7 +14,9 @@ import sys
 from typing import TYPE_CHECKING
 
 from air_magic.errors import LaunchError
+from air_magic.kernel.debugger import post_mortem_on
 from air_magic.protocol import LAUNCH_ID_ENV, LaunchRequest
+from air_magic.protocol.debugging import POSTMORTEM_ENV
 from air_magic.settings import settings
 
 if TYPE_CHECKING:
@@ -60,6 +62,8 @@ def rank_environment(launch: "Launch") -> dict[str, str]:
     recorded = settings.flight_recorder
     if recorded and not (env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
         env["TORCH_FR_BUFFER_SIZE"] = str(recorded)
+    if post_mortem_on():  # %pdb on: a rank that raises opens pdb in its frames first
+        env[POSTMORTEM_ENV] = "1"
     if launch.placement.device == "cpu":
         # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU
         # is what `accelerate launch --cpu` sets: without it the Hugging Face Trainer

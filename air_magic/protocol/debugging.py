@@ -30,6 +30,7 @@ __all__ = [
     "ANSWER_QUIT",
     "ANSWER_SKIP",
     "ASK_SECONDS",
+    "POSTMORTEM_ENV",
     "answers_path",
     "encode_event",
     "events_path",
@@ -40,6 +41,10 @@ __all__ = [
 ANSWER_SKIP = "\x00skip"
 ANSWER_ERROR = "\x00error"
 ANSWER_QUIT = "\x00quit"
+
+#: Set in a launch's ranks when the kernel has ``%pdb on``: a rank that raises opens pdb in its
+#: frames first (a pool's call carries it as ``postmortem``).
+POSTMORTEM_ENV = "AIR_MAGIC_POSTMORTEM"
 
 #: How long a rank waits for the kernel to take up its first stop before it goes on.
 ASK_SECONDS = 5.0

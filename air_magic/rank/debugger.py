@@ -40,7 +40,7 @@ from air_magic.protocol.debugging import (
     events_path,
 )
 
-__all__ = ["install", "RankPdb", "set_trace", "remember_sources", "reset", "BreakpointError"]
+__all__ = ["install", "RankPdb", "set_trace", "remember_sources", "reset", "BreakpointError", "post_mortem"]
 
 #: filename -> the name the notebook knows it by ("Cell In[3]"), for the places pdb names.
 _display: dict[str, str] = {}
@@ -64,8 +64,11 @@ def install(work_dir: str, rank: int, sources: dict[str, tuple[str, str]]) -> No
 
 
 def remember_sources(sources: dict[str, tuple[str, str]]) -> None:
+    """The names of the code a rank runs that pdb would not know: a cell's "Cell In[3]" (a
+    script's file is its own name)."""
     for filename, (display, _source) in sources.items():
-        _display[filename] = display
+        if not display.startswith('File "'):
+            _display[filename] = display
 
 
 def _breakpointhook(*args: Any, **kwargs: Any) -> Any:
@@ -88,6 +91,38 @@ def set_trace(frame: types.FrameType | None = None, *, header: str | None = None
     if header:
         debugger.message(header)
     debugger.set_trace(frame)
+
+
+#: What a pool's rank keeps of its last call's exception, for ``%distributed_debug``.
+last_error: dict[str, Any] = {"exc": None}
+
+
+def post_mortem(exc: BaseException, header: str = "") -> None:
+    """pdb in the frames of ``exc``'s traceback, from the notebook (its prompt first says
+    so); ``q`` or ``c`` end it.  Nothing happens where nobody waits or a setting says skip."""
+    if _where["work_dir"] is None or exc.__traceback__ is None:
+        return
+    debugger = RankPdb()
+    debugger.post_mortem = True
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    debugger.called_at = _place(tb.tb_frame)
+    debugger.message(header or f"{type(exc).__name__}: {exc}")
+    debugger.reset()
+    try:
+        debugger.interaction(None, exc.__traceback__)
+    except KeyboardInterrupt:  # q: the post-mortem ends; the error stays the call's outcome
+        pass
+    finally:
+        debugger.answers.asked = True
+
+
+def wants_post_mortem(exc: BaseException) -> bool:
+    """An error the user would look into (not a stop, an exit, or a quit debugger)."""
+    import bdb
+
+    return not isinstance(exc, (KeyboardInterrupt, SystemExit, bdb.BdbQuit, BreakpointError))
 
 
 def _patch_ipython(module: types.ModuleType) -> None:
@@ -174,14 +209,15 @@ class _Answers:
         where = debugger.where()
         first = not self.asked
         self.asked = True
-        _send("stop", first=first, where=where, prompt=prompt, text=text)
+        _send("stop", first=first, where=where, prompt=prompt, text=text, post_mortem=debugger.post_mortem)
         line = self._line(ASK_SECONDS if first else None)
         if line is None or line == ANSWER_SKIP:
             debugger.skipped = True
             _nobody["waits"] = line is None
             why = "nobody waits for this launch" if line is None else "there is no stdin to debug it from"
+            what = "post-mortem" if debugger.post_mortem else "breakpoint"
             sys.stderr.write(
-                f"[air_magic] breakpoint at {where} on rank {_where['rank']} skipped: {why} "
+                f"[air_magic] {what} at {where} on rank {_where['rank']} skipped: {why} "
                 "(PYTHONBREAKPOINT=0 turns breakpoints off)\n"
             )
             sys.stderr.flush()
@@ -211,7 +247,13 @@ def _place(frame: types.FrameType | None) -> str:
     if frame is None:
         return "?"
     name = frame.f_code.co_filename
-    shown = _display.get(name) or os.path.basename(name)
+    shown = _display.get(name)
+    if shown is None:  # a file: as the working directory names it, where it is under it
+        try:
+            relative = os.path.relpath(name)
+        except ValueError:
+            relative = name
+        shown = name if relative.startswith("..") else relative
     return f"{shown}, line {frame.f_lineno}"
 
 
@@ -236,6 +278,7 @@ class RankPdb(pdb.Pdb):
         self.prompt = f"(Pdb rank {_where['rank']}) "
         self.skipped = False
         self.called_at = ""  # the line of the breakpoint() (pdb stops at the next one)
+        self.post_mortem = False  # in an exception's frames: quitting ends this, not the call
 
     def where(self) -> str:
         """Where the rank stopped: the breakpoint's own line at the first stop, then pdb's."""
@@ -254,9 +297,9 @@ class RankPdb(pdb.Pdb):
             raise
         finally:
             self.allow_kbdint = False
-        if self.skipped:
+        if self.skipped or self.post_mortem:
             self._stop_tracing()
-        else:
+        if not self.skipped:
             text = self.out.take()
             _send("resumed", text=text)
 

@@ -62,6 +62,7 @@ from air_magic.protocol import (
     stack_request_path,
     stderr_ranges_path,
 )
+from air_magic.protocol.debugging import POSTMORTEM_ENV
 from air_magic.rank import debugger as _debugger
 from air_magic.rank import groups as _groups
 from air_magic.rank import results as _results
@@ -583,6 +584,8 @@ def _run(request: LaunchRequest, rank: int) -> int:
             record = _error_record(exc, sources)
             code = 1
     except BaseException as exc:  # the user's code: SystemExit, KeyboardInterrupt included, is its outcome
+        if os.environ.get(POSTMORTEM_ENV) == "1" and _debugger.wants_post_mortem(exc):
+            _debugger.post_mortem(exc)  # the kernel's %pdb is on: pdb in this rank's frames first
         _hold_stop_signals()
         record = _error_record(exc, sources)
         code = 1

@@ -170,6 +170,8 @@ def _handle(
         linecache.cache[filename] = (len(source), None, lines, filename)
     _debugger.remember_sources(sources)  # a breakpoint names the cell as the notebook does
     _debugger.reset()
+    if kind != "debug":  # the last call's exception, kept for %distributed_debug until the next call
+        _debugger.last_error["exc"] = None
     try:
         if kind == "finish":  # a collective a peer waits in, made on zeros (a pool's Ctrl-C)
             from air_magic.rank import collectives
@@ -197,6 +199,8 @@ def _handle(
                     namespace[name] = _load(blob, f"the pushed name {name!r}")
                     _captured.pop(name, None)  # pushed: the ranks' own from now on
                 value = None
+            elif kind == "debug":  # %distributed_debug: the post-mortem of the last call's exception
+                value = _post_mortem_here(data)
             elif kind == "pull":
                 name = data["name"]
                 if name not in namespace:
@@ -210,7 +214,24 @@ def _handle(
     except SystemExit as exc:
         return ValueRecord(None) if exc.code in (None, 0) else error_record(exc, sources)
     except BaseException as exc:  # the user's code: KeyboardInterrupt included, is the cell's outcome
+        if _debugger.wants_post_mortem(exc):
+            if data.get("postmortem"):  # the kernel's %pdb is on: pdb in this rank's frames first
+                _debugger.post_mortem(exc)
+            _debugger.last_error["exc"] = exc
         return error_record(exc, sources)
+
+
+def _post_mortem_here(data: dict[str, Any]) -> bool:
+    """The rank ``data["rank"]`` opens the post-mortem of its last call's exception, then lets
+    it go (a traceback holds every frame's tensors); True where there was one."""
+    if int(os.environ.get("RANK", "0")) != data["rank"]:
+        return False
+    exc, _debugger.last_error["exc"] = _debugger.last_error["exc"], None
+    if exc is None:
+        return False
+    _debugger.post_mortem(exc)
+    del exc
+    return True
 
 
 #: What air_magic gave this rank's environment (its place in the launch, the rendezvous, the

@@ -176,3 +176,51 @@ def test_a_pool_cell_without_stdin_skips_its_breakpoint(pool_kernel: Kernel) -> 
     res = pool_kernel.run("%%distributed --pool\nbreakpoint()\n'went on'", timeout=60)
     assert res.error is None and res.result == "['went on', 'went on']", res.error_text
     assert "on rank 0 skipped: there is no stdin to debug it from" in res.stderr
+
+
+def test_pdb_on_opens_the_failing_rank_s_frames_not_the_kernel_s(kernel: Kernel) -> None:
+    kernel.ok("%pdb on")
+    try:
+        code = (
+            "%%distributed -n 2\n"
+            "import os\n"
+            "def f(v):\n"
+            "    w = v * 2\n"
+            "    return 1 / (v - 3)\n"
+            "f(3 if os.environ['RANK'] == '1' else 4)"
+        )
+        res = kernel.run_with_stdin(code, ["p w", "u", "p v", "c"])
+    finally:
+        kernel.ok("%pdb off")
+    assert res.error is not None and res.error["ename"] == "ZeroDivisionError", res.error_text
+    # Rank 1's own frames: w and, one frame up, the cell's line; never the kernel's ipdb.
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 1) "] * 4, res.prompts
+    assert "[air_magic] rank 1's post-mortem, where it raised: Cell In[" in res.stdout
+    assert "\n6\n" in res.stdout and "-> f(3 if os.environ['RANK'] == '1' else 4)" in res.stdout
+    assert "ipdb>" not in res.stdout
+
+
+def test_distributed_debug_opens_the_failed_rank_s_post_mortem_in_a_pool(pool_kernel: Kernel) -> None:
+    kernel = pool_kernel
+    failed = kernel.run(
+        "%%distributed --pool\nimport os\nq = 10\nif os.environ['RANK'] == '1':\n    raise ValueError(q)\nq"
+    )
+    assert failed.error is not None and failed.error["ename"] == "ValueError"
+    assert (
+        "[air_magic] %distributed_debug opens rank 1's post-mortem (pdb in its frames) until the next pool cell."
+        in (failed.error_text)
+    )
+    res = kernel.run_with_stdin("%distributed_debug", ["p q", "q"])
+    assert res.error is None, res.error_text
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 1) "] * 2
+    assert "ValueError: 10" in res.stdout and "\n10\n" in res.stdout
+    assert "[air_magic] rank 1's post-mortem ended" in res.stdout
+    # Once left, the rank has let the exception go.
+    again = kernel.run("%distributed_debug 1")  # (a UsageError: IPython shows its line on stderr)
+    assert again.stderr.strip() == (
+        "UsageError: %distributed_debug: rank 1 of the pool keeps no exception: the last pool cell did not fail "
+        "there (a rank keeps its exception until the next pool cell)."
+    )
+    bad = kernel.run("%distributed_debug 5")
+    assert bad.stderr.strip() == "UsageError: %distributed_debug: the pool has ranks 0 to 1, not 5."
+    assert kernel.value("%%distributed --pool\nq + 1") == [11, 11]
