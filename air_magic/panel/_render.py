@@ -35,7 +35,7 @@ from air_magic.panel._format import (
 )
 from air_magic.panel._lint import _Finding
 from air_magic.panel._mime import SUMMARY_MIME, summary_data
-from air_magic.panel._state import LaunchState
+from air_magic.panel._state import LaunchState, paused_where
 from air_magic.panel._svg import chart_caption, chart_svg, line_sample
 from air_magic.protocol import FINAL_STACK_SIGNAL
 
@@ -193,7 +193,8 @@ def _table_html(state: LaunchState) -> str:
         stopped_title = f' title="exit {returncode}"' if rank_state == "stopped" and returncode else ""
         running = rank_state == "running"
         said = _progress_text(progress, metrics.max_step, running)
-        line = _clip(log.last_line)
+        where = paused_where(launch, rank) if rank_state == "paused" else None
+        line = _clip(f"in pdb at {where}" if where else log.last_line)
         line_style = f";{_MUTED}" if rank_state == "stopped" and line.startswith("KeyboardInterrupt") else ""
         rows.append(
             f'<tr data-rank="{rank}" data-state="{_esc(rank_state)}">'

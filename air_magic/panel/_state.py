@@ -23,6 +23,7 @@ from air_magic.panel._format import _clip, _fmt_bytes, _fmt_elapsed, _fmt_rate, 
 from air_magic.panel._lint import _Lint, _lint_texts
 from air_magic.panel._sources import LogTail, MetricsReader, UsageSampler
 from air_magic.protocol import spool_file
+from air_magic.protocol.debugging import paused_at
 
 if TYPE_CHECKING:
     from air_magic.kernel.launcher import Launch
@@ -186,9 +187,21 @@ class LaunchState:
 
 
 def rank_state(launch: "Launch", rank: int) -> str:
-    """How rank ``rank`` of ``launch`` is: ``starting``, ``running``, ``stopping``, ``finished``,
-    ``stopped`` or ``failed`` (the panel's rows, the lab extension's list); a pool's rank, as
-    the pool says it (``idle`` between its calls)."""
+    """How rank ``rank`` of ``launch`` is: ``starting``, ``running``, ``paused`` (in its
+    debugger), ``stopping``, ``finished``, ``stopped`` or ``failed`` (the panel's rows, the lab
+    extension's list); a pool's rank, as the pool says it (``idle`` between its calls)."""
+    found = _rank_state(launch, rank)
+    if found == "running" and paused_at(launch.work_dir, rank) is not None:
+        return "paused"
+    return found
+
+
+def paused_where(launch: "Launch", rank: int) -> str | None:
+    """Where a rank paused in its debugger is (its row's last line says so), or None."""
+    return paused_at(launch.work_dir, rank)
+
+
+def _rank_state(launch: "Launch", rank: int) -> str:
     state = launch.ranks[rank]
     status = launch.status
     if launch.kind == "pool call":  # what the rank did of the call (kernel/pool_view.py)

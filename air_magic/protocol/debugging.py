@@ -34,6 +34,8 @@ __all__ = [
     "answers_path",
     "encode_event",
     "events_path",
+    "paused_at",
+    "paused_path",
     "read_events",
 ]
 
@@ -58,6 +60,21 @@ def events_path(work_dir: str, rank: int) -> str:
 def answers_path(work_dir: str, rank: int) -> str:
     """The FIFO on which ``rank``'s debugger reads the kernel's answers (one per line)."""
     return os.path.join(work_dir, f"debug-{rank}.in")
+
+
+def paused_path(work_dir: str, rank: int) -> str:
+    """There while ``rank`` waits in its debugger: where it is ("Cell In[3], line 4"), for
+    the panel and the sidebar ("paused"; its peers wait for it, they are not hung)."""
+    return os.path.join(work_dir, f"debug-{rank}.paused")
+
+
+def paused_at(work_dir: str, rank: int) -> str | None:
+    """Where ``rank`` is paused in its debugger, or None."""
+    try:
+        with open(paused_path(work_dir, rank), encoding="utf-8") as handle:
+            return handle.read() or "?"
+    except OSError:
+        return None
 
 
 def encode_event(kind: str, **fields: Any) -> bytes:

@@ -38,6 +38,7 @@ from air_magic.protocol.debugging import (
     answers_path,
     encode_event,
     events_path,
+    paused_path,
 )
 
 __all__ = ["install", "RankPdb", "set_trace", "remember_sources", "reset", "BreakpointError", "post_mortem"]
@@ -209,6 +210,7 @@ class _Answers:
         where = debugger.where()
         first = not self.asked
         self.asked = True
+        _say_paused(where)
         _send("stop", first=first, where=where, prompt=prompt, text=text, post_mortem=debugger.post_mortem)
         line = self._line(ASK_SECONDS if first else None)
         if line is None or line == ANSWER_SKIP:
@@ -257,6 +259,21 @@ def _place(frame: types.FrameType | None) -> str:
     return f"{shown}, line {frame.f_lineno}"
 
 
+def _say_paused(where: str | None) -> None:
+    """The rank's paused file: where it waits in pdb (None: it runs again)."""
+    path = paused_path(_where["work_dir"], _where["rank"])
+    try:
+        if where is None:
+            os.unlink(path)
+            return
+        tmp = f"{path}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as handle:
+            handle.write(where)
+        os.replace(tmp, path)
+    except OSError:  # (gone already; a launch folder being removed)
+        pass
+
+
 def _send(kind: str, **fields: Any) -> None:
     path = events_path(_where["work_dir"], _where["rank"])
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -297,6 +314,7 @@ class RankPdb(pdb.Pdb):
             raise
         finally:
             self.allow_kbdint = False
+            _say_paused(None)
         if self.skipped or self.post_mortem:
             self._stop_tracing()
         if not self.skipped:

@@ -4,6 +4,7 @@
 export const STATUS_ICON: { [status: string]: string } = {
   starting: '○',
   running: '●',
+  paused: '⏸',
   stopping: '◐',
   finished: '✔',
   failed: '✖',

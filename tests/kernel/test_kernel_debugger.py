@@ -224,3 +224,22 @@ def test_distributed_debug_opens_the_failed_rank_s_post_mortem_in_a_pool(pool_ke
     bad = kernel.run("%distributed_debug 5")
     assert bad.stderr.strip() == "UsageError: %distributed_debug: the pool has ranks 0 to 1, not 5."
     assert kernel.value("%%distributed --pool\nq + 1") == [11, 11]
+
+
+def test_while_its_prompt_waits_the_rank_reads_paused_where_it_is(kernel: Kernel) -> None:
+    """What the panel and the sidebar read (``panel._state.rank_state``): the rank's paused
+    file, with the breakpoint's place, there while it waits in pdb and gone after."""
+    import glob
+    import tempfile
+
+    pattern = f"{tempfile.gettempdir()}/air_magic-{kernel.pid}-*/*/debug-0.paused"
+    seen: list[list[str]] = []
+
+    def answer(prompt: str, res: Any) -> str:
+        seen.append([open(path).read() for path in glob.glob(pattern)])
+        return "c"
+
+    res = kernel.run_with_stdin("%%distributed -n 1\nx = 1\nbreakpoint()\nx", answer)
+    assert res.error is None and res.result == "[1]", res.error_text
+    assert len(seen) == 1 and len(seen[0]) == 1 and re.fullmatch(r"Cell In\[\d+\], line 3", seen[0][0]), seen
+    assert not glob.glob(pattern)

@@ -683,3 +683,18 @@ def test_the_summary_data_carries_the_chart_model(tmp_path: Path) -> None:
     assert set(data["chart_models"]) == set(data["charts"]) == {"loss"}
     for key, model in data["chart_models"].items():
         assert model == chart_model(key, state.chart_series()[key])
+
+
+def test_a_rank_paused_in_its_debugger_reads_paused_with_where_not_running(tmp_path: Path) -> None:
+    from air_magic.panel._render import _table_html
+    from air_magic.panel._state import rank_state
+    from air_magic.protocol.debugging import paused_path
+
+    launch = fake_launch(tmp_path)  # (its ranks have pids and no exit code: running)
+    Path(paused_path(str(tmp_path), 1)).write_text("Cell In[3], line 4")
+    assert [rank_state(launch, r) for r in (0, 1)] == ["running", "paused"]
+    table = _table_html(LaunchState(launch))
+    assert 'data-rank="1" data-state="paused"' in table and "⏸ paused" in table
+    assert "in pdb at Cell In[3], line 4" in table
+    Path(paused_path(str(tmp_path), 1)).unlink()  # it runs again
+    assert rank_state(launch, 1) == "running"
