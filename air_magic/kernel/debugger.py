@@ -29,10 +29,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Iterator
 
 from air_magic.protocol.debugging import (
     ANSWER_ERROR,
+    ANSWER_HERE,
     ANSWER_QUIT,
     ANSWER_SKIP,
     answers_path,
@@ -76,7 +78,7 @@ class BreakpointDesk:
     def poll(self) -> None:
         """Read what came; serve one stopped rank's prompt (the loop calls again for the next)."""
         self._read()
-        if self.stopped:
+        while self.stopped:  # one prompt after another while ranks wait (the answers come at once)
             self._serve()
 
     def _read(self) -> None:
@@ -116,6 +118,8 @@ class BreakpointDesk:
             if mode == "error":
                 self._answer(rank, ANSWER_ERROR)
                 return
+        if event.get("first"):
+            self._answer(rank, ANSWER_HERE)  # before the prompt waits: the rank waits as long as it takes
         _show(event.get("text", ""))
         if event.get("first"):
             others = sorted(self.stopped)
@@ -175,6 +179,22 @@ class BreakpointDesk:
                 self.stopped.pop(other)
                 self._answer(other, sent)
         self._answer(rank, command[5:].strip() if command.startswith(":all ") else line)
+        self._await(rank)
+
+    def _await(self, rank: int, seconds: float = 0.5) -> None:
+        """A command's answer (the rank's next stop, or its going on) read at once, not at the
+        waiting loop's next look (50 ms or more)."""
+        offset = self.offsets[rank]
+        path = events_path(self.work_dir, rank)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if os.stat(path).st_size > offset:
+                    self._read()
+                    return
+            except OSError:
+                return
+            time.sleep(0.002)
 
     def _quit(self, rank: int, why: str, event: dict[str, Any] | None = None) -> None:
         """Every stopped rank raises KeyboardInterrupt; so does the waiting loop.  In a

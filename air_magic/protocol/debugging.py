@@ -15,7 +15,8 @@ Both ends live in the launch's private folder (0700), one pair per rank::
     continues: {"kind": "resumed", "text"}  ----->  the rest of its output shown
     ANSWER_QUIT (q, EOF, Interrupt): KeyboardInterrupt at the breakpoint's line
 
-A rank whose first "stop" is not answered within ``ASK_SECONDS`` (nobody waits for the launch:
+The kernel takes up a first "stop" at once (ANSWER_HERE, before its prompt waits for the user);
+a rank whose first "stop" is not taken up within ``ASK_SECONDS`` (nobody waits for the launch:
 a background launch) goes on as if skipped.  Events are JSON lines, each one ``write``.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "ANSWER_ERROR",
+    "ANSWER_HERE",
     "ANSWER_QUIT",
     "ANSWER_SKIP",
     "ASK_SECONDS",
@@ -43,6 +45,8 @@ __all__ = [
 ANSWER_SKIP = "\x00skip"
 ANSWER_ERROR = "\x00error"
 ANSWER_QUIT = "\x00quit"
+#: The kernel took up a first stop (its prompt is on its way): the rank waits as long as it takes.
+ANSWER_HERE = "\x00here"
 
 #: Set in a launch's ranks when the kernel has ``%pdb on``: a rank that raises opens pdb in its
 #: frames first (a pool's call carries it as ``postmortem``).

@@ -32,6 +32,7 @@ from typing import Any
 
 from air_magic.protocol.debugging import (
     ANSWER_ERROR,
+    ANSWER_HERE,
     ANSWER_QUIT,
     ANSWER_SKIP,
     ASK_SECONDS,
@@ -202,7 +203,11 @@ class _Answers:
         if _nobody["waits"]:
             debugger.skipped = True
             return "continue\n"
-        _answers_fd()
+        fd = _answers_fd()
+        if not self.asked:  # a new stop: what was left unread for an earlier one is not for it
+            _fifo["buffer"] = b""
+            while select.select([fd], [], [], 0)[0]:
+                os.read(fd, 65536)
         text = debugger.out.take()
         prompt = debugger.prompt
         if text.endswith(prompt):
@@ -213,6 +218,8 @@ class _Answers:
         _say_paused(where)
         _send("stop", first=first, where=where, prompt=prompt, text=text, post_mortem=debugger.post_mortem)
         line = self._line(ASK_SECONDS if first else None)
+        if line == ANSWER_HERE:  # the kernel took it up: its user answers when they will
+            line = self._line(None)
         if line is None or line == ANSWER_SKIP:
             debugger.skipped = True
             _nobody["waits"] = line is None
