@@ -120,8 +120,6 @@ class BreakpointDesk:
                 return
         if event.get("first"):
             self._answer(rank, ANSWER_HERE)  # before the prompt waits: the rank waits as long as it takes
-        _show(event.get("text", ""))
-        if event.get("first"):
             others = sorted(self.stopped)
             others_text = ", ".join(map(str, others))
             waiting = f"; ranks {others_text} wait too" if len(others) > 1 else f"; rank {others_text} waits too"
@@ -133,6 +131,7 @@ class BreakpointDesk:
                 _show(f"[air_magic] rank {rank}'s post-mortem, where it raised: {where}{waiting}{tip}\n")
             else:
                 _show(f"[air_magic] rank {rank} stopped at a breakpoint, {where}{waiting}{tip}\n")
+        _show(event.get("text", ""))  # what pdb said: where it is, a command's answer
         try:
             with _default_sigint():
                 line = input(event.get("prompt") or f"(Pdb rank {rank}) ")

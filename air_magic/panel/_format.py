@@ -27,7 +27,7 @@ _LINE_CHARS = 160  # the "last line" column
 _STATUS_STYLE = {
     "starting": ("○", "#6b7280"),
     "running": ("●", "#2563eb"),
-    "paused": ("⏸", "#7c3aed"),
+    "paused": ("‖", "#7c3aed"),
     "stopping": ("◐", "#d97706"),
     "finished": ("✔", "#16a34a"),
     "failed": ("✖", "#dc2626"),

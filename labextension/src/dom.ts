@@ -4,7 +4,7 @@
 export const STATUS_ICON: { [status: string]: string } = {
   starting: '○',
   running: '●',
-  paused: '⏸',
+  paused: '‖',
   stopping: '◐',
   finished: '✔',
   failed: '✖',

@@ -163,7 +163,12 @@ def _sidebar(tools: Page, until: Any, timeout: float, what: str) -> dict[str, An
 def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("lab")
     _install_extension(tmp)
-    cells = {"launch.ipynb": LAUNCH_CELLS, "pool.ipynb": POOL_CELLS, "pool-life.ipynb": POOL_LIFE_CELLS}
+    cells = {
+        "launch.ipynb": LAUNCH_CELLS,
+        "pool.ipynb": POOL_CELLS,
+        "pool-life.ipynb": POOL_LIFE_CELLS,
+        "debug.ipynb": DEBUG_CELLS,
+    }
     with serve_jupyter(tmp, cells) as server:
         yield server
 
@@ -391,6 +396,47 @@ def _pool_life(tools: Page, server: dict[str, Any], url: str, name: str, noteboo
     tools.page.screenshot(path=str(shots / f"{name}-reopened-1280x1000.png"))
     errors = [e for e in tools.errors if not notebook7 or "air-magic" in e or "air_magic" in e or "schema" not in e]
     assert not errors, errors
+
+
+DEBUG_CELLS = [SETUP, "%%distributed -n 2\nx = 5\nbreakpoint()\ny = x + 1\n(x, y)"]
+
+
+def test_a_breakpoint_in_a_rank_asks_in_the_cell_s_input_box(lab: dict[str, Any], page: Page) -> None:
+    """JupyterLab's own input box, in the cell: the prompt names the rank, the lines above say
+    where it stopped, a command typed there is answered, ``c`` goes on to the next rank."""
+    tools = page
+    shots = _artifacts(lab["tmp"])
+    _open(tools, f"{lab['base']}/lab/tree/debug.ipynb?reset&token={lab['token']}")
+    tools.evaluate(RUN_ALL)
+    box = tools.page.locator(".jp-Stdin-input").first
+    box.wait_for(timeout=120_000)
+    prompt = tools.page.locator(".jp-Stdin-prompt").first.inner_text()
+    assert prompt.strip() == "(Pdb rank 0)", prompt
+    box.fill("p x")
+    box.press("Enter")
+    _poll(tools, [], lambda s: "\n5\n" in s["cells"][1]["text"] + "\n", 30, "p x answered in the cell")
+    tools.page.locator(".jp-Stdin-input").first.wait_for(timeout=30_000)
+    text = json.loads(tools.evaluate(PROBE_TEXT))
+    assert "[air_magic] rank 0 stopped at a breakpoint, Cell In[2], line 3" in text, text
+    assert "-> y = x + 1" in text
+    tools.page.set_viewport_size({"width": 1280, "height": 900})
+    time.sleep(0.5)
+    tools.page.screenshot(path=str(shots / "debug-prompt-1280x900.png"))
+    tools.page.set_viewport_size({"width": 1280, "height": 1000})
+    for _ in range(2):  # rank 0's c, then rank 1's
+        box = tools.page.locator(".jp-Stdin-input").first
+        box.wait_for(timeout=30_000)
+        box.fill("c")
+        box.press("Enter")
+        time.sleep(0.5)
+    _poll(tools, [], lambda s: "[(5, 6), (5, 6)]" in s["cells"][1]["text"], 60, "the cell's values")
+    assert not tools.errors, tools.errors
+
+
+PROBE_TEXT = (
+    "JSON.stringify((document.querySelectorAll('.jp-Notebook .jp-CodeCell')[1]"
+    " .querySelector('.jp-OutputArea') || {}).innerText || '')"
+)
 
 
 # Code run in the notebook's kernel as the page's own request (no cell of the notebook).

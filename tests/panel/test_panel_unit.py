@@ -694,7 +694,7 @@ def test_a_rank_paused_in_its_debugger_reads_paused_with_where_not_running(tmp_p
     Path(paused_path(str(tmp_path), 1)).write_text("Cell In[3], line 4")
     assert [rank_state(launch, r) for r in (0, 1)] == ["running", "paused"]
     table = _table_html(LaunchState(launch))
-    assert 'data-rank="1" data-state="paused"' in table and "⏸ paused" in table
+    assert 'data-rank="1" data-state="paused"' in table and "‖ paused" in table
     assert "in pdb at Cell In[3], line 4" in table
     Path(paused_path(str(tmp_path), 1)).unlink()  # it runs again
     assert rank_state(launch, 1) == "running"
