@@ -112,11 +112,15 @@ class DistributedFunction(Generic[R]):
         return function_payload(self.func, args, kwargs)
 
     def submit(self, *args: Any, **kwargs: Any) -> "Launch":
-        """Start the launch and return its :class:`~air_magic.kernel.launcher.Launch` handle at once."""
+        """Start the launch and return its :class:`~air_magic.kernel.launcher.Launch` handle at once
+        (``launch.debug()`` opens the prompts of its ranks stopped at a breakpoint)."""
+        return self._start(args, kwargs, background=True)
+
+    def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any], background: bool) -> "Launch":
         from air_magic.plugins import get_launcher
 
         payload = self._payload(args, kwargs)
-        launch = get_launcher().start(self.spec, payload)
+        launch = get_launcher().start(self.spec, payload, background=background)
         self.last_launch = launch
         return launch
 
@@ -132,7 +136,7 @@ class DistributedFunction(Generic[R]):
         >>> rank_and_size.distributed()               # doctest: +SKIP
         [(0, 2), (1, 2)]
         """
-        launch = self.submit(*args, **kwargs)
+        launch = self._start(args, kwargs, background=False)
         return launch.wait_streaming()
 
     def with_overrides(

@@ -128,7 +128,7 @@ class DistributedMagics(Magics):
         from air_magic.plugins import get_launcher
 
         try:
-            launch = get_launcher().start(spec, payload)
+            launch = get_launcher().start(spec, payload, background=args.run_async)
         except ConfigurationError as exc:
             raise UsageError(f"%%distributed: {exc}") from None
         if args.run_async:

@@ -39,6 +39,7 @@ from air_magic.protocol.debugging import (
     ANSWER_SKIP,
     answers_path,
     events_path,
+    paused_at,
     read_events,
 )
 from air_magic.settings import settings
@@ -58,8 +59,9 @@ timeout (30 min unless init_process_group(timeout=...) says otherwise), NCCL aft
 class BreakpointDesk:
     """The breakpoints of one launch's (or one pool call's) ranks, served from its waiting loop."""
 
-    def __init__(self, work_dir: str, world_size: int, *, from_now: bool = False) -> None:
+    def __init__(self, work_dir: str, world_size: int, *, from_now: bool = False, only_paused: bool = False) -> None:
         self.work_dir = work_dir
+        self.only_paused = only_paused  # read from the start (launch.debug()): serve who still waits
         self.world_size = world_size
         self.offsets = [0] * world_size
         if from_now:  # a pool's call: what earlier calls' ranks said is theirs
@@ -97,6 +99,9 @@ class BreakpointDesk:
                 elif event.get("kind") == "resumed":
                     self.stopped.pop(rank, None)
                     _show(event.get("text", ""))
+        if self.only_paused:
+            for rank in [r for r in self.stopped if paused_at(self.work_dir, r) is None]:
+                del self.stopped[rank]
 
     @property
     def paused(self) -> dict[int, str]:

@@ -172,6 +172,8 @@ class Launch:
         #: A pool's ranks: what cancel() (a panel's Stop) does instead of stopping them; it
         #: interrupts the pool's running call as Ctrl-C does (True if there was one).
         self.cancel_instead: Callable[[], bool] | None = None
+        #: Nobody waits for it as it starts (``.submit()``, ``--async``): see :meth:`debug`.
+        self.background = False
         self._done = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
         self._error_text: str | None = None
@@ -366,6 +368,26 @@ class Launch:
         return None
 
     # -- blocking wait, from the main thread ------------------------------------------------
+
+    def debug(self) -> None:
+        """Open, in this cell, the pdb prompts of this launch's ranks stopped at a breakpoint
+        (a background launch: ``.submit()``, ``%%distributed --async``), and go on serving them
+        until the launch ends; Ctrl-C (or ``q``) stops every rank, as it does in a waited cell.
+
+        A rank of a background launch waits ``AIR_MAGIC_BREAKPOINT_WAIT`` seconds (300) at a
+        breakpoint for this call, shown as paused in the panel, then goes on with one line."""
+        if not self.local_processes:
+            raise LaunchError(f"{self.label} runs on another machine's ranks: its breakpoints are skipped there.")
+        desk = BreakpointDesk(self.work_dir, self.world_size, only_paused=True)
+        with _interrupt_flag() as interrupt:
+            try:
+                while not self._done.wait(_POLL):
+                    interrupt.raise_if_set()
+                    desk.poll()
+            except KeyboardInterrupt:
+                self.cancel()
+                self._done.wait(10)
+                raise interrupted(f"you stopped {self.label} from its debugger; every rank was stopped.") from None
 
     def wait_streaming(self) -> list[Any]:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""

@@ -148,8 +148,10 @@ class Launcher:
         if backend is not None:
             backend.try_send(message)
 
-    def start(self, spec: LaunchSpec, payload: Payload) -> Launch:
-        """Start ``payload`` on the ranks ``spec`` asks for; returns at once."""
+    def start(self, spec: LaunchSpec, payload: Payload, background: bool = False) -> Launch:
+        """Start ``payload`` on the ranks ``spec`` asks for; returns at once.  ``background``:
+        nobody waits for it now (``.submit()``, ``--async``): a breakpoint in a rank waits for
+        ``launch.debug()`` a while (``AIR_MAGIC_BREAKPOINT_WAIT``) instead of 5 s."""
         called = time.monotonic()
         settings.check()  # a bad AIR_MAGIC_* value stops the launch here, before anything starts
         cwd = _request.working_directory()
@@ -159,6 +161,7 @@ class Launcher:
         if helper.local_processes:
             _check_room_for(placement.world_size, payload.label)
         launch = Launch(self, spec, placement, payload)
+        launch.background = background
         launch.timings["call"] = called
         launch.helper = helper  # before the observers: the panel says what the launch waits for
         try:

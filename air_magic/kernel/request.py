@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from air_magic.errors import LaunchError
 from air_magic.kernel.debugger import post_mortem_on
 from air_magic.protocol import LAUNCH_ID_ENV, LaunchRequest
-from air_magic.protocol.debugging import POSTMORTEM_ENV
+from air_magic.protocol.debugging import BACKGROUND_WAIT, BREAKPOINT_WAIT_ENV, POSTMORTEM_ENV
 from air_magic.settings import settings
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ def rank_environment(launch: "Launch") -> dict[str, str]:
         env["TORCH_FR_BUFFER_SIZE"] = str(recorded)
     if post_mortem_on():  # %pdb on: a rank that raises opens pdb in its frames first
         env[POSTMORTEM_ENV] = "1"
+    if getattr(launch, "background", False):  # a breakpoint waits for launch.debug() a while
+        env.setdefault(BREAKPOINT_WAIT_ENV, str(BACKGROUND_WAIT))
     if launch.placement.device == "cpu":
         # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU
         # is what `accelerate launch --cpu` sets: without it the Hugging Face Trainer

@@ -32,6 +32,8 @@ __all__ = [
     "ANSWER_QUIT",
     "ANSWER_SKIP",
     "ASK_SECONDS",
+    "BACKGROUND_WAIT",
+    "BREAKPOINT_WAIT_ENV",
     "POSTMORTEM_ENV",
     "answers_path",
     "encode_event",
@@ -51,6 +53,11 @@ ANSWER_HERE = "\x00here"
 #: Set in a launch's ranks when the kernel has ``%pdb on``: a rank that raises opens pdb in its
 #: frames first (a pool's call carries it as ``postmortem``).
 POSTMORTEM_ENV = "AIR_MAGIC_POSTMORTEM"
+
+#: How long (seconds) a rank waits at a breakpoint for the kernel to take it up: a background
+#: launch's ranks get BACKGROUND_WAIT (``launch.debug()`` takes it up), others ASK_SECONDS.
+BREAKPOINT_WAIT_ENV = "AIR_MAGIC_BREAKPOINT_WAIT"
+BACKGROUND_WAIT = 300.0
 
 #: How long a rank waits for the kernel to take up its first stop before it goes on.
 ASK_SECONDS = 5.0

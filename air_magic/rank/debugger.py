@@ -36,6 +36,7 @@ from air_magic.protocol.debugging import (
     ANSWER_QUIT,
     ANSWER_SKIP,
     ASK_SECONDS,
+    BREAKPOINT_WAIT_ENV,
     answers_path,
     encode_event,
     events_path,
@@ -217,13 +218,18 @@ class _Answers:
         self.asked = True
         _say_paused(where)
         _send("stop", first=first, where=where, prompt=prompt, text=text, post_mortem=debugger.post_mortem)
-        line = self._line(ASK_SECONDS if first else None)
+        line = self._line(_ask_seconds() if first else None)
         if line == ANSWER_HERE:  # the kernel took it up: its user answers when they will
             line = self._line(None)
         if line is None or line == ANSWER_SKIP:
             debugger.skipped = True
             _nobody["waits"] = line is None
-            why = "nobody waits for this launch" if line is None else "there is no stdin to debug it from"
+            _send("resumed", text="")  # (a kernel that reads later knows it waits no more)
+            why = (
+                f"nobody opened its prompt within {_ask_seconds():g} s (launch.debug() does, for a background launch)"
+                if line is None
+                else "there is no stdin to debug it from"
+            )
             what = "post-mortem" if debugger.post_mortem else "breakpoint"
             sys.stderr.write(
                 f"[air_magic] {what} at {where} on rank {_where['rank']} skipped: {why} "
@@ -250,6 +256,13 @@ class _Answers:
             _fifo["buffer"] += os.read(fd, 4096)
         line, _, _fifo["buffer"] = _fifo["buffer"].partition(b"\n")
         return str(line.decode("utf-8", "replace").rstrip("\r"))
+
+
+def _ask_seconds() -> float:
+    try:
+        return float(os.environ.get(BREAKPOINT_WAIT_ENV, "") or ASK_SECONDS)
+    except ValueError:
+        return ASK_SECONDS
 
 
 def _place(frame: types.FrameType | None) -> str:

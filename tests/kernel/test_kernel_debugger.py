@@ -243,3 +243,14 @@ def test_while_its_prompt_waits_the_rank_reads_paused_where_it_is(kernel: Kernel
     assert res.error is None and res.result == "[1]", res.error_text
     assert len(seen) == 1 and len(seen[0]) == 1 and re.fullmatch(r"Cell In\[\d+\], line 3", seen[0][0]), seen
     assert not glob.glob(pattern)
+
+
+def test_a_background_launch_waits_at_its_breakpoint_for_launch_debug(kernel: Kernel) -> None:
+    kernel.ok("%%distributed -n 2 --async\nx = 5\nbreakpoint()\nx + 1")
+    kernel.ok("h = _", timeout=10)
+    time.sleep(6.0)  # longer than a waited launch's rank gives the kernel: a background one waits on
+    res = kernel.run_with_stdin("h.debug()", ["p x", "c", "c"])
+    assert res.error is None, res.error_text
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 0) ", "(Pdb rank 0) ", "(Pdb rank 1) "], res.prompts
+    assert "\n5\n" in res.stdout
+    assert kernel.value("h.result(timeout=30)") == [6, 6]
