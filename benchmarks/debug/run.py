@@ -12,7 +12,7 @@ One real IPython kernel (jupyter_client, as JupyterLab drives it: cells sent wit
   same for fresh launches (5);
 * ``command``: ``p 1 + 1`` at the prompt: seconds from the answer sent to the next prompt;
 * ``idle CPU``: rank 0 paused, rank 1 waiting for it in ``all_reduce``: each rank's CPU time
-  over ``--idle`` seconds (psutil), as % of one core;
+  over ``--idle`` seconds (their processes' own counts), as % of one core;
 * ``quit``: ``q`` at the prompt (rank 1 waits in ``all_reduce``): seconds until the cell has
   ended with every rank back and the pool intact;
 * ``post-mortem``: ``%distributed_debug`` after a failed pool cell: seconds to its prompt;
@@ -39,7 +39,6 @@ ROOT = HERE.parent.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(ROOT / "tests"))
 
-import psutil  # noqa: E402
 from harness import Kernel, rank_processes  # noqa: E402  (the test suite's notebook-like kernel driver)
 
 
@@ -82,7 +81,9 @@ def main() -> int:
     try:
         kernel.ok("%load_ext air_magic\n%config DistributedMagics.tracking = False")
         here = f"open({str(mark)!r}, 'w').write(repr(time.time()))"
-        launch_cell = f"%%distributed -n 2\nimport os, time\nif os.environ['RANK'] == '0':\n    {here}\n    breakpoint()\n1"
+        launch_cell = (
+            f"%%distributed -n 2\nimport os, time\nif os.environ['RANK'] == '0':\n    {here}\n    breakpoint()\n1"
+        )
         launches = [prompt_latency(kernel, mark, launch_cell) for _ in range(5)]
         kernel.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
         pool_cell = (
@@ -113,7 +114,7 @@ def main() -> int:
         for _ in range(5):
             sent: dict[str, float] = {}
 
-            def quit_(prompt: str, res: Any) -> str:
+            def quit_(prompt: str, res: Any, sent: dict[str, float] = sent) -> str:
                 sent["at"] = time.monotonic()
                 return "q"
 
@@ -131,7 +132,7 @@ def main() -> int:
             began = time.monotonic()
             found: dict[str, float] = {}
 
-            def post_(prompt: str, res: Any) -> str:
+            def post_(prompt: str, res: Any, found: dict[str, float] = found, began: float = began) -> str:
                 found.setdefault("at", time.monotonic() - began)
                 return "q"
 
