@@ -249,3 +249,16 @@ def test_numpy_rank_count_with_a_gpu_type() -> None:
     spec = make_spec(np.int64(2), "GPU_2xH200")
     assert spec.accelerator_type == AcceleratorType(2, "H200")
     assert make_spec(np.int64(2)).resolve(Hardware(2, "NVIDIA H200", cpu_count=2)).world_size == 2
+
+
+def test_a_bad_on_breakpoint_setting_is_named_with_its_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from air_magic.settings import settings
+
+    monkeypatch.setenv("AIR_MAGIC_ON_BREAKPOINT", "x")
+    with pytest.raises(ConfigurationError) as info:
+        settings.check()
+    assert (
+        str(info.value) == "AIR_MAGIC_ON_BREAKPOINT must be one of prompt, skip, error, got 'x'; unset it for prompt."
+    )
+    monkeypatch.setenv("AIR_MAGIC_ON_BREAKPOINT", " Skip ")
+    assert settings.on_breakpoint == "skip"
