@@ -10,7 +10,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { NotebookPanel } from '@jupyterlab/notebook';
 import { Widget } from '@lumino/widgets';
 
-import { ILaunch, isRunning, KernelChannel, shownStatus } from './channel';
+import { ILaunch, IReply, isRunning, KernelChannel, shownStatus } from './channel';
 import { el, formatElapsed, STATUS_ICON } from './dom';
 
 /** Where the sidebar finds the current notebook and its channel. */
@@ -142,16 +142,7 @@ export class LaunchesPanel extends Widget {
         : launch.blocking
           ? 'Stop this launch (its cell is running)'
           : 'Stop this background launch';
-      stop.onclick = async () => {
-        stop.setAttribute('disabled', '');
-        stop.textContent = 'Stopping…';
-        const reply = await channel.stop(launch);
-        if (!reply.ok) {
-          stop.textContent = 'Stop';
-          stop.removeAttribute('disabled');
-          void showDialog({ title: 'Stop', body: reply.error ?? 'it could not be stopped', buttons: [Dialog.okButton()] });
-        }
-      };
+      stop.onclick = () => void act(stop, 'Stopping…', () => channel.stop(launch), 'it could not be stopped');
       actions.appendChild(stop);
     }
     if (launch.pool && launch.pool.state !== 'closed') {
@@ -186,14 +177,7 @@ export class LaunchesPanel extends Widget {
     if (!answer.button.accept) {
       return;
     }
-    button.setAttribute('disabled', '');
-    button.textContent = 'Closing…';
-    const reply = await channel.close(launch);
-    if (!reply.ok) {
-      button.textContent = 'Close pool';
-      button.removeAttribute('disabled');
-      void showDialog({ title: 'Close pool', body: reply.error ?? 'it could not be closed', buttons: [Dialog.okButton()] });
-    }
+    await act(button, 'Closing…', () => channel.close(launch), 'it could not be closed');
   }
 
   private async _showLog(channel: KernelChannel, launch: ILaunch, rank: number): Promise<void> {
@@ -238,6 +222,20 @@ export class LaunchesPanel extends Widget {
 
   private _channel: KernelChannel | null = null;
   private _timer: number | null = null;
+}
+
+/** A button's request to the kernel: disabled and saying ``busy`` meanwhile; where the kernel
+ * refuses, the button as it was and a dialog with the kernel's reason. */
+async function act(button: HTMLElement, busy: string, request: () => Promise<IReply>, fallback: string): Promise<void> {
+  const label = button.textContent ?? '';
+  button.setAttribute('disabled', '');
+  button.textContent = busy;
+  const reply = await request();
+  if (!reply.ok) {
+    button.textContent = label;
+    button.removeAttribute('disabled');
+    void showDialog({ title: label, body: reply.error ?? fallback, buttons: [Dialog.okButton()] });
+  }
 }
 
 /** Select and show the cell that started a launch (by its id, else its execution count). */
