@@ -33,6 +33,7 @@ import time
 from typing import Any, Iterator
 
 from air_magic.protocol.debugging import (
+    ANSWER_EOF,
     ANSWER_ERROR,
     ANSWER_HERE,
     ANSWER_QUIT,
@@ -144,6 +145,9 @@ class BreakpointDesk:
             self._quit(rank, "you interrupted the debugger", event)
             return
         except EOFError:
+            if not str(event.get("prompt", "")).startswith("(Pdb"):  # interact's console: it ends, pdb asks again
+                self._answer(rank, ANSWER_EOF)
+                return
             self._quit(rank, "the debugger's input ended", event)
             return
         except Exception as exc:  # no stdin after all (StdinNotImplementedError): as skipped
@@ -155,6 +159,12 @@ class BreakpointDesk:
 
     def _command(self, rank: int, line: str, event: dict[str, Any]) -> None:
         command = line.strip()
+        if not str(event.get("prompt", "")).startswith("(Pdb"):  # interact's console: its lines as they are
+            self._answer(rank, line)
+            self._await(rank)
+            return
+        if command in ("help", "h"):  # pdb's commands follow air_magic's
+            _show(HELP + "\n")
         if command.startswith(":"):  # about the other ranks: what they said meanwhile counts
             self._read()
         if command in ("q", "quit", "exit"):

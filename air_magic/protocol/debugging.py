@@ -27,6 +27,7 @@ import os
 from typing import Any
 
 __all__ = [
+    "ANSWER_EOF",
     "ANSWER_ERROR",
     "ANSWER_HERE",
     "ANSWER_QUIT",
@@ -47,6 +48,8 @@ __all__ = [
 ANSWER_SKIP = "\x00skip"
 ANSWER_ERROR = "\x00error"
 ANSWER_QUIT = "\x00quit"
+#: Ctrl-D at a prompt that is not pdb's own (``interact``'s console): that prompt ends.
+ANSWER_EOF = "\x00eof"
 #: The kernel took up a first stop (its prompt is on its way): the rank waits as long as it takes.
 ANSWER_HERE = "\x00here"
 

@@ -31,6 +31,7 @@ import types
 from typing import Any
 
 from air_magic.protocol.debugging import (
+    ANSWER_EOF,
     ANSWER_ERROR,
     ANSWER_HERE,
     ANSWER_QUIT,
@@ -246,6 +247,16 @@ class _Answers:
             raise KeyboardInterrupt(f"you quit the debugger on rank {_where['rank']}")
         return line + "\n"
 
+    def ask(self, prompt: str) -> str | None:
+        """One line for something other than pdb's prompt (``interact``'s console); None at
+        Ctrl-D."""
+        text = self.debugger.out.take()
+        _send("stop", first=False, where=self.debugger.where(), prompt=prompt, text=text)
+        line = self._line(None)
+        if line == ANSWER_QUIT:
+            raise KeyboardInterrupt(f"you quit the debugger on rank {_where['rank']}")
+        return None if line == ANSWER_EOF else line
+
     def _line(self, timeout: float | None) -> str | None:
         fd = _answers_fd()
         while b"\n" not in _fifo["buffer"]:
@@ -340,6 +351,36 @@ class RankPdb(pdb.Pdb):
         if not self.skipped:
             text = self.out.take()
             _send("resumed", text=text)
+
+    def do_interact(self, arg: str) -> None:
+        """interact
+
+        An interactive interpreter in the notebook's input box, with the names of the current
+        scope; Ctrl-D (or an empty answer to ``exit()``) returns to pdb."""
+        import code
+
+        frame = self.curframe
+        if frame is None:
+            return
+        namespace = {**frame.f_globals, **self.curframe_locals}
+        console = code.InteractiveConsole(namespace, "*interactive*")
+        answers = self.answers
+
+        def raw_input(prompt: str = "") -> str:
+            line = answers.ask(prompt)
+            if line is None:
+                raise EOFError
+            return line
+
+        console.raw_input = raw_input  # type: ignore[method-assign]
+        out, err = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = self.out  # type: ignore[assignment]
+        try:
+            console.interact(banner="*interactive* (Ctrl-D or exit() returns to pdb)", exitmsg="")
+        except SystemExit:  # exit() in the console: back to pdb
+            pass
+        finally:
+            sys.stdout, sys.stderr = out, err
 
     def do_clear(self, arg: str) -> Any:
         if not arg:  # pdb asks "Clear all breaks?" with input(): there is no input here

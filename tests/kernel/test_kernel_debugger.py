@@ -254,3 +254,21 @@ def test_a_background_launch_waits_at_its_breakpoint_for_launch_debug(kernel: Ke
     assert [p for p, _ in res.prompts] == ["(Pdb rank 0) ", "(Pdb rank 0) ", "(Pdb rank 1) "], res.prompts
     assert "\n5\n" in res.stdout
     assert kernel.value("h.result(timeout=30)") == [6, 6]
+
+
+def test_help_and_interact_at_a_function_s_breakpoint(kernel: Kernel) -> None:
+    """An ``@distributed`` function's breakpoint; ``help`` lists air_magic's commands before
+    pdb's; ``interact`` is a console in the same input box, ``exit()`` returns to pdb."""
+    kernel.ok(
+        "from air_magic import distributed\n"
+        "@distributed(num_accelerators=1, accelerator_type='CPU', tracking=False)\n"
+        "def train(x):\n"
+        "    breakpoint()\n"
+        "    return x"
+    )
+    res = kernel.run_with_stdin("train.distributed(5)", ["help", "interact", "x * 3", "exit()", "p x", "c"])
+    assert res.error is None and res.result == "[5]", res.error_text
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 0) "] * 2 + [">>> "] * 2 + ["(Pdb rank 0) "] * 2
+    out = res.stdout
+    assert out.index(":all CMD   send CMD to every rank stopped now") < out.index("Documented commands")
+    assert "*interactive* (Ctrl-D or exit() returns to pdb)" in out and "\n15\n" in out
