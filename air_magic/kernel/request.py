@@ -64,7 +64,7 @@ def rank_environment(launch: "Launch") -> dict[str, str]:
         env["TORCH_FR_BUFFER_SIZE"] = str(recorded)
     if post_mortem_on():  # %pdb on: a rank that raises opens pdb in its frames first
         env[POSTMORTEM_ENV] = "1"
-    if getattr(launch, "background", False):  # a breakpoint waits for launch.debug() a while
+    if launch.background:  # a breakpoint waits for launch.debug() a while
         env.setdefault(BREAKPOINT_WAIT_ENV, str(BACKGROUND_WAIT))
     if launch.placement.device == "cpu":
         # DeepSpeed reads DS_ACCELERATOR (else it looks for a GPU); ACCELERATE_USE_CPU

@@ -276,6 +276,15 @@ def _ask_seconds() -> float:
         return ASK_SECONDS
 
 
+#: air_magic's own folder: frames of files under it run the rank, they are not the user's.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _runs_the_rank(frame: types.FrameType) -> bool:
+    name = frame.f_code.co_filename
+    return name.startswith(_PACKAGE) or name.startswith("<frozen ")
+
+
 def _place(frame: types.FrameType | None) -> str:
     if frame is None:
         return "?"
@@ -351,6 +360,15 @@ class RankPdb(pdb.Pdb):
         if not self.skipped:
             text = self.out.take()
             _send("resumed", text=text)
+
+    def get_stack(self, f: Any, t: Any) -> tuple[list[tuple[Any, int]], int]:
+        """pdb's stack without the frames that run the rank (the helper, the rank's main,
+        runpy): ``w`` starts at the user's code, ``u`` stops there."""
+        stack, index = super().get_stack(f, t)
+        cut = 0
+        while cut < len(stack) - 1 and _runs_the_rank(stack[cut][0]):
+            cut += 1
+        return stack[cut:], max(0, index - cut)
 
     def do_interact(self, arg: str) -> None:
         """interact

@@ -272,3 +272,11 @@ def test_help_and_interact_at_a_function_s_breakpoint(kernel: Kernel) -> None:
     out = res.stdout
     assert out.index(":all CMD   send CMD to every rank stopped now") < out.index("Documented commands")
     assert "*interactive* (Ctrl-D or exit() returns to pdb)" in out and "\n15\n" in out
+
+
+def test_where_starts_at_the_user_s_code_not_at_the_frames_that_run_the_rank(kernel: Kernel) -> None:
+    code = "%%distributed -n 1\ndef inner():\n    breakpoint()\n    return 1\ninner()"
+    res = kernel.run_with_stdin(code, ["w", "u", "u", "c"])
+    assert res.error is None and res.result == "[1]", res.error_text
+    assert "zygote" not in res.stdout and "air_magic/rank" not in res.stdout and "<frozen" not in res.stdout
+    assert "-> inner()" in res.stdout and "*** Oldest frame" in res.stdout  # u stops at the cell
