@@ -239,12 +239,13 @@ class BreakpointDesk:
 
 
 def post_mortem_on() -> bool:
-    """Whether the kernel has ``%pdb on``: a rank that raises then opens pdb in its frames."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
+    """Whether the kernel has ``%pdb on``: a rank that raises then opens pdb in its frames.
+    (Asked at every launch and pool call: a process that never imported IPython, such as
+    ``air-magic run``, is not made to import it here.)"""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
         return False
-    shell = get_ipython()
+    shell = ipython.get_ipython()
     return bool(getattr(shell, "call_pdb", False))
 
 
