@@ -80,21 +80,14 @@ export function isRunning(launch: ILaunch): boolean {
 
 /**
  * The state the sidebar and the status bar say: a launch's own, but for a pool's launch
- * (which runs as long as the pool lives) the pool's: idle between its cells, broken when a
- * rank is, running while a cell runs (its ranks' states are the pool's, from the kernel).
+ * (which runs as long as the pool lives) the pool's, as the kernel's pool.state says it:
+ * idle between its cells, running while a cell runs, broken, closed.
  */
 export function shownStatus(launch: ILaunch): string {
   if (launch.pool) {
-    return launch.pool.state === 'new' ? 'starting' : launch.pool.state;  // the kernel's pool.state
+    return launch.pool.state === 'new' ? 'starting' : launch.pool.state;
   }
-  if (launch.kind !== 'pool' || launch.status !== 'running' || !launch.ranks.length) {
-    return launch.status;
-  }
-  const states = launch.ranks.map(rank => rank.state);
-  if (states.includes('broken')) {
-    return 'broken';
-  }
-  return states.every(state => state === 'idle') ? 'idle' : 'running';
+  return launch.status;
 }
 
 /**
