@@ -23,6 +23,9 @@ Environment variable           Setting (default)
                                cell per launch (1 MiB; a whole number of bytes)
 ``AIR_MAGIC_STALL_SECONDS``    ``stall_seconds``: seconds without output before the ranks'
                                stacks are looked at (300; 0: never)
+``AIR_MAGIC_HANG_SECONDS``     ``hang_seconds``: seconds without a completed collective, while
+                               a rank waits in one, before the cell shows a hang report (5;
+                               0: never)
 ``AIR_MAGIC_LOG_LIMIT``        ``log_limit``: bytes of each rank's log kept after a launch
                                (16 MiB; a whole number of bytes)
 ``AIR_MAGIC_SHM_DIR``          ``shm_dir``: where large result tensors travel (``/dev/shm``;
@@ -93,6 +96,7 @@ PANEL_ENV = "AIR_MAGIC_PANEL"
 WARM_ENV = "AIR_MAGIC_WARM"
 OUTPUT_LIMIT_ENV = "AIR_MAGIC_OUTPUT_LIMIT"
 STALL_SECONDS_ENV = "AIR_MAGIC_STALL_SECONDS"
+HANG_SECONDS_ENV = "AIR_MAGIC_HANG_SECONDS"
 LOG_LIMIT_ENV = "AIR_MAGIC_LOG_LIMIT"
 SHM_DIR_ENV = "AIR_MAGIC_SHM_DIR"
 #: Environment variable that replaces the default bound on CPU ranks.
@@ -210,6 +214,12 @@ class Settings:
     def stall_seconds(self) -> float:
         """Seconds without a line from any rank before their stacks are looked at (0: never)."""
         return self._number(STALL_SECONDS_ENV, 300.0, unit="seconds", zero="0 never looks")
+
+    @property
+    def hang_seconds(self) -> float:
+        """Seconds no collective completes, while a rank waits in one, before the cell shows
+        a hang report (``AIR_MAGIC_HANG_SECONDS``; 0: never)."""
+        return self._number(HANG_SECONDS_ENV, 5.0, unit="seconds", zero="0 never reports")
 
     @property
     def log_limit(self) -> int:
@@ -365,6 +375,7 @@ _CHECKED = (
     "warm",
     "output_limit",
     "stall_seconds",
+    "hang_seconds",
     "log_limit",
     "log_keep_days",
     "log_keep_mb",

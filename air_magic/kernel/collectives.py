@@ -23,15 +23,16 @@ from typing import Any
 
 from air_magic.protocol import ask_for_collectives, collectives_path
 
-__all__ = ["ask", "plan_even", "uneven", "describe_op", "user_where"]
+__all__ = ["ask", "plan_even", "uneven", "describe_op", "user_where", "group_label", "dtype_name"]
 
 
 def ask(
-    work_dir: str, ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None
+    work_dir: str, ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None, how: str = "c"
 ) -> dict[int, dict[str, Any] | None]:
     """Each rank's collectives (None for a rank that did not answer within ``timeout`` s, or
-    whose torch records none); the ranks that did not answer are added to ``unanswered``."""
-    tokens = {rank: ask_for_collectives(work_dir, rank) for rank in ranks}
+    whose torch records none); the ranks that did not answer are added to ``unanswered``.
+    ``how``: what each rank reads (:func:`air_magic.protocol.ask_for_collectives`)."""
+    tokens = {rank: ask_for_collectives(work_dir, rank, how) for rank in ranks}
     found: dict[int, dict[str, Any] | None] = {rank: None for rank in ranks}
     waiting = {rank for rank, token in tokens.items() if token}
     deadline = time.monotonic() + timeout
@@ -108,12 +109,37 @@ def _group_name(name: str) -> str:
     return "the default group" if name in ("0", "default_pg") else f"group {name}"
 
 
+def group_label(name: str) -> str:
+    """``default`` for the default group, else the group's name."""
+    return "default" if name in ("0", "default_pg") else name
+
+
+#: torch's names of dtypes in the Flight Recorder, and the ones users write.
+_DTYPES = {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "char": "int8",
+    "byte": "uint8",
+    "bool": "bool",
+}
+
+
+def dtype_name(name: str) -> str:
+    """``float32`` for the recorder's ``Float``."""
+    return _DTYPES.get(name.lower(), name.lower())
+
+
 def describe_op(entry: dict[str, Any]) -> str:
     """``all_reduce #42 of the default group ([1024] float32) at Cell In[3]:11``."""
     op = str(entry.get("op", "")).split(":", 1)[-1]
     group = _group_name(str(entry.get("name", entry.get("pg"))))
     sizes = ", ".join(str(list(s)) for s in entry.get("input_sizes") or [])
-    dtypes = ", ".join(str(d).lower() for d in entry.get("input_dtypes") or [])
+    dtypes = ", ".join(dtype_name(str(d)) for d in entry.get("input_dtypes") or [])
     shape = f" ({sizes} {dtypes})" if sizes else ""
     where = f" at {entry['where']}" if entry.get("where") else ""
     return f"{op} #{entry.get('seq')} of {group}{shape}{where}"

@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Callable, ClassVar, Iterator, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Protocol
 
 from air_magic.backends.base import Backend
 from air_magic.capture import Payload
@@ -31,6 +31,7 @@ from air_magic.errors import LaunchCancelledError, LaunchError, interrupted
 from air_magic.kernel import logs as _logs
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel.debugger import BreakpointDesk
+from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown
 from air_magic.kernel.outcome import RankState, describe_exit
 from air_magic.kernel.rank_output import (
     OutputPump,
@@ -42,6 +43,7 @@ from air_magic.kernel.rank_output import (
     read_records,
     read_stacks,
     request_stacks,
+    user_frame,
 )
 from air_magic.protocol import (
     Exited,
@@ -74,6 +76,7 @@ LIVE_STATUSES = ("starting", "running", "stopping")
 class _Limits:
     output: int  # bytes of rank 0's output copied into the cell (AIR_MAGIC_OUTPUT_LIMIT)
     stall_seconds: float  # quiet seconds before the ranks' stacks are looked at
+    hang_seconds: float  # seconds no collective completes before a hang report (AIR_MAGIC_HANG_SECONDS)
     log: int  # bytes of each rank's log kept (AIR_MAGIC_LOG_LIMIT)
 
 
@@ -124,7 +127,7 @@ class Launch:
         self.spec = spec
         #: The settings it runs with, read as it starts (a change of ``AIR_MAGIC_*`` while it
         #: runs is for the next launch; a bad value never reaches one that runs).
-        self.limits = _Limits(settings.output_limit, settings.stall_seconds, settings.log_limit)
+        self.limits = _Limits(settings.output_limit, settings.stall_seconds, settings.hang_seconds, settings.log_limit)
         self.placement = placement
         self.label = payload.label
         self.kind = payload.kind
@@ -189,6 +192,7 @@ class Launch:
         self._interrupted = False  # the user interrupted the cell that waited for it
         self._interrupt_text: str | None = None
         self._pump: OutputPump | None = None
+        self._hangs: HangWatch | None = None  # the waiting cell's hang watch
         self._internal_error: LaunchError | None = None  # air_magic's own failure (fail_inside)
 
     # -- public handle ----------------------------------------------------------------------
@@ -338,6 +342,46 @@ class Launch:
         """Whether the ranks are processes of this machine (their pids mean something here)."""
         return self.helper is None or self.helper.local_processes
 
+    def hang_report(self) -> HangReport | None:
+        """Why the ranks are stuck, as data: a row per rank (state, group, sequence number,
+        op, shapes, file:line) and a verdict, read now from torch's Flight Recorder in each
+        rank; None when no rank waits in a collective (or the ranks are not of this
+        machine).  ``print()`` it for the table; a notebook shows it as one.
+
+        >>> launch.hang_report()          # doctest: +SKIP
+        """
+        if not self.local_processes:
+            return None
+        return self.hang_watch(lambda report: None).look()
+
+    def hang_watch(
+        self,
+        show: Callable[[HangReport], None],
+        ended: Callable[[], Mapping[int, str]] | None = None,
+        sources: dict[str, tuple[str, str]] | None = None,
+    ) -> HangWatch:
+        """A :class:`~air_magic.kernel.hangs.HangWatch` of this launch's ranks (``sources``:
+        the cells whose names its report says; a pool's call has its own)."""
+
+        def running_ended() -> dict[int, str]:
+            return {s.rank: f"exit {s.returncode}" for s in self.ranks if s.returncode is not None}
+
+        def stacks(ranks: list[int]) -> dict[int, tuple[str, bool]]:
+            running = {r: self.ranks[r].pid for r in ranks if self.ranks[r].pid}
+            request_stacks(self.work_dir, running, 1.0)  # type: ignore[arg-type]
+            found = read_stacks(self.work_dir, running, self.sources if sources is None else sources)  # type: ignore[arg-type]
+            return {r: user_frame(text) for r, text in found.items()}
+
+        return HangWatch(
+            self.work_dir,
+            self.world_size,
+            self.limits.hang_seconds,
+            ended=ended or running_ended,
+            show=show,
+            stacks=stacks,
+            sources=self.sources if sources is None else sources,
+        )
+
     def where(self, stacks: dict[int, str], absent: str = "had ended") -> str:
         """One line per rank: where it was, and which rank the others wait for (one
         without a stack is ``absent``)."""
@@ -416,6 +460,15 @@ class Launch:
     def _wait_streaming(self, pump: OutputPump, stall: StallWatch, interrupt: "_InterruptFlag") -> list[Any]:
         # A rank stopped at a breakpoint: its pdb prompt in this cell (ranks of this machine).
         desk = BreakpointDesk(self.work_dir, self.world_size) if self.local_processes else None
+
+        # No collective completes while some rank waits in one: a hang report in the cell.
+        def before_report() -> None:  # rank 0's lines so far come first
+            pump.pump()
+            pump.end_line()
+
+        shown = ReportShown(os.path.join(self.log_dir, "hang-report"), before=before_report)
+        hangs = self.hang_watch(shown) if self.local_processes else None
+        self._hangs = hangs
         try:
             while not self._done.wait(_POLL):
                 interrupt.raise_if_set()
@@ -424,9 +477,13 @@ class Launch:
                 if desk is not None:
                     desk.poll()
                 stall.check()
+                if hangs is not None:
+                    hangs.check()
         except KeyboardInterrupt:
             self._interrupted = True  # before the stop: the outcome says who stopped it
             where = self.where(self.stacks(timeout=1.0))
+            if hangs is not None and hangs.current is not None:  # the hang it stopped, as the cell showed it
+                where = (where + "\n" + hangs.current.text()).strip()
             self.cancel()
             self.print_notices(final=False)  # the lines that came before the interrupt
             if where:
@@ -680,6 +737,9 @@ class Launch:
         where = ""
         if ending.error_text is None and ending.stop_reason == "timeout":
             where = self.where(read_stacks(self.work_dir, range(self.world_size), self.sources))
+            hangs = self._hangs
+            if hangs is not None and hangs.current is not None:  # the hang it ran out of time in
+                where = (where + "\n" + hangs.current.text()).strip()
         tails = {}
         if ending.failures and _outcome.needs_records(ending):
             tails = {r: log_end(self.ranks[r].log_path) for r in _outcome.failed_ranks(ending, records)}

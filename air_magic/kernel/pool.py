@@ -47,6 +47,7 @@ from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_status as _status
 from air_magic.kernel.debugger import BreakpointDesk, post_mortem_on
+from air_magic.kernel.hangs import HangWatch, ReportShown
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool_listener import greet as _greet
@@ -210,6 +211,7 @@ class _Call:
     signalled: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     background: bool = False  # a pool.submit call: no thread of the user's waits for it
+    hangs: HangWatch | None = None  # the waiting cell's hang watch
     waiter: int = field(default_factory=threading.get_ident)  # the thread that waits for it
 
 
@@ -705,6 +707,7 @@ class PoolEngine:
         pending = dict(enumerate(ranks.conns))
         grace_until: float | None = None
         unheeded = False
+        call.hangs = self._hang_watch(call, pump, records)
         try:
             while pending:
                 self._check_retired(call)
@@ -725,6 +728,8 @@ class PoolEngine:
                         watcher.tick()
                     except Exception:  # a watcher (the panel) never changes the call's outcome
                         pass
+                if call.hangs is not None:
+                    call.hangs.check()
                 self._check_retired(call)
                 gone = self._first_gone(ranks, pending, call.closed)
                 if gone is not None:
@@ -751,6 +756,22 @@ class PoolEngine:
         if unheeded:  # out of the try: the KeyboardInterrupt raised is the cancel's outcome
             self._not_stopped(call, pending, records, "the pool's call was cancelled")
         return records
+
+    def _hang_watch(self, call: _Call, pump: OutputPump, records: dict[int, Any]) -> HangWatch | None:
+        """The cell's hang watch: a rank that has answered the call waits in no collective (it
+        ended it: "finished the call"); the others' collectives are looked at each second."""
+        launch = call.ranks.launch
+        if call.background or not launch.local_processes:
+            return None
+
+        def ended() -> dict[int, str]:
+            gone = {r: f"exit {s.returncode}" for r, s in enumerate(launch.ranks) if s.returncode is not None}
+            for rank, record in records.items():
+                gone.setdefault(rank, _ended_call(record))
+            return gone
+
+        shown = ReportShown(os.path.join(launch.log_dir, "hang-report"), before=pump.pump)
+        return launch.hang_watch(shown, ended=ended, sources=call.sources)
 
     def _check_retired(self, call: _Call) -> None:
         """The pool was restarted or closed while this call ran (from another thread): the
@@ -977,7 +998,10 @@ class PoolEngine:
                     stacks = {r: s.replace(f'File "{filename}"', display) for r, s in stacks.items()}
             absent = {r: _came_back(records.get(r)) for r in range(len(call.ranks.conns)) if r not in pending}
             stacks = {r: s for r, s in stacks.items() if r in pending}
-            return describe_stacks(stacks, len(call.ranks.conns), absent)
+            where = describe_stacks(stacks, len(call.ranks.conns), absent)
+            if call.hangs is not None and call.hangs.current is not None:  # the hang, as the cell showed it
+                where += "\n" + call.hangs.current.text()
+            return where
         except Exception:  # the stacks are a courtesy: the fault is said anyway
             return ""
 
@@ -1169,6 +1193,13 @@ def _state_of(record: Any) -> str:
     if isinstance(record, ErrorRecord):
         return "interrupted" if record.type_name == "KeyboardInterrupt" else "failed"
     return "done"
+
+
+def _ended_call(record: Any) -> str:
+    """How a rank that answered the call ended it, for a hang report's row."""
+    if isinstance(record, ErrorRecord):
+        return "interrupted" if record.type_name == "KeyboardInterrupt" else f"raised {record.type_name}"
+    return "finished the call"
 
 
 def _came_back(record: Any) -> str:

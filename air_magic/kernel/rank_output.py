@@ -211,6 +211,15 @@ def describe_stacks(stacks: dict[int, str], world_size: int, absent: str | Mappi
     return "\n".join(lines)
 
 
+def user_frame(text: str) -> tuple[str, bool]:
+    """``file:N in func`` of the innermost frame of the launched code in a rank's stacks
+    (its main thread; ``''`` if none), and whether that thread waits in a collective."""
+    frames = _main_thread_frames(text)
+    user = next((f for f in frames if _is_user_frame(f["file"])), None)
+    waits = any(any(f["file"].endswith(c) for c in _COLLECTIVE_FILES) and f["func"] != "wrapper" for f in frames)
+    return (f"{user['file']}:{user['line']} in {user['func']}" if user else ""), waits
+
+
 def _main_thread_frames(text: str) -> list[dict[str, str]]:
     """The frames, most recent first, of the thread that runs the launched code."""
     threads: list[list[dict[str, str]]] = [[]]

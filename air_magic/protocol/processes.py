@@ -130,17 +130,19 @@ def ask_for_stacks(work_dir: str, rank: int, pid: int, *, by_signal: bool = Fals
         return False
 
 
-def ask_for_collectives(work_dir: str, rank: int) -> str | None:
+def ask_for_collectives(work_dir: str, rank: int, how: str = "c") -> str | None:
     """Ask ``rank``'s stack thread for its collectives (torch's Flight Recorder, read without
     interrupting its code); the token its answer will carry, or None when it cannot be asked
-    (no thread listens: the rank has ended, or never started one)."""
+    (no thread listens: the rank has ended, or never started one).  ``how``: ``c`` (with
+    the pending collectives' stacks), ``q`` (none: a quick look), ``r`` (a report's: the
+    last completed collective of each group too)."""
     token = os.urandom(6).hex()
     try:
         fd = os.open(stack_request_path(work_dir, rank), os.O_WRONLY | os.O_NONBLOCK)
     except OSError:
         return None
     try:
-        os.write(fd, b"c" + token.encode())
+        os.write(fd, how.encode() + token.encode())
         return token
     except OSError:
         return None

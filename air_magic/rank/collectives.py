@@ -46,40 +46,47 @@ _DTYPES = {
 }
 
 
-def dump() -> dict[str, Any] | None:
+def dump(how: str = "c") -> dict[str, Any] | None:
     """What the Flight Recorder holds now, for each group: its sequence numbers, its ranks,
-    and the collectives not completed yet; None where torch records nothing.  The stack
-    traces are read only when a collective is pending (torch's first read of them costs a
-    second of CPU: it loads the symbols)."""
+    and the collectives not completed yet; None where torch records nothing.
+
+    ``how``: ``"q"`` (the hang watch's look each second) reads no stack trace; ``"c"`` reads
+    them when a collective is pending (torch's first read of them costs a second of CPU: it
+    loads the symbols); ``"r"`` (a hang report) also gives each group's last completed
+    collective (``"last"``), with where the rank's code made it."""
     torch = sys.modules.get("torch")
     if torch is None or not os.environ.get(FR_ENV) and not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
         return None
     c10d = getattr(torch._C, "_distributed_c10d", None)
     if getattr(c10d, "_dump_fr_trace", None) is None:
         return None
+    if how == "r":
+        raw = _recorded(c10d, stacks=True, active=False)
+        return None if raw is None else _described(raw)
     raw = _recorded(c10d, stacks=False)
     if raw is None:
         return None
     found = _described(raw)
-    if found["pending"]:
+    if found["pending"] and how == "c":
         with_stacks = _recorded(c10d, stacks=True)
         if with_stacks is not None:
             found = _described(with_stacks)
     return found
 
 
-def _recorded(c10d: Any, stacks: bool) -> dict[str, Any] | None:
-    """torch's dump: the generic recorder's, and NCCL's where a CUDA build has one."""
+def _recorded(c10d: Any, stacks: bool, active: bool = True) -> dict[str, Any] | None:
+    """torch's dump: the generic recorder's, and NCCL's where a CUDA build has one
+    (``active``: only the collectives not completed)."""
     try:
         raw: dict[str, Any] = pickle.loads(
-            c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=stacks, onlyActive=True)
+            c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=stacks, onlyActive=active)
         )
     except Exception:  # a torch without it, or no group yet
         return None
     nccl = getattr(c10d, "_dump_nccl_trace", None)
     if nccl is not None:  # a CUDA build: NCCL's groups have a recorder of their own
         try:
-            extra = pickle.loads(nccl(includeCollectives=True, includeStackTraces=stacks, onlyActive=True))
+            extra = pickle.loads(nccl(includeCollectives=True, includeStackTraces=stacks, onlyActive=active))
             raw.setdefault("entries", []).extend(extra.get("entries") or [])
             raw.setdefault("pg_status", {}).update(extra.get("pg_status") or {})
             raw.setdefault("pg_config", {}).update(extra.get("pg_config") or {})
@@ -110,30 +117,37 @@ def _described(raw: dict[str, Any]) -> dict[str, Any]:
     for entry in raw.get("entries") or []:
         pg_id = str(entry.get("pg_id"))
         seq = _int(entry.get("collective_seq_id"))
-        if entry.get("is_p2p") or seq <= groups.get(pg_id, {}).get("completed", -1):
+        if entry.get("is_p2p"):
             continue
-        pending.append(
-            {
-                "pg": pg_id,
-                "seq": seq,
-                "op": str(entry.get("profiling_name") or ""),
-                "input_sizes": entry.get("input_sizes") or [],
-                "input_dtypes": entry.get("input_dtypes") or [],
-                "output_sizes": entry.get("output_sizes") or [],
-                "output_dtypes": entry.get("output_dtypes") or [],
-                "where": _user_frame(entry.get("frames") or []),
-                "state": str(entry.get("state") or ""),
-            }
-        )
+        if seq <= groups.get(pg_id, {}).get("completed", -1):  # (a full dump: a report's)
+            info = groups.setdefault(pg_id, {"enqueued": -1, "completed": -1})
+            if seq > (info.get("last") or {}).get("seq", -1):
+                info["last"] = _entry(pg_id, seq, entry)
+            continue
+        pending.append(_entry(pg_id, seq, entry))
     pending.sort(key=lambda e: (e["pg"], e["seq"]))
     return {"groups": groups, "pending": pending}
 
 
-def answer(work_dir: str, rank: int, token: str) -> None:
+def _entry(pg_id: str, seq: int, entry: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "pg": pg_id,
+        "seq": seq,
+        "op": str(entry.get("profiling_name") or ""),
+        "input_sizes": entry.get("input_sizes") or [],
+        "input_dtypes": entry.get("input_dtypes") or [],
+        "output_sizes": entry.get("output_sizes") or [],
+        "output_dtypes": entry.get("output_dtypes") or [],
+        "where": _user_frame(entry.get("frames") or []),
+        "state": str(entry.get("state") or ""),
+    }
+
+
+def answer(work_dir: str, rank: int, token: str, how: str = "c") -> None:
     """Write :func:`dump`'s answer, with the kernel's token, where the kernel reads it."""
     from air_magic.protocol import collectives_path
 
-    found = dump()
+    found = dump(how)
     path = collectives_path(work_dir, rank)
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

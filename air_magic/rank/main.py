@@ -251,7 +251,8 @@ def _dump_stacks_on_request(work_dir: str, rank: int) -> None:
 
 def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None:
     """A thread that waits on the rank's stack pipe and answers what is asked: its stacks
-    (``?``), or its collectives (``c`` and a token: :func:`air_magic.rank.collectives.answer`).
+    (``?``), or its collectives (``c``, ``q`` or ``r`` and a token:
+    :func:`air_magic.rank.collectives.answer`).
     A request the thread answers leaves the user's code alone (no signal interrupts its
     system calls).  It costs nothing while idle (blocked in ``open``/``read``) and is not
     one of ``threading``'s threads.  Without the pipe, stack requests come by signal."""
@@ -271,11 +272,11 @@ def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None
                     asked = os.read(fd, 64)
                 finally:
                     os.close(fd)
-                if asked.startswith(b"c"):
+                if asked[:1] in (b"c", b"q", b"r"):  # collectives: as a pool's Ctrl-C, a look, a report
                     try:
                         from air_magic.rank import collectives
 
-                        collectives.answer(work_dir, rank, asked[1:].decode("ascii", "replace"))
+                        collectives.answer(work_dir, rank, asked[1:].decode("ascii", "replace"), asked[:1].decode())
                     except Exception:  # no answer: the kernel reads the rank as one it cannot ask
                         pass
                 elif asked:

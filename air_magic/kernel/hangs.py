@@ -1,0 +1,471 @@
+"""Why is it stuck: a report of the ranks' collectives, once they stop completing.
+
+The ranks' side is :mod:`air_magic.rank.collectives` (torch's Flight Recorder, read by each
+rank's stack thread without touching the thread that waits); this module decides and says::
+
+    HangWatch.check()        each poll of the cell's wait; one look a second
+      ask(how="q") ------------> every rank still in the call: each group's last enqueued and
+                                 completed collective, and the ones still pending
+      progress = what every rank completed; it changed, or nothing is pending,
+      or a rank is paused in the debugger  -> not a hang (a report shown says it is over)
+      pending, and no progress for `seconds` (AIR_MAGIC_HANG_SECONDS)
+      ask(how="r") ------------> the same, with where the user's code made each one, and
+                                 each group's last completed collective
+      stacks (rank's thread, or the faulthandler signal) for ranks that are not in one,
+      or did not answer
+                   -> report(...) -> HangReport: a row per rank and one verdict
+                   -> show(report): in place while the hang lasts (the cell's display,
+                      stderr in a terminal); the launch keeps it (``hang_report()``)
+
+A verdict names who is behind (a rank whose last collective is older than the one its
+peers wait in), who disagrees (ranks at the same collective with different ops or
+shapes), who has ended while its peers wait, or says that every rank waits in the same
+collective (a peer's network or device, not the code).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+from air_magic.kernel import collectives as _collectives
+from air_magic.protocol import ask_for_collectives
+from air_magic.protocol.debugging import paused_at
+
+__all__ = ["Row", "HangReport", "HangWatch", "report", "ranks_text"]
+
+#: What a row says of a rank.
+IN_COLLECTIVE = "in collective"
+COMPUTING = "computing"
+PAUSED = "paused in the debugger"
+ENDED = "ended"
+SILENT = "not answering"
+
+
+@dataclass
+class Row:
+    """One rank, as the report shows it."""
+
+    rank: int
+    state: str
+    group: str = ""
+    seq: int | None = None
+    op: str = ""
+    shapes: str = ""
+    where: str = ""
+    read: str = ""  # how the row was read: "Flight Recorder", "stack", "exit code", ...
+
+
+@dataclass
+class HangReport:
+    """A hang report: ``verdict`` (one line), ``rows`` (a rank each), ``stuck_for``
+    (seconds since a collective last completed on any rank when it was made), and
+    ``over`` (set once the ranks went on: the report stays, saying so)."""
+
+    verdict: str
+    rows: list[Row]
+    stuck_for: float
+    over: str = ""
+    made_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        head = f"[air_magic] hang report: {self.verdict}"
+        if self.over:
+            head += f"\n[air_magic] (over: {self.over})"
+        cols = ("rank", "state", "group", "seq", "op", "shapes", "where", "read by")
+        table = [
+            (
+                str(r.rank),
+                r.state,
+                r.group,
+                "" if r.seq is None or r.seq < 0 else f"#{r.seq}",
+                r.op,
+                r.shapes,
+                r.where,
+                r.read,
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
+        lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
+        lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table]
+        return head + "\n" + "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.text())
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        cells = "".join(
+            "<tr>"
+            + "".join(
+                f"<td style='padding:1px 8px;text-align:left;white-space:nowrap'>{esc(v)}</td>"
+                for v in (
+                    str(r.rank),
+                    r.state,
+                    r.group,
+                    "" if r.seq is None or r.seq < 0 else f"#{r.seq}",
+                    r.op,
+                    r.shapes,
+                    r.where,
+                    r.read,
+                )
+            )
+            + "</tr>"
+            for r in self.rows
+        )
+        heads = "".join(
+            f"<th style='padding:1px 8px;text-align:left'>{h}</th>"
+            for h in ("rank", "state", "group", "seq", "op", "shapes", "where", "read by")
+        )
+        over = f"<div style='opacity:0.75'>over: {esc(self.over)}</div>" if self.over else ""
+        return (
+            "<div class='air-magic-hang' style='font-family:var(--jp-code-font-family,monospace);font-size:12px'>"
+            f"<div><b>hang report:</b> {esc(self.verdict)}</div>{over}"
+            f"<div style='overflow-x:auto'><table style='border-collapse:collapse'><tr>{heads}</tr>{cells}</table>"
+            "</div></div>"
+        )
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        return {"text/plain": self.text(), "text/html": self._repr_html_()}
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 1``, ``ranks 0, 2, 3``, ``ranks 0–3``."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}–{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _op(entry: Mapping[str, Any]) -> str:
+    return str(entry.get("op", "")).split(":", 1)[-1]
+
+
+def _shapes(entry: Mapping[str, Any]) -> str:
+    sizes = entry.get("input_sizes") or []
+    dtypes = entry.get("input_dtypes") or []
+    parts = []
+    for i, size in enumerate(sizes):
+        dtype = str(dtypes[i]) if i < len(dtypes) else ""
+        parts.append(f"{list(size)} {_collectives.dtype_name(dtype)}".strip())
+    return ", ".join(parts)
+
+
+def _at(entry: Mapping[str, Any]) -> str:
+    return f" ({entry['where']})" if entry.get("where") else ""
+
+
+def report(
+    seen: Mapping[int, dict[str, Any] | None],
+    world_size: int,
+    *,
+    ended: Mapping[int, str] | None = None,
+    paused: Mapping[int, str] | None = None,
+    stacks: Mapping[int, tuple[str, bool]] | None = None,
+    stuck_for: float = 0.0,
+) -> HangReport | None:
+    """The report of ranks whose collectives are ``seen`` (a rank's :func:`ask` answer; None
+    where it did not answer), ``ended`` (rank: how, e.g. ``exit 0``), ``paused`` in the
+    debugger (rank: where), with ``stacks`` (rank: (file:line, whether its main thread waits
+    in a collective), read from its Python stack).  A rank whose recorder has a collective
+    pending but whose stack is not in one (an async collective not waited for yet) is
+    computing.  None when no rank waits in a collective."""
+    ended = dict(ended or {})
+    paused = dict(paused or {})
+    stacks = dict(stacks or {})
+    # The group the hang is in: the one most ranks wait in (the default group on a tie).
+    waits: dict[str, dict[int, dict[str, Any]]] = {}
+    names: dict[int, dict[str, dict[str, Any]]] = {}  # rank -> group name -> its info
+    for rank, data in seen.items():
+        if not data:
+            continue
+        groups = data.get("groups") or {}
+        for pg, info in groups.items():
+            names.setdefault(rank, {})[str(info.get("name", pg))] = info
+        if rank in stacks and not stacks[rank][1]:
+            continue  # its code is not in a collective
+        for entry in data.get("pending") or []:
+            name = str((groups.get(entry["pg"]) or {}).get("name", entry["pg"]))
+            waits.setdefault(name, {}).setdefault(rank, entry)
+    if not waits:
+        return None
+    group = max(sorted(waits), key=lambda g: (len(waits[g]), g in ("0", "default_pg")))
+    waiting = waits[group]
+    label = _collectives.group_label(group)
+    rows: list[Row] = []
+    for rank in range(world_size):
+        info = names.get(rank, {}).get(group, {})
+        enqueued = int(info.get("enqueued", -1)) if info else None
+        if rank in ended:
+            rows.append(Row(rank, ENDED, label, enqueued, "", "", ended[rank], "exit code"))
+        elif rank in paused:
+            rows.append(Row(rank, PAUSED, label, enqueued, "", "", paused[rank], "debugger"))
+        elif rank in waiting:
+            entry = waiting[rank]
+            rows.append(
+                Row(
+                    rank,
+                    IN_COLLECTIVE,
+                    label,
+                    entry["seq"],
+                    _op(entry),
+                    _shapes(entry),
+                    entry.get("where", ""),
+                    "Flight Recorder",
+                )
+            )
+        else:
+            where = stacks[rank][0] if rank in stacks else ""
+            last = info.get("last") or {}
+            state = COMPUTING if seen.get(rank) else SILENT
+            how = ["Flight Recorder"] if seen.get(rank) else []
+            how += ["its stack"] if rank in stacks else []
+            rows.append(Row(rank, state, label, enqueued, _op(last), "", where, " + ".join(how) or "nothing"))
+    return HangReport(_verdict(rows, waiting, names, group, stuck_for), rows, stuck_for)
+
+
+def _verdict(
+    rows: list[Row],
+    waiting: dict[int, dict[str, Any]],
+    names: dict[int, dict[str, dict[str, Any]]],
+    group: str,
+    stuck_for: float,
+) -> str:
+    in_one = sorted(waiting)
+    first = min(waiting.values(), key=lambda e: e["seq"])
+    gone = [r for r in rows if r.state == ENDED]
+    if gone:
+        how = "; ".join(f"{ranks_text([r.rank])} has ended ({r.where})" for r in gone)
+        return f"{how} while {ranks_text(in_one)} wait{'s' * (len(in_one) == 1)} in {_op(first)} #{first['seq']}{_at(first)}"
+    outside = [r for r in rows if r.state in (COMPUTING, SILENT)]
+    if outside:
+        parts = []
+        for row in outside:
+            info = names.get(row.rank, {}).get(group, {})
+            last = info.get("last") or {}
+            if row.seq is not None and row.seq >= 0:
+                made = f"its last collective is #{row.seq}" + (f" ({last['where']})" if last.get("where") else "")
+            else:
+                made = "it has made no collective in this group" if row.state == COMPUTING else "it does not answer"
+            now = f"; it is at {row.where}" if row.where else ""
+            parts.append(f"{ranks_text([row.rank])} is behind: {made}{now}")
+        waited = sorted({e["seq"] for e in waiting.values()})
+        op = _op(first)
+        at = f"#{waited[0]}" if len(waited) == 1 else "#" + ", #".join(map(str, waited))
+        return f"{'; '.join(parts)}; {ranks_text(in_one)} wait{'s' * (len(in_one) == 1)} in {op} {at}{_at(first)}"
+    seqs = {e["seq"] for e in waiting.values()}
+    if len(seqs) > 1:  # all in one, at different collectives: the lowest are behind
+        low = min(seqs)
+        behind = sorted(r for r, e in waiting.items() if e["seq"] == low)
+        ahead = sorted(r for r, e in waiting.items() if e["seq"] != low)
+        top = max(waiting.values(), key=lambda e: e["seq"])
+        return (
+            f"{ranks_text(behind)} {'is' if len(behind) == 1 else 'are'} behind: in {_op(first)} #{low}{_at(first)}; "
+            f"{ranks_text(ahead)} wait{'s' * (len(ahead) == 1)} in {_op(top)} #{top['seq']}{_at(top)}"
+        )
+    kinds = {(_op(e), _shapes(e)) for e in waiting.values()}
+    seq = next(iter(seqs))
+    if len(kinds) > 1:
+        said = ", ".join(f"rank {r} {_op(e)} {_shapes(e)}".rstrip() for r, e in sorted(waiting.items()))
+        return f"ranks disagree at #{seq}: {said}"
+    return (
+        f"every rank is in {_op(first)} #{seq}{_at(first)} for {stuck_for:.0f} s: "
+        "a peer's network or device, not the code"
+    )
+
+
+class HangWatch:
+    """Watches the ranks of one call for a hang (see the module's docstring).
+
+    ``ended()``: rank -> how it ended (the others wait for nobody there); ``stacks(ranks)``:
+    rank -> (file:line, whether it waits in a collective), from each rank's Python stack;
+    ``show(report)``: a report to show, again while it changes, and
+    once more with ``over`` set when the ranks went on."""
+
+    def __init__(
+        self,
+        work_dir: str,
+        world_size: int,
+        seconds: float,
+        *,
+        ended: Callable[[], Mapping[int, str]],
+        show: Callable[[HangReport], None],
+        stacks: Callable[[list[int]], Mapping[int, tuple[str, bool]]] = lambda ranks: {},
+        sources: Mapping[str, tuple[str, str]] | None = None,
+        every: float = 1.0,
+    ) -> None:
+        self.work_dir = work_dir
+        self.world_size = world_size
+        self.seconds = seconds
+        self.ended = ended
+        self.show = show
+        self.stacks = stacks
+        self.sources = dict(sources or {})
+        self.every = every
+        self.next_look = time.monotonic() + every
+        self.progress: Any = None
+        self.since = time.monotonic()
+        self.current: HangReport | None = None  # the report shown while the hang lasts
+        self.last: HangReport | None = None  # the last report made (kept once over)
+        self._shown_at = 0.0
+        self.warmed = False
+        self.unsure = False
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.seconds <= 0 or now < self.next_look:
+            return
+        self.next_look = now + self.every
+        ended = dict(self.ended())
+        live = [r for r in range(self.world_size) if r not in ended]
+        if not live:
+            return
+        seen = _collectives.ask(self.work_dir, live, timeout=0.3, how="q")
+        paused = {r for r in live if paused_at(self.work_dir, r) is not None}
+        done = dict(self.progress[1]) if self.progress else {}
+        for rank, data in seen.items():
+            if data:  # (a rank that did not answer this time keeps what it said last)
+                groups = data.get("groups") or {}
+                done[rank] = tuple(sorted((str(i.get("name", pg)), i.get("completed")) for pg, i in groups.items()))
+        progress = (tuple(sorted(ended)), tuple(sorted(done.items())))
+        pending = any(d and d.get("pending") for d in seen.values())
+        if self.progress is None and pending and not paused:
+            self.progress = progress  # the first look: stuck since the watch began
+        if progress != self.progress or not pending or paused:
+            lasted = now - self.since
+            self.progress, self.since, self.warmed = progress, now, False
+            self._over(lasted)
+            return
+        stuck = now - self.since
+        if stuck < self.seconds:
+            if not self.warmed and stuck >= min(1.0, self.seconds / 2):
+                # torch reads the stack traces' symbols once, in a second of CPU: now, not
+                # when the report is due (the answer is not waited for).
+                self.warmed = True
+                for rank in live:
+                    ask_for_collectives(self.work_dir, rank, "r")
+            return
+        if self.current is not None and now - self._shown_at < 5.0:
+            return  # shown: looked at again every 5 s while it lasts
+        made = self.look(ended, stuck)
+        if made is None:
+            if not self.unsure:  # pending in the recorder only (async ops not waited for): later
+                self.since = now
+            return
+        self.current = self.last = made
+        self._shown_at = now
+        self.show(made)
+
+    def look(self, ended: Mapping[int, str] | None = None, stuck_for: float | None = None) -> HangReport | None:
+        """A report now (None when no rank waits in a collective)."""
+        ended = dict(self.ended() if ended is None else ended)
+        live = [r for r in range(self.world_size) if r not in ended]
+        unanswered: set[int] = set()
+        seen = _collectives.ask(self.work_dir, live, timeout=3.0, unanswered=unanswered, how="r")
+        self.unsure = bool(unanswered)  # (a rank's thread still busy: ask again, it is not over)
+        paused = {r: where for r in live if (where := paused_at(self.work_dir, r)) is not None}
+        if not any(d and d.get("pending") for d in seen.values()):
+            return None
+        stacks = dict(self.stacks([r for r in live if r not in paused]))
+        made = report(
+            seen,
+            self.world_size,
+            ended=ended,
+            paused=paused,
+            stacks=stacks,
+            stuck_for=time.monotonic() - self.since if stuck_for is None else stuck_for,
+        )
+        if made is not None:
+            made.verdict = _tidy(made.verdict, self.sources)
+            for row in made.rows:
+                row.where = _tidy(row.where, self.sources)
+        return made
+
+    def _over(self, lasted: float) -> None:
+        if self.current is None:
+            return
+        self.current.over = f"the collectives went on after {lasted:.0f} s"
+        shown, self.current = self.current, None
+        self.show(shown)
+
+
+_FILE = re.compile(r'File "([^"]+)"')
+
+
+def _tidy(text: str, sources: Mapping[str, tuple[str, str]]) -> str:
+    """File names as the user knows them: a cell's name (``Cell In[3]:4``), a script's path
+    relative to the working directory."""
+    for filename, (display, _) in sources.items():
+        text = text.replace(filename, display)
+
+    def short(match: re.Match[str]) -> str:
+        path = match.group(1)
+        try:
+            rel = os.path.relpath(path)
+        except ValueError:
+            return path
+        return rel if not rel.startswith("..") else path
+
+    return _FILE.sub(short, text)
+
+
+class ReportShown:
+    """Shows a cell's hang reports: one display in a notebook, updated in place while the
+    hang lasts (the saved notebook keeps its last state); in a terminal (``air-magic run``,
+    plain IPython) each new verdict on stderr.  Each report is also written to
+    ``save_to`` (``hang-report.txt``/``.json`` in the launch's logs: its MLflow run has them)."""
+
+    def __init__(self, save_to: str | None = None, before: Callable[[], Any] = lambda: None) -> None:
+        self.save_to = save_to
+        self.before = before
+        self.handle: Any = None
+        self.said = ""
+
+    def __call__(self, made: HangReport) -> None:
+        if self.save_to:
+            try:
+                with open(self.save_to + ".txt", "w", encoding="utf-8") as handle:
+                    handle.write(made.text() + "\n")
+                with open(self.save_to + ".json", "w", encoding="utf-8") as handle:
+                    json.dump(made.to_dict(), handle, indent=1)
+            except OSError:
+                pass
+        shell = _kernel_shell()
+        if shell is not None:
+            from IPython.display import display
+
+            if self.handle is None:
+                self.before()
+                self.handle = display(made, display_id=True)
+            else:
+                self.handle.update(made)
+            return
+        key = made.verdict + made.over
+        if key != self.said:
+            self.said = key
+            self.before()
+            text = made.text() if not made.over else f"[air_magic] the hang is over: {made.over}"
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+
+def _kernel_shell() -> Any:
+    """IPython's shell where it runs in a Jupyter kernel (a display can be updated there)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell if shell is not None and getattr(shell, "kernel", None) is not None else None
