@@ -45,6 +45,7 @@ from air_magic import capture
 from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, ResultError, interrupted
 from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import outcome as _outcome
+from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_status as _status
 from air_magic.kernel.debugger import BreakpointDesk, post_mortem_on
 from air_magic.kernel.hangs import HangWatch, ReportShown
@@ -188,6 +189,7 @@ class _Ranks:
     broken: str = ""  # why they cannot go on ('' while they can)
     #: "restarted" or "closed": the pool moved on while a call still ran on these ranks
     retired: str = ""
+    regroups: int = 0  # how many times their default group was rebuilt (a hang's way out)
 
 
 @dataclass(eq=False)
@@ -212,6 +214,7 @@ class _Call:
     lock: threading.Lock = field(default_factory=threading.Lock)
     background: bool = False  # a pool.submit call: no thread of the user's waits for it
     hangs: HangWatch | None = None  # the waiting cell's hang watch
+    regrouped: str = ""  # the note of a group rebuilt after the call (its collective timed out)
     waiter: int = field(default_factory=threading.get_ident)  # the thread that waits for it
 
 
@@ -755,6 +758,16 @@ class PoolEngine:
             self._interrupt(call, records, pending)
         if unheeded:  # out of the try: the KeyboardInterrupt raised is the cancel's outcome
             self._not_stopped(call, pending, records, "the pool's call was cancelled")
+        if pool_regroup.broke_the_group(records):  # gloo closed the group's connections (a timeout)
+            why = self._rebuild(call)
+            if why:
+                self._break(ranks, f"a collective broke the process group, which could not be rebuilt ({why})")
+                call.regrouped = (
+                    f"[air_magic] the collective's failure closed the process group's connections and it could not "
+                    f"be rebuilt ({why}): the pool is broken, and the next pool cell starts it again."
+                )
+            else:
+                call.regrouped = f"[air_magic] the collective's failure closed the process group's connections: {pool_regroup.REBUILT}."
         return records
 
     def _hang_watch(self, call: _Call, pump: OutputPump, records: dict[int, Any]) -> HangWatch | None:
@@ -857,14 +870,33 @@ class PoolEngine:
                 # time, more on a loaded machine): more time, up to _FINISH_FOR in all.
                 if made or unanswered:
                     deadline = min(max(deadline, time.monotonic() + GRACE), began + _FINISH_FOR)
-        if pending:
+        stuck = sorted(pending)
+        if pending and not self._cut_free(call, pending, records):
             self._not_stopped(call, pending, records, "you interrupted the pool's cell")
         left: list[str] = []
-        for _ in range(_EVEN_ROUNDS):
+        for _ in range(_EVEN_ROUNDS if not stuck else 0):
             made, left = self._even_out(call, pending)
             finished.extend(made)
             if not made:
                 break
+        if stuck or left:  # a hang's way out: fresh connections for the group, the names kept
+            why = self._rebuild(call)
+            what = (
+                f"rank{'s' * (len(stuck) != 1)} {', '.join(map(str, stuck))} {'were' if len(stuck) != 1 else 'was'} "
+                "stuck in a collective no peer would make"
+                if stuck
+                else f"its ranks stopped at different collectives ({'; '.join(left)})"
+            )
+            if not why:
+                error = interrupted(f"you interrupted the pool's cell; {what}: {pool_regroup.REBUILT}.")
+                if call.hangs is not None and call.hangs.current is not None:
+                    error.add_note(call.hangs.current.text())
+                raise error
+            self._break(call.ranks, f"an interrupt left the group unusable and it could not be rebuilt ({why})")
+            raise interrupted(
+                f"you interrupted the pool's cell; {what}, and the process group could not be rebuilt ({why}): "
+                "the pool is broken, and the next pool cell starts it again."
+            )
         if left:
             self._break(
                 call.ranks,
@@ -882,6 +914,33 @@ class PoolEngine:
         if finished:
             error.add_note(_finished_note(finished, call))
         raise error
+
+    def _cut_free(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any]) -> bool:
+        """Ranks still in the call after their interrupt, waiting in collectives: cut the
+        group's connections (their collectives raise) and take their replies.  True when
+        every rank came back."""
+        launch = call.ranks.launch
+        if pool_regroup.can_rebuild(launch.placement.device, launch.local_processes, call.ranks.regroups):
+            return False
+        pool_regroup.cut(launch.work_dir, len(call.ranks.conns))
+        deadline = time.monotonic() + 2 * GRACE
+        while pending and time.monotonic() < deadline:
+            self._check_retired(call)
+            self._take_replies(call, pending, records)
+        return not pending
+
+    def _rebuild(self, call: _Call) -> str:
+        """Fresh connections for the ranks' default group (every rank idle); ``''`` when it
+        was rebuilt, else why not."""
+        ranks = call.ranks
+        launch = ranks.launch
+        why = pool_regroup.can_rebuild(launch.placement.device, launch.local_processes, ranks.regroups)
+        if why:
+            return why
+        pool_regroup.cut(launch.work_dir, len(ranks.conns))  # (those of ranks that came back by themselves)
+        ranks.regroups += 1
+        self._ids += 1
+        return pool_regroup.rebuild(ranks.conns, self._ids, ranks.regroups)
 
     def _even_out(
         self, call: _Call, pending: dict[int, Connection], unanswered: set[int] | None = None
@@ -1039,6 +1098,10 @@ class PoolEngine:
             if errors[first].type_name == "KeyboardInterrupt":
                 raise interrupted("the pool's cell was interrupted on its ranks; the pool and its state are intact.")
             error = self._rank_exception(call, records, first)
+            if call.regrouped:
+                error.add_note(call.regrouped)
+            if call.hangs is not None and call.hangs.last is not None:
+                error.add_note(call.hangs.last.text())
             if kind in ("cell", "call") and call.ranks.launch.local_processes:
                 self.last_failed_rank = first
                 error.add_note(

@@ -150,6 +150,22 @@ def ask_for_collectives(work_dir: str, rank: int, how: str = "c") -> str | None:
         os.close(fd)
 
 
+def ask_to_cut(work_dir: str, rank: int) -> bool:
+    """Ask ``rank``'s stack thread to shut down its pool group's connections (a hang's way
+    out: :mod:`air_magic.rank.regroup`); False when it cannot be asked."""
+    try:
+        fd = os.open(stack_request_path(work_dir, rank), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"x")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def format_thread_stacks(skip: int | None = None) -> str:
     """Every Python thread's stack but ``skip``'s, in faulthandler's layout (the main
     thread first, most recent call first), as the stack file holds them."""

@@ -252,7 +252,8 @@ def _dump_stacks_on_request(work_dir: str, rank: int) -> None:
 def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None:
     """A thread that waits on the rank's stack pipe and answers what is asked: its stacks
     (``?``), or its collectives (``c``, ``q`` or ``r`` and a token:
-    :func:`air_magic.rank.collectives.answer`).
+    :func:`air_magic.rank.collectives.answer`), or cuts a pool's group's connections (``x``:
+    :func:`air_magic.rank.regroup.cut`).
     A request the thread answers leaves the user's code alone (no signal interrupts its
     system calls).  It costs nothing while idle (blocked in ``open``/``read``) and is not
     one of ``threading``'s threads.  Without the pipe, stack requests come by signal."""
@@ -278,6 +279,13 @@ def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None
 
                         collectives.answer(work_dir, rank, asked[1:].decode("ascii", "replace"), asked[:1].decode())
                     except Exception:  # no answer: the kernel reads the rank as one it cannot ask
+                        pass
+                elif asked.startswith(b"x"):  # a pool's hang: cut its group's connections
+                    try:
+                        from air_magic.rank import regroup
+
+                        regroup.cut()
+                    except Exception:  # the kernel sees the collective still waiting
                         pass
                 elif asked:
                     os.write(out, format_thread_stacks(skip=me).encode("utf-8", "replace"))

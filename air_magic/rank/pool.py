@@ -177,6 +177,10 @@ def _handle(
             from air_magic.rank import collectives
 
             return ValueRecord(collectives.finish(data["ops"]))
+        if kind == "regroup":  # the group's connections were cut (a hang's way out): fresh ones
+            from air_magic.rank import regroup
+
+            return ValueRecord(regroup.rebuild(data["round"]))
         _interrupts.install(_id)  # SIGINT raises, at a point the rank's training can go on from
         try:
             began()
@@ -353,6 +357,10 @@ def _join_the_group(device: str) -> None:
     else:
         dist.init_process_group("gloo")
     dist.barrier()  # every rank is in (NCCL's communicator made): the first cell finds the group ready
+    if dist.get_backend() == "gloo":  # what a hang's way out cuts (air_magic.rank.regroup)
+        from air_magic.rank import regroup
+
+        regroup.note_links()
 
 
 def _keep_the_group() -> None:
@@ -366,6 +374,7 @@ def _keep_the_group() -> None:
 
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         if dist.is_initialized():
+            _take_what_can_be(real_init, args, kwargs)
             return None
         return real_init(*args, **kwargs)
 
@@ -377,3 +386,44 @@ def _keep_the_group() -> None:
     for target in (dist, c10d):
         target.init_process_group = init_process_group  # type: ignore[attr-defined]
         target.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+
+
+#: What the pool already said of an ``init_process_group`` argument it cannot take.
+_said: set[str] = set()
+
+
+def _take_what_can_be(real_init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """What the user's ``init_process_group(...)`` asks of the pool's group: its ``timeout``
+    becomes the group's collective timeout; a ``backend`` or ``device_id`` other than the
+    group's is said once (on rank 0, whose lines the cell shows), not dropped silently."""
+    import inspect
+
+    import torch.distributed as dist
+
+    try:
+        asked = inspect.signature(real_init).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return
+    timeout = asked.get("timeout")
+    if timeout is not None:
+        from air_magic.rank import regroup
+
+        regroup.set_timeout(timeout)
+    have = str(dist.get_backend())
+    notes = []
+    backend = asked.get("backend")
+    if backend is not None and str(backend).lower() not in (have, f"cpu:{have}", f"cuda:{have}"):
+        notes.append(f"backend={str(backend)!r}")
+    device = asked.get("device_id")
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    if device is not None and str(device) != str(bound):
+        notes.append(f"device_id={device!r}")
+    for note in notes:
+        if note in _said:
+            continue
+        _said.add(note)
+        if int(os.environ.get("RANK", "0")) == 0:
+            sys.stderr.write(
+                f"[air_magic] init_process_group({note}) is not taken on a pool: its ranks joined their {have} "
+                "group when the pool started (%distributed_pool --restart with other options makes another).\n"
+            )
