@@ -1,0 +1,111 @@
+"""The hang report's verdicts, from what ranks' Flight Recorders say (the shapes of
+:func:`air_magic.rank.collectives.dump`'s answers): who is behind, who disagrees, who has
+ended, and every rank in one collective."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from air_magic.kernel.hangs import COMPUTING, ENDED, IN_COLLECTIVE, PAUSED, report
+
+
+def seen(enqueued: int, completed: int, *pending: dict[str, Any], last_where: str = "") -> dict[str, Any]:
+    last = {"pg": "0", "seq": completed, "op": "gloo:all_reduce", "where": last_where} if completed >= 0 else None
+    group = {"name": "0", "enqueued": enqueued, "completed": completed}
+    if last:
+        group["last"] = last
+    return {"groups": {"0": group}, "pending": list(pending)}
+
+
+def entry(
+    seq: int, op: str = "all_reduce", size: tuple[int, ...] = (1024,), where: str = "train.py:61 in step"
+) -> dict[str, Any]:
+    return {
+        "pg": "0",
+        "seq": seq,
+        "op": f"gloo:{op}",
+        "input_sizes": [list(size)],
+        "input_dtypes": ["Float"],
+        "where": where,
+    }
+
+
+def test_a_rank_that_skipped_a_collective_is_behind_and_named_with_its_last_one() -> None:
+    made = report(
+        {
+            0: seen(42, 41, entry(42)),
+            1: seen(41, 41, last_where="train.py:57 in step"),
+            2: seen(42, 41, entry(42)),
+            3: seen(42, 41, entry(42)),
+        },
+        4,
+        stacks={0: ("train.py:61 in step", True), 1: ("train.py:80 in step", False), 2: ("", True), 3: ("", True)},
+        stuck_for=7,
+    )
+    assert made is not None
+    assert made.verdict == (
+        "rank 1 is behind: its last collective is #41 (train.py:57 in step); it is at train.py:80 in step; "
+        "ranks 0, 2, 3 wait in all_reduce #42 (train.py:61 in step)"
+    )
+    assert [r.state for r in made.rows] == [IN_COLLECTIVE, COMPUTING, IN_COLLECTIVE, IN_COLLECTIVE]
+    row = made.rows[0]
+    assert (row.group, row.seq, row.op, row.shapes, row.where, row.read) == (
+        "default",
+        42,
+        "all_reduce",
+        "[1024] float32",
+        "train.py:61 in step",
+        "Flight Recorder",
+    )
+    assert made.rows[1].read == "Flight Recorder + its stack"
+    text = made.text()
+    assert text.splitlines()[0] == "[air_magic] hang report: " + made.verdict
+    assert "rank  state" in text and "read by" in text
+
+
+def test_ranks_at_the_same_collective_with_different_ops_disagree() -> None:
+    made = report({0: seen(42, 41, entry(42)), 1: seen(42, 41, entry(42, "broadcast"))}, 2)
+    assert made is not None
+    assert made.verdict == "ranks disagree at #42: rank 0 all_reduce [1024] float32, rank 1 broadcast [1024] float32"
+    shapes = report({0: seen(42, 41, entry(42)), 1: seen(42, 41, entry(42, size=(512,)))}, 2)
+    assert shapes is not None and shapes.verdict.startswith("ranks disagree at #42: rank 0 all_reduce [1024] float32")
+
+
+def test_every_rank_in_one_collective_points_at_the_network_or_a_device() -> None:
+    made = report({r: seen(42, 41, entry(42)) for r in range(4)}, 4, stuck_for=12)
+    assert made is not None
+    assert made.verdict == (
+        "every rank is in all_reduce #42 (train.py:61 in step) for 12 s: a peer's network or device, not the code"
+    )
+
+
+def test_a_rank_that_ended_while_its_peers_wait_is_named_with_its_exit() -> None:
+    made = report(
+        {0: seen(7, 6, entry(7, "barrier", size=())), 1: seen(7, 6, entry(7, "barrier", size=()))},
+        3,
+        ended={2: "exit 0"},
+    )
+    assert made is not None
+    assert made.verdict == "rank 2 has ended (exit 0) while ranks 0, 1 wait in barrier #7 (train.py:61 in step)"
+    assert made.rows[2].state == ENDED and made.rows[2].read == "exit code"
+
+
+def test_ranks_at_different_collectives_name_the_lowest_as_behind() -> None:
+    made = report({0: seen(43, 42, entry(43)), 1: seen(42, 41, entry(42, where="train.py:50 in f"))}, 2)
+    assert made is not None
+    assert made.verdict == (
+        "rank 1 is behind: in all_reduce #42 (train.py:50 in f); rank 0 waits in all_reduce #43 (train.py:61 in step)"
+    )
+
+
+def test_a_rank_paused_in_the_debugger_is_a_row_of_its_own() -> None:
+    made = report({0: seen(5, 4, entry(5))}, 2, paused={1: "Cell In[3], line 4"})
+    assert made is not None and made.rows[1].state == PAUSED
+
+
+def test_no_rank_in_a_collective_is_no_report() -> None:
+    assert report({0: seen(5, 5), 1: seen(5, 5)}, 2) is None
+    # pending in the recorder, but the stack says the code is not waiting (an async op): none
+    assert (
+        report({0: seen(6, 5, entry(6)), 1: seen(6, 5, entry(6))}, 2, stacks={0: ("", False), 1: ("", False)}) is None
+    )
