@@ -212,7 +212,8 @@ def report(
         info = names.get(rank, {}).get(group, {})
         enqueued = int(info.get("enqueued", -1)) if info else None
         if rank in ended:
-            rows.append(Row(rank, ENDED, label, enqueued, "", "", ended[rank], "exit code"))
+            read = "exit code" if ended[rank].startswith("exit") else "its reply"
+            rows.append(Row(rank, ENDED, label, enqueued, "", "", ended[rank], read))
         elif rank in paused:
             rows.append(Row(rank, PAUSED, label, enqueued, "", "", paused[rank], "debugger"))
         elif rank in waiting:

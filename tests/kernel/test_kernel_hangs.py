@@ -188,7 +188,9 @@ def test_a_pool_cell_whose_ranks_disagree_is_reported_and_ctrl_c_keeps_the_names
 def test_a_pool_rank_that_finished_the_call_while_its_peer_waits_is_named(pool: Kernel) -> None:
     code = "%%distributed --pool\nif dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(4))"
     shown, rest, _ = stuck_then_interrupted(pool, code)
-    verdict = reports(shown)[-1].splitlines()[0]
+    report = reports(shown)[-1]
+    assert re.search(r"\n  1 +ended +default +finished the call +its reply\n?", report), report
+    verdict = report.splitlines()[0]
     assert re.fullmatch(
         r"\[air_magic\] hang report: rank 1 has ended \(finished the call\) while rank 0 waits in all_reduce #\d+ "
         r"\(Cell In\[\d+\]:3 in <module>\)",
