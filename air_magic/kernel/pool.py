@@ -882,8 +882,8 @@ class PoolEngine:
         if stuck or left:  # a hang's way out: fresh connections for the group, the names kept
             why = self._rebuild(call)
             what = (
-                f"rank{'s' * (len(stuck) != 1)} {', '.join(map(str, stuck))} {'were' if len(stuck) != 1 else 'was'} "
-                "stuck in a collective no peer would make"
+                f"rank{'s' * (len(stuck) != 1)} {', '.join(map(str, stuck))} did not stop within {GRACE:g} s "
+                "(a collective that no peer would make held them)"
                 if stuck
                 else f"its ranks stopped at different collectives ({'; '.join(left)})"
             )
@@ -923,6 +923,9 @@ class PoolEngine:
         if pool_regroup.can_rebuild(launch.placement.device, launch.local_processes, call.ranks.regroups):
             return False
         pool_regroup.cut(launch.work_dir, len(call.ranks.conns))
+        # A rank not in a collective (in a C call such as sleep(), where no line comes to stop
+        # at) is told again: past its wait for its peers, it stops where it is.
+        launch.signal_ranks(sorted(pending), signal.SIGINT)
         deadline = time.monotonic() + 2 * GRACE
         while pending and time.monotonic() < deadline:
             self._check_retired(call)

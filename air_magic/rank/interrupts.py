@@ -30,7 +30,8 @@ agree through the process group's own store (torch's TCPStore)::
                         no agreement in AGREE_WAIT s  --> withdraw, run on (a peer may wait
                                                           in a collective this rank has yet
                                                           to make: running on makes it)
-    fallbacks:  AGREE_FOR s after the SIGINT, the next safe point whatever the peers do;
+    fallbacks:  AGREE_FOR s after the SIGINT, the next safe point whatever the peers do
+                (or a second SIGINT, at a safe point: a rank in sleep() reaches no line);
                 SAFE_CPU_SECONDS of CPU time inside torch (a long computation, no way out):
                 KeyboardInterrupt where it is, as a plain Ctrl-C would
 
@@ -95,6 +96,8 @@ def _on_sigint(signum: int, frame: types.FrameType | None) -> None:
     if _pending:  # a second Ctrl-C while one waits: the user insists
         if time.thread_time() >= _pending["deadline"]:
             _raise()
+        if time.monotonic() >= _pending["until"] and not any(_unsafe(f.f_code) for f in _stack(frame)):
+            _raise()  # past AGREE_FOR, at a safe point (a call in C, such as sleep(), that no line ends)
         return
     outermost_unsafe = None
     walk = frame
@@ -122,6 +125,14 @@ def _on_sigint(signum: int, frame: types.FrameType | None) -> None:
         each.f_trace = _in_safe_frame
         each.f_trace_lines = True
     sys.settrace(_on_call)
+
+
+def _stack(frame: types.FrameType | None) -> list[types.FrameType]:
+    found = []
+    while frame is not None:
+        found.append(frame)
+        frame = frame.f_back
+    return found
 
 
 def _on_call(frame: types.FrameType, event: str, arg: Any) -> None:

@@ -121,6 +121,11 @@ def rebuild(round_: int) -> str:
     _kept.append(group._get_backend(torch.device("cpu")))
     kind = _TYPES[round_ - 1]
     group._register_backend(torch.device("cpu"), getattr(c.ProcessGroup.BackendType, kind), backend)
+    try:  # the new backend takes the group's name (the Flight Recorder's entries carry it)
+        group._set_group_name(group.group_name)
+        group._set_group_desc(group.group_desc)
+    except Exception:  # (a torch without them: the entries have no name)
+        pass
     note_links(before)
     check = torch.zeros(1)
     dist.all_reduce(check)  # every rank is on the new backend

@@ -179,8 +179,8 @@ def test_a_pool_cell_whose_ranks_disagree_is_reported_and_ctrl_c_keeps_the_names
     assert took < 20, took
     assert rest.error is not None and rest.error["ename"] == "KeyboardInterrupt", rest.error_text
     assert rest.error["evalue"] == (
-        "you interrupted the pool's cell; ranks 0, 1 were stuck in a collective no peer would make: "
-        "the process group was rebuilt; your names are kept."
+        "you interrupted the pool's cell; ranks 0, 1 did not stop within 3 s (a collective that no peer would "
+        "make held them): the process group was rebuilt; your names are kept."
     ), rest.error_text
     next_cell_works(pool)
 
@@ -198,6 +198,18 @@ def test_a_pool_rank_that_finished_the_call_while_its_peer_waits_is_named(pool: 
     ), verdict
     assert rest.error is not None and rest.error["ename"] == "KeyboardInterrupt", rest.error_text
     assert "the pool and its state are intact" in rest.error["evalue"] or "your names are kept" in rest.error["evalue"]
+    next_cell_works(pool)
+
+
+def test_ctrl_c_on_a_rank_asleep_while_its_peer_waits_for_it_keeps_the_pool(pool: Kernel) -> None:
+    code = (
+        "%%distributed --pool\nimport time\nt = torch.ones(4)\nif dist.get_rank() == 1:\n    time.sleep(300)\n"
+        "dist.all_reduce(t)"
+    )
+    shown, rest, _ = stuck_then_interrupted(pool, code)
+    assert "rank 1 is behind" in reports(shown)[-1], reports(shown)[-1]
+    assert rest.error is not None and rest.error["ename"] == "KeyboardInterrupt", rest.error_text
+    assert rest.error["evalue"].endswith("the process group was rebuilt; your names are kept."), rest.error_text
     next_cell_works(pool)
 
 
