@@ -853,23 +853,28 @@ class PoolEngine:
         collective with the wrong one: the pool is then broken, saying so."""
         self.interrupt(list(pending))
         began = time.monotonic()
-        deadline = began + GRACE
         finished: list[dict[str, Any]] = []
-        next_look = began + _FINISH_AFTER
-        while pending and time.monotonic() < deadline:
-            self._check_retired(call)
-            self._take_replies(call, pending, records)
-            now = time.monotonic()
-            if pending and now >= next_look and len(pending) < len(call.ranks.conns):
-                unanswered: set[int] = set()
-                made, _ = self._even_out(call, pending, unanswered)
-                next_look = time.monotonic() + 0.1
-                if made:
-                    finished.extend(made)
-                # Progress, or a rank still reading its collectives (a second of CPU the first
-                # time, more on a loaded machine): more time, up to _FINISH_FOR in all.
-                if made or unanswered:
-                    deadline = min(max(deadline, time.monotonic() + GRACE), began + _FINISH_FOR)
+        for attempt in range(2):
+            if attempt:  # a rank in a C call (sleep()) past its wait for its peers: told again
+                if not pending or not call.ranks.launch.local_processes:
+                    break
+                call.ranks.launch.signal_ranks(sorted(pending), signal.SIGINT)
+            deadline = time.monotonic() + GRACE
+            next_look = time.monotonic() + _FINISH_AFTER
+            while pending and time.monotonic() < deadline:
+                self._check_retired(call)
+                self._take_replies(call, pending, records)
+                now = time.monotonic()
+                if pending and now >= next_look and len(pending) < len(call.ranks.conns):
+                    unanswered: set[int] = set()
+                    made, _ = self._even_out(call, pending, unanswered)
+                    next_look = time.monotonic() + 0.1
+                    if made:
+                        finished.extend(made)
+                    # Progress, or a rank still reading its collectives (a second of CPU the first
+                    # time, more on a loaded machine): more time, up to _FINISH_FOR in all.
+                    if made or unanswered:
+                        deadline = min(max(deadline, time.monotonic() + GRACE), began + _FINISH_FOR)
         stuck = sorted(pending)
         if pending and not self._cut_free(call, pending, records):
             self._not_stopped(call, pending, records, "you interrupted the pool's cell")
