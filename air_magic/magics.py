@@ -265,6 +265,9 @@ class DistributedMagics(Magics):
         from air_magic.panel._pool_status import bundle
 
         display(bundle(engine), raw=True)  # what Pool.current() shows, as text and as HTML
+        report = engine.hang_report()
+        if report is not None:  # a call (pool.submit) that hangs now
+            display(report)
         return None
 
     @magic_arguments()

@@ -82,19 +82,7 @@ class HangReport:
         if self.over:
             head += f"\n[air_magic] (over: {self.over})"
         cols = ("rank", "state", "group", "seq", "op", "shapes", "where", "read by")
-        table = [
-            (
-                str(r.rank),
-                r.state,
-                r.group,
-                "" if r.seq is None or r.seq < 0 else f"#{r.seq}",
-                r.op,
-                r.shapes,
-                r.where,
-                r.read,
-            )
-            for r in self.rows
-        ]
+        table = [_columns(r) for r in self.rows]
         widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
         lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table]
@@ -111,17 +99,9 @@ class HangReport:
         cells = "".join(
             "<tr>"
             + "".join(
-                f"<td style='padding:1px 8px;text-align:left;white-space:nowrap'>{esc(v)}</td>"
-                for v in (
-                    str(r.rank),
-                    r.state,
-                    r.group,
-                    "" if r.seq is None or r.seq < 0 else f"#{r.seq}",
-                    r.op,
-                    r.shapes,
-                    r.where,
-                    r.read,
-                )
+                f"<td style='padding:1px 8px;text-align:left;white-space:{'normal' if i == 6 else 'nowrap'}'>"
+                f"{esc(v)}</td>"
+                for i, v in enumerate(_columns(r))
             )
             + "</tr>"
             for r in self.rows
@@ -140,6 +120,11 @@ class HangReport:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         return {"text/plain": self.text(), "text/html": self._repr_html_()}
+
+
+def _columns(r: Row) -> tuple[str, ...]:
+    seq = "" if r.seq is None or r.seq < 0 else f"#{r.seq}"
+    return (str(r.rank), r.state, r.group, seq, r.op, r.shapes, r.where, r.read)
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -431,8 +416,11 @@ class ReportShown:
     plain IPython) each new verdict on stderr.  Each report is also written to
     ``save_to`` (``hang-report.txt``/``.json`` in the launch's logs: its MLflow run has them)."""
 
-    def __init__(self, save_to: str | None = None, before: Callable[[], Any] = lambda: None) -> None:
+    def __init__(
+        self, save_to: str | None = None, before: Callable[[], Any] = lambda: None, quiet: bool = False
+    ) -> None:
         self.save_to = save_to
+        self.quiet = quiet  # a background call's: written to the logs only (no cell waits for it)
         self.before = before
         self.handle: Any = None
         self.said = ""
@@ -446,6 +434,8 @@ class ReportShown:
                     json.dump(made.to_dict(), handle, indent=1)
             except OSError:
                 pass
+        if self.quiet:
+            return
         shell = _kernel_shell()
         if shell is not None:
             from IPython.display import display

@@ -48,7 +48,7 @@ from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_status as _status
 from air_magic.kernel.debugger import BreakpointDesk, post_mortem_on
-from air_magic.kernel.hangs import HangWatch, ReportShown
+from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool_listener import greet as _greet
@@ -711,9 +711,16 @@ class PoolEngine:
         grace_until: float | None = None
         unheeded = False
         call.hangs = self._hang_watch(call, pump, records)
+        cancelled_at: float | None = None
         try:
             while pending:
                 self._check_retired(call)
+                if call.background and call.wanted:
+                    # A cancelled pool.submit call whose ranks do not all come back (one waits in a
+                    # collective its peers will not make): the way out of Ctrl-C's, after a grace.
+                    cancelled_at = cancelled_at or time.monotonic()
+                    if time.monotonic() - cancelled_at > GRACE and not _interrupted_all(records):
+                        raise KeyboardInterrupt
                 if desk is not None:
                     desk.poll()
                 for reply in self._take_replies(call, pending, records):
@@ -774,7 +781,7 @@ class PoolEngine:
         """The cell's hang watch: a rank that has answered the call waits in no collective (it
         ended it: "finished the call"); the others' collectives are looked at each second."""
         launch = call.ranks.launch
-        if call.background or not launch.local_processes:
+        if not launch.local_processes:
             return None
 
         def ended() -> dict[int, str]:
@@ -783,8 +790,14 @@ class PoolEngine:
                 gone.setdefault(rank, _ended_call(record))
             return gone
 
-        shown = ReportShown(os.path.join(launch.log_dir, "hang-report"), before=pump.pump)
+        shown = ReportShown(os.path.join(launch.log_dir, "hang-report"), before=pump.pump, quiet=call.background)
         return launch.hang_watch(shown, ended=ended, sources=call.sources)
+
+    def hang_report(self) -> HangReport | None:
+        """The hang report of the call running now, while its hang lasts (``%distributed_pool``
+        shows it: a ``pool.submit`` call has no cell of its own to show it in)."""
+        call = self._call_now
+        return call.hangs.current if call is not None and call.hangs is not None else None
 
     def _check_retired(self, call: _Call) -> None:
         """The pool was restarted or closed while this call ran (from another thread): the

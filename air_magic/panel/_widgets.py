@@ -124,6 +124,12 @@ class WidgetPanel:
         # Where every rank is now: the summary, then every thread's stack, in a tab of its own.
         stacks = self.launch.stacks(timeout=1.0)
         summary = self.launch.where(stacks) or "[air_magic] no rank is running."
+        try:
+            report = self.launch.hang_report()  # the ranks' collectives, if one waits in one
+        except Exception:  # the stacks are shown anyway
+            report = None
+        if report is not None:
+            summary += "\n\n" + report.text()
         full = "\n\n".join(f"rank {rank}:\n{text.rstrip()}" for rank, text in sorted(stacks.items()))
         self._set("stacks", f'<pre style="{_FONT};white-space:pre-wrap">{_esc(summary)}\n\n{_esc(full)}</pre>')
         tabs = self.widgets["tabs"]

@@ -216,6 +216,28 @@ def test_ctrl_c_on_a_rank_asleep_while_its_peer_waits_for_it_keeps_the_pool(pool
     next_cell_works(pool)
 
 
+def test_distributed_pool_shows_the_hang_of_a_call_submitted_in_the_background(pool: Kernel) -> None:
+    pool.ok(
+        "import time\nfrom air_magic import Pool\n"
+        "def lonely():\n    import torch, torch.distributed as dist\n"
+        "    if dist.get_rank() == 0:\n        dist.all_reduce(torch.ones(4))\n    return 1\n"
+        "call = Pool.current().submit(lonely)"
+    )
+    found: list[str] = []
+
+    def shown() -> bool:
+        res = pool.ok("%distributed_pool")
+        found[:] = [str(d.get("text/plain", "")) for _, d, _ in res.displays]
+        return any(text.startswith("[air_magic] hang report:") for text in found)
+
+    assert wait_until(shown, timeout=30, interval=1.0), found
+    report = next(text for text in found if text.startswith("[air_magic] hang report:"))
+    assert "rank 1 has ended (finished the call) while rank 0 waits in all_reduce" in report, report
+    res = pool.run("call.cancel()\ntype(call.exception(timeout=60)).__name__", timeout=90)
+    assert res.error is None and res.result == "'KeyboardInterrupt'", res.error_text
+    next_cell_works(pool)
+
+
 def test_the_user_s_init_timeout_is_the_pool_group_s_and_the_group_is_rebuilt_after_it(pool: Kernel) -> None:
     code = (
         "%%distributed --pool\nfrom datetime import timedelta\n"

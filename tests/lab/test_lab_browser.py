@@ -168,6 +168,7 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         "pool.ipynb": POOL_CELLS,
         "pool-life.ipynb": POOL_LIFE_CELLS,
         "debug.ipynb": DEBUG_CELLS,
+        "hang.ipynb": HANG_CELLS,
     }
     with serve_jupyter(tmp, cells) as server:
         yield server
@@ -428,6 +429,56 @@ def test_a_breakpoint_in_a_rank_asks_in_the_cell_s_input_box(lab: dict[str, Any]
         box.press("Enter")
         time.sleep(0.5)
     _poll(tools, [], lambda s: "[(5, 6), (5, 6)]" in s["cells"][1]["text"], 60, "the cell's values")
+    assert not tools.errors, tools.errors
+
+
+HANG_CELLS = [
+    "import os\nos.environ['AIR_MAGIC_HANG_SECONDS'] = '2'\n" + SETUP,
+    "%distributed_pool -n 2 --no-tracking",
+    "%%distributed --pool\nimport torch, torch.distributed as dist\nt = torch.ones(1024)\ndist.all_reduce(t)\n"
+    "if dist.get_rank() == 0:\n    dist.all_reduce(t)",
+]
+
+HANG_TABLE = (
+    "(() => { const t = document.querySelector('.air-magic-hang table'); if (!t) return null;"
+    " const area = t.closest('.jp-OutputArea-output'); const r = t.getBoundingClientRect();"
+    " const a = area.getBoundingClientRect();"
+    " return {text: document.querySelector('.air-magic-hang').innerText, right: r.right, areaRight: a.right,"
+    " scroll: t.parentElement.scrollWidth - t.parentElement.clientWidth}; })()"
+)
+INTERRUPT = (
+    "(() => { const w = [...window.jupyterapp.shell.widgets('main')].find(w => w.sessionContext);"
+    " w.sessionContext.session.kernel.interrupt(); return true; })()"
+)
+
+
+def test_a_hang_report_reads_in_the_cell_without_scrolling_sideways(lab: dict[str, Any], page: Page) -> None:
+    """A pool cell whose rank 1 skipped an all_reduce: the report in the cell (a table and its
+    verdict), whole at 1280x900 with the sidebar open; Stop then keeps the pool."""
+    tools = page
+    shots = _artifacts(lab["tmp"])
+    _open(tools, f"{lab['base']}/lab/tree/hang.ipynb?reset&token={lab['token']}")
+    tools.evaluate(RUN_ALL)
+    assert tools.evaluate(OPEN_SIDEBAR)
+    deadline = time.monotonic() + 180
+    found = None
+    while time.monotonic() < deadline:
+        found = tools.evaluate(HANG_TABLE)
+        if found:
+            break
+        time.sleep(0.5)
+    assert found, "no hang report in the cell"
+    assert (
+        "hang report: rank 1 has ended (finished the call) while rank 0 waits in all_reduce #3" in found["text"]
+    )  # (#1: the pool's own barrier)
+    _both_sizes(tools, shots, "hang-report")
+    tools.page.set_viewport_size({"width": 1280, "height": 900})
+    time.sleep(0.5)
+    whole = tools.evaluate(HANG_TABLE)
+    assert whole["scroll"] <= 0 and whole["right"] <= whole["areaRight"] + 1, whole  # nothing to scroll to
+    tools.page.set_viewport_size({"width": 1280, "height": 1000})
+    tools.evaluate(INTERRUPT)
+    _poll(tools, [], lambda s: "the pool and its state are intact" in s["cells"][2]["text"], 60, "Ctrl-C's line")
     assert not tools.errors, tools.errors
 
 
