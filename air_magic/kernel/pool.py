@@ -934,11 +934,15 @@ class PoolEngine:
         raise error
 
     def _cut_free(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any]) -> bool:
-        """Ranks still in the call after their interrupt, waiting in collectives: cut the
-        group's connections (their collectives raise) and take their replies.  True when
-        every rank came back."""
+        """Ranks still in the call after their interrupt, told again, waiting in collectives:
+        cut the group's connections (their collectives raise) and take their replies.  True
+        when every rank came back.  Nothing is cut where no rank of the call has a collective
+        pending (a rank whose code caught the KeyboardInterrupt: the pool is broken, saying so)."""
         launch = call.ranks.launch
         if pool_regroup.can_rebuild(launch.placement.device, launch.local_processes, call.ranks.regroups):
+            return False
+        seen = _collectives.ask(launch.work_dir, sorted(pending), timeout=1.0, how="q")
+        if not any(data and data.get("pending") for data in seen.values()):
             return False
         pool_regroup.cut(launch.work_dir, len(call.ranks.conns))
         # A rank not in a collective (in a C call such as sleep(), where no line comes to stop
