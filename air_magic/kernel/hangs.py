@@ -161,13 +161,13 @@ def report(
     *,
     ended: Mapping[int, str] | None = None,
     paused: Mapping[int, str] | None = None,
-    stacks: Mapping[int, tuple[str, bool]] | None = None,
+    stacks: Mapping[int, tuple[str, bool, str]] | None = None,
     stuck_for: float = 0.0,
 ) -> HangReport | None:
     """The report of ranks whose collectives are ``seen`` (a rank's :func:`ask` answer; None
     where it did not answer), ``ended`` (rank: how, e.g. ``exit 0``), ``paused`` in the
     debugger (rank: where), with ``stacks`` (rank: (file:line, whether its main thread waits
-    in a collective), read from its Python stack).  A rank whose recorder has a collective
+    in a collective, how it was read: its stack thread, the signal, py-spy)).  A rank whose recorder has a collective
     pending but whose stack is not in one (an async collective not waited for yet) is
     computing.  None when no rank waits in a collective."""
     ended = dict(ended or {})
@@ -220,7 +220,7 @@ def report(
             last = info.get("last") or {}
             state = COMPUTING if seen.get(rank) else SILENT
             how = ["Flight Recorder"] if seen.get(rank) else []
-            how += ["its stack"] if rank in stacks else []
+            how += [stacks[rank][2]] if rank in stacks else []
             rows.append(Row(rank, state, label, enqueued, _op(last), "", where, " + ".join(how) or "nothing"))
     return HangReport(_verdict(rows, waiting, names, group, stuck_for), rows, stuck_for)
 
@@ -291,7 +291,7 @@ class HangWatch:
         *,
         ended: Callable[[], Mapping[int, str]],
         show: Callable[[HangReport], None],
-        stacks: Callable[[list[int]], Mapping[int, tuple[str, bool]]] = lambda ranks: {},
+        stacks: Callable[[list[int]], Mapping[int, tuple[str, bool, str]]] = lambda ranks: {},
         sources: Mapping[str, tuple[str, str]] | None = None,
         every: float = 1.0,
     ) -> None:
@@ -311,6 +311,7 @@ class HangWatch:
         self._shown_at = 0.0
         self.warmed = False
         self.unsure = False
+        self._read: dict[int, tuple[str, bool, str, float]] = {}  # rank -> the last stack read of it
 
     def check(self) -> None:
         now = time.monotonic()
@@ -368,6 +369,13 @@ class HangWatch:
         if not any(d and d.get("pending") for d in seen.values()):
             return None
         stacks = dict(self.stacks([r for r in live if r not in paused]))
+        now = time.monotonic()
+        for rank in live:  # a rank read by nothing this time keeps what an earlier look read of it
+            if rank in stacks and stacks[rank][0]:
+                self._read[rank] = (*stacks[rank], now)
+            elif rank in self._read and rank not in paused:
+                where, waits, how, at = self._read[rank]
+                stacks[rank] = (where, waits, f"{how}, {now - at:.0f} s ago")
         made = report(
             seen,
             self.world_size,

@@ -40,6 +40,7 @@ from air_magic.kernel.rank_output import (
     collapse_log,
     describe_stacks,
     log_end,
+    py_spy_stacks,
     read_records,
     read_stacks,
     request_stacks,
@@ -366,11 +367,17 @@ class Launch:
         def running_ended() -> dict[int, str]:
             return {s.rank: f"exit {s.returncode}" for s in self.ranks if s.returncode is not None}
 
-        def stacks(ranks: list[int]) -> dict[int, tuple[str, bool]]:
+        def stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
             running = {r: self.ranks[r].pid for r in ranks if self.ranks[r].pid}
             request_stacks(self.work_dir, running, 1.0)  # type: ignore[arg-type]
             found = read_stacks(self.work_dir, running, self.sources if sources is None else sources)  # type: ignore[arg-type]
-            return {r: user_frame(text) for r, text in found.items()}
+            read = {r: (*user_frame(text), "its stack") for r, text in found.items()}
+            for rank, pid in running.items():
+                if not read.get(rank, ("",))[0] and pid:  # nothing from the rank itself: from outside
+                    text = py_spy_stacks(pid)
+                    if text:
+                        read[rank] = (*user_frame(text), "py-spy")
+            return read
 
         return HangWatch(
             self.work_dir,

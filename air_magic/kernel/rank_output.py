@@ -220,6 +220,39 @@ def user_frame(text: str) -> tuple[str, bool]:
     return (f"{user['file']}:{user['line']} in {user['func']}" if user else ""), waits
 
 
+_PY_SPY_FRAME = re.compile(r"^\s+(?P<func>.+?) \((?P<file>.+):(?P<line>\d+)\)$")
+
+
+def py_spy_stacks(pid: int, timeout: float = 10.0) -> str:
+    """A process's Python stacks read from outside by py-spy (``pip install py-spy``; it
+    needs to be allowed to trace the process), in faulthandler's layout; ``''`` without
+    py-spy, or when it could not read them.  Works while a C call holds the GIL."""
+    import shutil
+    import subprocess
+
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy is None:
+        return ""
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--pid", str(pid), "--full-filenames", "--nonblocking"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = []
+    for line in done.stdout.splitlines():
+        if line.startswith("Thread "):
+            lines.append(line)
+            continue
+        match = _PY_SPY_FRAME.match(line)
+        if match:
+            lines.append(f'  File "{match["file"]}", line {match["line"]} in {match["func"]}')
+    return "\n".join(lines) if done.returncode == 0 else ""
+
+
 def _main_thread_frames(text: str) -> list[dict[str, str]]:
     """The frames, most recent first, of the thread that runs the launched code."""
     threads: list[list[dict[str, str]]] = [[]]

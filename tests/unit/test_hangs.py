@@ -4,6 +4,7 @@ ended, and every rank in one collective."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from air_magic.kernel.hangs import COMPUTING, ENDED, IN_COLLECTIVE, PAUSED, report
@@ -39,7 +40,12 @@ def test_a_rank_that_skipped_a_collective_is_behind_and_named_with_its_last_one(
             3: seen(42, 41, entry(42)),
         },
         4,
-        stacks={0: ("train.py:61 in step", True), 1: ("train.py:80 in step", False), 2: ("", True), 3: ("", True)},
+        stacks={
+            0: ("train.py:61 in step", True, "its stack"),
+            1: ("train.py:80 in step", False, "its stack"),
+            2: ("", True, "its stack"),
+            3: ("", True, "its stack"),
+        },
         stuck_for=7,
     )
     assert made is not None
@@ -107,5 +113,42 @@ def test_no_rank_in_a_collective_is_no_report() -> None:
     assert report({0: seen(5, 5), 1: seen(5, 5)}, 2) is None
     # pending in the recorder, but the stack says the code is not waiting (an async op): none
     assert (
-        report({0: seen(6, 5, entry(6)), 1: seen(6, 5, entry(6))}, 2, stacks={0: ("", False), 1: ("", False)}) is None
+        report(
+            {0: seen(6, 5, entry(6)), 1: seen(6, 5, entry(6))},
+            2,
+            stacks={0: ("", False, "its stack"), 1: ("", False, "its stack")},
+        )
+        is None
     )
+
+
+def test_a_rank_read_from_outside_says_so() -> None:
+    made = report({0: seen(5, 4, entry(5)), 1: None}, 2, stacks={1: ("gil.py:6 in <module>", False, "py-spy")})
+    assert made is not None
+    assert made.rows[1].state == "not answering" and made.rows[1].read == "py-spy"
+    assert made.verdict.startswith("rank 1 is behind: it does not answer; it is at gil.py:6 in <module>;")
+
+
+PY_SPY_OUTPUT = """Process 4242: python -m air_magic.rank.zygote
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4242 (active+gil): "MainThread"
+    match (/usr/lib/python3.11/re/__init__.py:166)
+    <module> (/home/me/gil.py:6)
+    _run (/x/site-packages/air_magic/rank/main.py:584)
+Thread 4250 (idle)
+    answer (/x/site-packages/air_magic/rank/main.py:271)
+"""
+
+
+def test_a_rank_that_holds_the_gil_is_read_by_py_spy_where_it_is_installed(tmp_path: Any, monkeypatch: Any) -> None:
+    """py-spy is a program air_magic does not own: a stand-in prints its output."""
+    from air_magic.kernel.rank_output import py_spy_stacks, user_frame
+
+    spy = tmp_path / "py-spy"
+    spy.write_text(f"#!{sys.executable}\nprint({PY_SPY_OUTPUT!r})\n")
+    spy.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    text = py_spy_stacks(4242)
+    assert '  File "/home/me/gil.py", line 6 in <module>' in text
+    assert user_frame(text) == ("/home/me/gil.py:6 in <module>", False)
