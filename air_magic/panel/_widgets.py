@@ -74,14 +74,14 @@ class WidgetPanel:
             button_style="danger",
             disabled=True,
             tooltip="Cancel this launch",
-            layout=w.Layout(width="80px"),
+            layout=w.Layout(width="80px", flex="0 0 auto"),  # never squeezed by the note beside it
         )
         where = w.Button(
             description="Where?",
             icon="search",
             disabled=True,
             tooltip="Where is every rank now? (each rank's Python stack)",
-            layout=w.Layout(width="90px"),
+            layout=w.Layout(width="90px", flex="0 0 auto"),
         )
         stacks = w.HTML(value="")
         note = w.HTML(value=f'<span style="{_FONT};{_MUTED}">{STOP_NOTE_BLOCKING}</span>')

@@ -16,7 +16,8 @@ and what torch's Flight Recorder costs.
   and 400 all_reduces of 65,536 floats that complete (3 s or so); a report in any of them is a false one.
 * ``recording``: ``air-magic run`` on 2 ranks, 1,000 all_reduces of 1,024 floats timed on
   rank 0, with the recorder on (``TORCH_FR_BUFFER_SIZE=2000``, air_magic's default) and off
-  (``AIR_MAGIC_FLIGHT_RECORDER=0``), alternated, 7 runs each, in one run of this script.
+  (``AIR_MAGIC_FLIGHT_RECORDER=0``), alternated, 7 runs each, in one run of this script;
+  and ``benchmarks/training/train.py``'s DDP training (2,000 steps), on and off alternated, 5 each.
 
 Writes ``results/hang.json`` and ``results/hang.md``.
 """
@@ -197,6 +198,48 @@ def recording(runs: int, workdir: str) -> dict[str, Any]:
     return {"on_s": took["on"], "off_s": took["off"], "median_on": on, "median_off": off, "ratio": on / off}
 
 
+def training(runs: int, steps: int, workdir: str) -> dict[str, Any]:
+    """``benchmarks/training/train.py`` (DDP on a small MLP, 2 CPU ranks) under ``air-magic run``,
+    recorder on and off alternated: steps/s after the warm-up, the mean of the ranks."""
+    script = ROOT / "benchmarks" / "training" / "train.py"
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(2 * runs):
+        mode = "on" if i % 2 == 0 else "off"
+        out = Path(tempfile.mkdtemp(dir=workdir))
+        env = dict(os.environ, AIR_MAGIC_FLIGHT_RECORDER="2000" if mode == "on" else "0")
+        env.pop("TORCH_FR_BUFFER_SIZE", None)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "air_magic.cli",
+                "run",
+                str(script),
+                "-n",
+                "2",
+                "--no-tracking",
+                "--",
+                "--kind",
+                "ddp",
+                "--steps",
+                str(steps),
+                "--out",
+                str(out),
+            ],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        ranks = [json.loads((out / f"rank-{r}.json").read_text())["steps_per_s"] for r in range(2)]
+        rates[mode].append(statistics.mean(ranks))
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    print(f"  DDP training: on {on:.1f} steps/s, off {off:.1f} steps/s, cost {1 - on / off:+.1%}", flush=True)
+    return {"on": rates["on"], "off": rates["off"], "median_on": on, "median_off": off, "cost": 1 - on / off}
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -227,6 +270,8 @@ def main() -> None:
     results["false_reports"] = false_reports(args.runs, workdir)
     print("recording", flush=True)
     results["recording"] = recording(3 if args.quick else 7, workdir)
+    print("training", flush=True)
+    results["training"] = training(2 if args.quick else 5, 600 if args.quick else 2000, workdir)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "hang.json").write_text(json.dumps(results, indent=1))
     lines = [
@@ -249,6 +294,11 @@ def main() -> None:
         f"1,000 all_reduces of 1,024 floats on 2 ranks: recorder on {rec['median_on'] * 1000:.0f} ms, off "
         f"{rec['median_off'] * 1000:.0f} ms (medians): ratio {rec['ratio']:.3f}",
     ]
+    tr = results["training"]
+    lines.append(
+        f"DDP training (benchmarks/training/train.py, 2 ranks): recorder on {tr['median_on']:.1f} steps/s, off "
+        f"{tr['median_off']:.1f} steps/s (medians): cost {tr['cost']:+.1%}"
+    )
     (RESULTS / "hang.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
