@@ -21,7 +21,7 @@ these members, chosen by ``LaunchSpec.backend`` in :meth:`Launcher.backend_for`.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 from air_magic.accelerators import Hardware
 from air_magic.protocol import ToHelper
@@ -61,6 +61,11 @@ class Backend(Protocol):
     def stacks(self, launch_id: str, timeout: float) -> dict[int, str]:
         """The running ranks' Python stacks by rank, also written to each rank's stack file
         in the launch's folder (only asked of backends whose ranks are not local processes)."""
+
+    def collectives(self, launch_id: str, ranks: list[int], how: str, timeout: float) -> dict[int, Any]:
+        """Each of these ranks' Flight Recorder, as :func:`air_magic.protocol.ask_for_collectives`
+        asks it (None for a rank that did not answer; only asked of backends whose ranks are not
+        local processes: the kernel asks local ranks itself)."""
 
     def signal_ranks(self, launch_id: str, ranks: list[int], signum: int) -> None:
         """Send ``signum`` to these running ranks of a launch (only asked of backends whose

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Callable
+from typing import Any, Callable
 
 from air_magic.accelerators import Hardware, detect_hardware
 from air_magic.protocol import Shutdown, ToHelper, ToKernel, decode, encode
@@ -106,6 +106,9 @@ class Helper:
 
     def stacks(self, launch_id: str, timeout: float) -> dict[int, str]:
         return {}  # local ranks are asked directly (Launch.stacks)
+
+    def collectives(self, launch_id: str, ranks: list[int], how: str, timeout: float) -> dict[int, Any]:
+        return {rank: None for rank in ranks}  # local ranks are asked directly (air_magic.kernel.collectives)
 
     def signal_ranks(self, launch_id: str, ranks: list[int], signum: int) -> None:
         pass  # local ranks are signalled directly (Launch.signal_ranks)

@@ -294,6 +294,7 @@ class HangWatch:
         stacks: Callable[[list[int]], Mapping[int, tuple[str, bool, str]]] = lambda ranks: {},
         sources: Mapping[str, tuple[str, str]] | None = None,
         every: float = 1.0,
+        ask: Callable[..., dict[int, dict[str, Any] | None]] | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.world_size = world_size
@@ -303,6 +304,10 @@ class HangWatch:
         self.stacks = stacks
         self.sources = dict(sources or {})
         self.every = every
+        #: How the ranks are asked: ask(ranks, timeout=, unanswered=, how=) (the ranks' pipes in
+        #: the launch's folder; a Ray launch asks its agents)
+        self.ask = ask or (lambda ranks, **kw: _collectives.ask(work_dir, ranks, **kw))
+        self.local = ask is None  # (what the debugger's files say is only known of local ranks)
         self.next_look = time.monotonic() + every
         self.progress: Any = None
         self.since = time.monotonic()
@@ -322,7 +327,7 @@ class HangWatch:
         live = [r for r in range(self.world_size) if r not in ended]
         if not live:
             return
-        seen = _collectives.ask(self.work_dir, live, timeout=0.3, how="q")
+        seen = self.ask(live, timeout=0.3, how="q")
         paused = {r for r in live if paused_at(self.work_dir, r) is not None}
         done = dict(self.progress[1]) if self.progress else {}
         for rank, data in seen.items():
@@ -344,8 +349,9 @@ class HangWatch:
                 # torch reads the stack traces' symbols once, in a second of CPU: now, not
                 # when the report is due (the answer is not waited for).
                 self.warmed = True
-                for rank in live:
-                    ask_for_collectives(self.work_dir, rank, "r")
+                if self.local:
+                    for rank in live:
+                        ask_for_collectives(self.work_dir, rank, "r")
             return
         if self.current is not None and now - self._shown_at < 5.0:
             return  # shown: looked at again every 5 s while it lasts
@@ -363,7 +369,7 @@ class HangWatch:
         ended = dict(self.ended() if ended is None else ended)
         live = [r for r in range(self.world_size) if r not in ended]
         unanswered: set[int] = set()
-        seen = _collectives.ask(self.work_dir, live, timeout=3.0, unanswered=unanswered, how="r")
+        seen = self.ask(live, timeout=3.0, unanswered=unanswered, how="r")
         self.unsure = bool(unanswered)  # (a rank's thread still busy: ask again, it is not over)
         paused = {r: where for r in live if (where := paused_at(self.work_dir, r)) is not None}
         if not any(d and d.get("pending") for d in seen.values()):

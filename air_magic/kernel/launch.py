@@ -346,13 +346,11 @@ class Launch:
     def hang_report(self) -> HangReport | None:
         """Why the ranks are stuck, as data: a row per rank (state, group, sequence number,
         op, shapes, file:line) and a verdict, read now from torch's Flight Recorder in each
-        rank; None when no rank waits in a collective (or the ranks are not of this
-        machine).  ``print()`` it for the table; a notebook shows it as one.
+        rank (a Ray launch's through its agents); None when no rank waits in a collective.
+        ``print()`` it for the table; a notebook shows it as one.
 
         >>> launch.hang_report()          # doctest: +SKIP
         """
-        if not self.local_processes:
-            return None
         return self.hang_watch(lambda report: None).look()
 
     def hang_watch(
@@ -366,6 +364,33 @@ class Launch:
 
         def running_ended() -> dict[int, str]:
             return {s.rank: f"exit {s.returncode}" for s in self.ranks if s.returncode is not None}
+
+        helper = self.helper
+        if helper is not None and not helper.local_processes:  # Ray: the agents ask their ranks
+
+            def ask(ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None, how: str = "c") -> Any:
+                assert helper is not None
+                found = helper.collectives(self.id, ranks, how, timeout)
+                if unanswered is not None:
+                    unanswered.update(r for r, data in found.items() if data is None)
+                return found
+
+            def far_stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
+                found = {r: s for r, s in self.stacks(timeout=1.0).items() if r in ranks}
+                for filename, (display, _) in (self.sources if sources is None else sources).items():
+                    found = {r: s.replace(f'File "{filename}"', display) for r, s in found.items()}
+                return {r: (*user_frame(text), "its stack") for r, text in found.items()}
+
+            return HangWatch(
+                self.work_dir,
+                self.world_size,
+                self.limits.hang_seconds,
+                ended=ended or running_ended,
+                show=show,
+                stacks=far_stacks,
+                sources=self.sources if sources is None else sources,
+                ask=ask,
+            )
 
         def stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
             running = {r: self.ranks[r].pid for r in ranks if self.ranks[r].pid}
@@ -474,7 +499,7 @@ class Launch:
             pump.end_line()
 
         shown = ReportShown(os.path.join(self.log_dir, "hang-report"), before=before_report)
-        hangs = self.hang_watch(shown) if self.local_processes else None
+        hangs = self.hang_watch(shown)
         self._hangs = hangs
         try:
             while not self._done.wait(_POLL):

@@ -781,8 +781,6 @@ class PoolEngine:
         """The cell's hang watch: a rank that has answered the call waits in no collective (it
         ended it: "finished the call"); the others' collectives are looked at each second."""
         launch = call.ranks.launch
-        if not launch.local_processes:
-            return None
 
         def ended() -> dict[int, str]:
             gone = {r: f"exit {s.returncode}" for r, s in enumerate(launch.ranks) if s.returncode is not None}

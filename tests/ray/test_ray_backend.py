@@ -314,3 +314,42 @@ def test_a_launch_whose_kernel_leaves_ray_ends_without_connecting_it_again(
     )
     assert again.result == "[0, 1]", again.stdout
     assert_nothing_left()
+
+
+SKIPS = """%%distributed -n 2 --backend ray --timeout 90
+import time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(8)
+dist.all_reduce(t)
+if dist.get_rank() == 0:
+    dist.all_reduce(t)
+else:
+    time.sleep(300)
+"""
+
+
+def test_a_rank_on_the_other_node_that_skips_an_all_reduce_is_named_by_the_hang_report(kernel: Any) -> None:
+    """The agents ask their ranks' Flight Recorders: the same report as on one machine."""
+    kernel.ok("import os\nos.environ['AIR_MAGIC_HANG_SECONDS'] = '2'")
+    try:
+        msg_id = kernel.execute(SKIPS)
+
+        def reported(res: Any) -> bool:
+            return any("hang report:" in str(data.get("text/plain", "")) for _, data, _ in res.displays)
+
+        shown = kernel.collect(msg_id, timeout=120, until=reported)
+        report = next(
+            str(d.get("text/plain", "")) for _, d, _ in shown.displays if "hang report:" in str(d.get("text/plain", ""))
+        )
+        verdict = report.splitlines()[0]
+        assert verdict.startswith("[air_magic] hang report: rank 1 is behind: its last collective is #1 (Cell In["), (
+            report
+        )
+        assert "rank 0 waits in all_reduce #2 (Cell In[" in verdict, report
+        kernel.km.interrupt_kernel()
+        result = kernel.collect(msg_id, timeout=60)
+        assert result.error is not None and result.error["ename"] == "KeyboardInterrupt"
+    finally:
+        kernel.ok("os.environ.pop('AIR_MAGIC_HANG_SECONDS', None)")
+    assert_nothing_left()

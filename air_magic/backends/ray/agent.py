@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import mmap
 import os
 import pickle
@@ -53,7 +54,9 @@ from typing import Any
 from air_magic.protocol import (
     THREAD_ANSWER_SECONDS,
     LaunchRequest,
+    ask_for_collectives,
     ask_for_stacks,
+    collectives_path,
     log_path,
     payload_path,
     result_path,
@@ -362,6 +365,27 @@ class RankAgent:
                 return handle.read()
         except OSError:
             return ""
+
+    def collectives(self, launch_id: str, how: str, grace: float) -> dict[str, Any] | None:
+        """What torch's Flight Recorder holds in the running rank (its stack thread answers
+        ``how``: :func:`air_magic.protocol.ask_for_collectives`); None when it cannot say."""
+        state = self.ranks.get(launch_id)
+        if state is None or state.proc is None or state.returncode is not None or state.folder is None:
+            return None
+        token = ask_for_collectives(state.folder, state.rank, how)
+        if token is None:
+            return None
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                with open(collectives_path(state.folder, state.rank), encoding="utf-8") as handle:
+                    data = json.load(handle)
+            except (OSError, ValueError):
+                data = None
+            if isinstance(data, dict) and data.get("token") == token:
+                return data if data.get("recorded") else None
+            time.sleep(0.01)
+        return None
 
     def end(self, launch_id: str) -> None:
         """Kill the launch's rank if it still runs; remove its folders."""

@@ -158,6 +158,13 @@ class RayBackend:
             found = self._launches.get(launch_id)
         return found.stacks(timeout) if found is not None else {}
 
+    def collectives(self, launch_id: str, ranks: list[int], how: str, timeout: float) -> dict[int, Any]:
+        """Each rank's Flight Recorder, as its stack thread answers ``how`` (asked of the agents);
+        None for a rank that did not answer."""
+        with self._lock:
+            found = self._launches.get(launch_id)
+        return found.collectives(ranks, how, timeout) if found is not None else {r: None for r in ranks}
+
     def signal_ranks(self, launch_id: str, ranks: list[int], signum: int) -> None:
         """``signum`` to these ranks of a launch (by their agents)."""
         with self._lock:
@@ -554,6 +561,18 @@ class _RayLaunch:
         for rank in ranks:
             if rank in self.running:
                 self.agents[rank].signal.remote(self.id, signum)
+
+    def collectives(self, ranks: list[int], how: str, timeout: float) -> dict[int, Any]:
+        """The running ranks' Flight Recorders (None for one that did not answer)."""
+        asked = [r for r in ranks if r in self.running] if self.ray.is_initialized() else []
+        refs = {rank: self.agents[rank].collectives.remote(self.id, how, timeout) for rank in asked}
+        found: dict[int, Any] = {rank: None for rank in ranks}
+        for rank, ref in refs.items():
+            try:
+                found[rank] = self.ray.get(ref, timeout=timeout + 2)
+            except Exception:  # a rank or node gone: it says nothing
+                continue
+        return found
 
     def stacks(self, timeout: float) -> dict[int, str]:
         """The running ranks' stacks, by rank, also written where a local rank writes its own
