@@ -788,7 +788,9 @@ class PoolEngine:
                 gone.setdefault(rank, _ended_call(record))
             return gone
 
-        shown = ReportShown(os.path.join(launch.log_dir, "hang-report"), before=pump.pump, quiet=call.background)
+        shown = ReportShown(
+            os.path.join(launch.log_dir, f"hang-report-call-{call.id}"), before=pump.pump, quiet=call.background
+        )
         return launch.hang_watch(shown, ended=ended, sources=call.sources)
 
     def hang_report(self) -> HangReport | None:
