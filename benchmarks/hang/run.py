@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -263,6 +264,13 @@ def main() -> None:
     if args.quick:
         args.samples, args.runs = 3, 9
     workdir = tempfile.mkdtemp(prefix="air-magic-hang-")
+    try:
+        run_all(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_all(args: argparse.Namespace, workdir: str) -> None:
     results: dict[str, Any] = {"machine": machine(), "samples": args.samples}
     print("detection", flush=True)
     results["detection"] = {str(n): detection(n, args.samples, workdir) for n in (2, 4)}
