@@ -366,31 +366,20 @@ class Launch:
             return {s.rank: f"exit {s.returncode}" for s in self.ranks if s.returncode is not None}
 
         helper = self.helper
-        if helper is not None and not helper.local_processes:  # Ray: the agents ask their ranks
+        far = helper is not None and not helper.local_processes  # Ray: the agents ask their ranks
 
-            def ask(ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None, how: str = "c") -> Any:
-                assert helper is not None
-                found = helper.collectives(self.id, ranks, how, timeout)
-                if unanswered is not None:
-                    unanswered.update(r for r, data in found.items() if data is None)
-                return found
+        def ask(ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None, how: str = "c") -> Any:
+            assert helper is not None
+            found = helper.collectives(self.id, ranks, how, timeout)
+            if unanswered is not None:
+                unanswered.update(r for r, data in found.items() if data is None)
+            return found
 
-            def far_stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
-                found = {r: s for r, s in self.stacks(timeout=1.0).items() if r in ranks}
-                for filename, (display, _) in (self.sources if sources is None else sources).items():
-                    found = {r: s.replace(f'File "{filename}"', display) for r, s in found.items()}
-                return {r: (*user_frame(text), "its stack") for r, text in found.items()}
-
-            return HangWatch(
-                self.work_dir,
-                self.world_size,
-                self.limits.hang_seconds,
-                ended=ended or running_ended,
-                show=show,
-                stacks=far_stacks,
-                sources=self.sources if sources is None else sources,
-                ask=ask,
-            )
+        def far_stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
+            found = {r: s for r, s in self.stacks(timeout=1.0).items() if r in ranks}
+            for filename, (display, _) in (self.sources if sources is None else sources).items():
+                found = {r: s.replace(f'File "{filename}"', display) for r, s in found.items()}
+            return {r: (*user_frame(text), "its stack") for r, text in found.items()}
 
         def stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
             running = {r: self.ranks[r].pid for r in ranks if self.ranks[r].pid}
@@ -410,8 +399,9 @@ class Launch:
             self.limits.hang_seconds,
             ended=ended or running_ended,
             show=show,
-            stacks=stacks,
+            stacks=far_stacks if far else stacks,
             sources=self.sources if sources is None else sources,
+            ask=ask if far else None,  # (None: the ranks' pipes in the launch's folder)
         )
 
     def where(self, stacks: dict[int, str], absent: str = "had ended") -> str:
