@@ -185,8 +185,12 @@ def report(
         if rank in stacks and not stacks[rank][1]:
             continue  # its code is not in a collective
         for entry in data.get("pending") or []:
+            # The newest pending one: gloo marks a collective completed on a worker thread that
+            # the next one, stuck, can hold, so an older entry can stay "pending" for ever.
             name = str((groups.get(entry["pg"]) or {}).get("name", entry["pg"]))
-            waits.setdefault(name, {}).setdefault(rank, entry)
+            held = waits.setdefault(name, {})
+            if rank not in held or entry["seq"] > held[rank]["seq"]:
+                held[rank] = entry
     if not waits:
         return None
     group = max(sorted(waits), key=lambda g: (len(waits[g]), g in ("0", "default_pg")))
@@ -317,6 +321,7 @@ class HangWatch:
         self.warmed = False
         self.unsure = False
         self._read: dict[int, tuple[str, bool, str, float]] = {}  # rank -> the last stack read of it
+        self._seen: Mapping[int, dict[str, Any] | None] = {}  # what the last report's read said
 
     def check(self) -> None:
         now = time.monotonic()
@@ -356,6 +361,11 @@ class HangWatch:
         if self.current is not None and now - self._shown_at < 5.0:
             return  # shown: looked at again every 5 s while it lasts
         made = self.look(ended, stuck)
+        if made is not None and self._went_on():
+            # The report's own read shows collectives completed since the last look (the
+            # quick looks were not answered in time, a busy rank): not a hang.
+            self.since, made = time.monotonic(), None
+            self.unsure = False
         if made is None:
             if not self.unsure:  # pending in the recorder only (async ops not waited for): later
                 self.since = now
@@ -371,6 +381,7 @@ class HangWatch:
         unanswered: set[int] = set()
         seen = self.ask(live, timeout=3.0, unanswered=unanswered, how="r")
         self.unsure = bool(unanswered)  # (a rank's thread still busy: ask again, it is not over)
+        self._seen = seen
         paused = {r: where for r in live if (where := paused_at(self.work_dir, r)) is not None}
         if not any(d and d.get("pending") for d in seen.values()):
             return None
@@ -395,6 +406,18 @@ class HangWatch:
             for row in made.rows:
                 row.where = _tidy(row.where, self.sources)
         return made
+
+    def _went_on(self) -> bool:
+        """Whether a rank's last read (a report's) completed more than the quick looks saw."""
+        before = dict(self.progress[1]) if self.progress else {}
+        for rank, data in self._seen.items():
+            if not data or rank not in before:
+                continue
+            groups = data.get("groups") or {}
+            now = tuple(sorted((str(i.get("name", pg)), i.get("completed")) for pg, i in groups.items()))
+            if now != before[rank]:
+                return True
+        return False
 
     def _over(self, lasted: float) -> None:
         if self.current is None:
