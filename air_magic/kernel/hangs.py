@@ -38,7 +38,7 @@ from air_magic.kernel import collectives as _collectives
 from air_magic.protocol import ask_for_collectives
 from air_magic.protocol.debugging import paused_at
 
-__all__ = ["Row", "HangReport", "HangWatch", "report", "ranks_text"]
+__all__ = ["Row", "HangReport", "HangWatch", "ReportShown", "report", "ranks_text", "watch_launch"]
 
 #: What a row says of a rank.
 IN_COLLECTIVE = "in collective"
@@ -433,8 +433,7 @@ _FILE = re.compile(r'File "([^"]+)"')
 def _tidy(text: str, sources: Mapping[str, tuple[str, str]]) -> str:
     """File names as the user knows them: a cell's name (``Cell In[3]:4``), a script's path
     relative to the working directory."""
-    for filename, (display, _) in sources.items():
-        text = text.replace(filename, display)
+    text = _collectives.user_where(text, dict(sources))
 
     def short(match: re.Match[str]) -> str:
         path = match.group(1)
@@ -497,3 +496,57 @@ def _kernel_shell() -> Any:
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     return shell if shell is not None and getattr(shell, "kernel", None) is not None else None
+
+
+def watch_launch(
+    launch: Any,  # a kernel.launch.Launch (not imported: it imports this module)
+    show: Callable[[HangReport], None],
+    ended: Callable[[], Mapping[int, str]] | None,
+    sources: dict[str, tuple[str, str]],
+) -> HangWatch:
+    """The watch of ``launch``'s ranks: local ranks are asked on their pipes and their stacks
+    read as :meth:`Launch.stacks` reads them (py-spy where nothing came back); a Ray launch's
+    through its backend's agents."""
+    from air_magic.kernel.rank_output import py_spy_stacks, read_stacks, request_stacks, user_frame
+
+    def running_ended() -> dict[int, str]:
+        return {s.rank: f"exit {s.returncode}" for s in launch.ranks if s.returncode is not None}
+
+    helper = launch.helper
+    far = helper is not None and not helper.local_processes  # Ray: the agents ask their ranks
+
+    def ask(ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None, how: str = "c") -> Any:
+        assert helper is not None
+        found = helper.collectives(launch.id, ranks, how, timeout)
+        if unanswered is not None:
+            unanswered.update(r for r, data in found.items() if data is None)
+        return found
+
+    def far_stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
+        found = {r: s for r, s in launch.stacks(timeout=1.0).items() if r in ranks}
+        for filename, (display, _) in sources.items():
+            found = {r: s.replace(f'File "{filename}"', display) for r, s in found.items()}
+        return {r: (*user_frame(text), "its stack") for r, text in found.items()}
+
+    def stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
+        running = {r: launch.ranks[r].pid for r in ranks if launch.ranks[r].pid}
+        request_stacks(launch.work_dir, running, 1.0)  # type: ignore[arg-type]
+        found = read_stacks(launch.work_dir, running, sources)  # type: ignore[arg-type]
+        read = {r: (*user_frame(text), "its stack") for r, text in found.items()}
+        for rank, pid in running.items():
+            if not read.get(rank, ("",))[0] and pid:  # nothing from the rank itself: from outside
+                text = py_spy_stacks(pid)
+                if text:
+                    read[rank] = (*user_frame(text), "py-spy")
+        return read
+
+    return HangWatch(
+        launch.work_dir,
+        launch.world_size,
+        launch.limits.hang_seconds,
+        ended=ended or running_ended,
+        show=show,
+        stacks=far_stacks if far else stacks,
+        sources=sources,
+        ask=ask if far else None,  # (None: the ranks' pipes in the launch's folder)
+    )

@@ -31,7 +31,7 @@ from air_magic.errors import LaunchCancelledError, LaunchError, interrupted
 from air_magic.kernel import logs as _logs
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel.debugger import BreakpointDesk
-from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown
+from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown, watch_launch
 from air_magic.kernel.outcome import RankState, describe_exit
 from air_magic.kernel.rank_output import (
     OutputPump,
@@ -40,11 +40,9 @@ from air_magic.kernel.rank_output import (
     collapse_log,
     describe_stacks,
     log_end,
-    py_spy_stacks,
     read_records,
     read_stacks,
     request_stacks,
-    user_frame,
 )
 from air_magic.protocol import (
     Exited,
@@ -361,48 +359,7 @@ class Launch:
     ) -> HangWatch:
         """A :class:`~air_magic.kernel.hangs.HangWatch` of this launch's ranks (``sources``:
         the cells whose names its report says; a pool's call has its own)."""
-
-        def running_ended() -> dict[int, str]:
-            return {s.rank: f"exit {s.returncode}" for s in self.ranks if s.returncode is not None}
-
-        helper = self.helper
-        far = helper is not None and not helper.local_processes  # Ray: the agents ask their ranks
-
-        def ask(ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None, how: str = "c") -> Any:
-            assert helper is not None
-            found = helper.collectives(self.id, ranks, how, timeout)
-            if unanswered is not None:
-                unanswered.update(r for r, data in found.items() if data is None)
-            return found
-
-        def far_stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
-            found = {r: s for r, s in self.stacks(timeout=1.0).items() if r in ranks}
-            for filename, (display, _) in (self.sources if sources is None else sources).items():
-                found = {r: s.replace(f'File "{filename}"', display) for r, s in found.items()}
-            return {r: (*user_frame(text), "its stack") for r, text in found.items()}
-
-        def stacks(ranks: list[int]) -> dict[int, tuple[str, bool, str]]:
-            running = {r: self.ranks[r].pid for r in ranks if self.ranks[r].pid}
-            request_stacks(self.work_dir, running, 1.0)  # type: ignore[arg-type]
-            found = read_stacks(self.work_dir, running, self.sources if sources is None else sources)  # type: ignore[arg-type]
-            read = {r: (*user_frame(text), "its stack") for r, text in found.items()}
-            for rank, pid in running.items():
-                if not read.get(rank, ("",))[0] and pid:  # nothing from the rank itself: from outside
-                    text = py_spy_stacks(pid)
-                    if text:
-                        read[rank] = (*user_frame(text), "py-spy")
-            return read
-
-        return HangWatch(
-            self.work_dir,
-            self.world_size,
-            self.limits.hang_seconds,
-            ended=ended or running_ended,
-            show=show,
-            stacks=far_stacks if far else stacks,
-            sources=self.sources if sources is None else sources,
-            ask=ask if far else None,  # (None: the ranks' pipes in the launch's folder)
-        )
+        return watch_launch(self, show, ended, self.sources if sources is None else sources)
 
     def where(self, stacks: dict[int, str], absent: str = "had ended") -> str:
         """One line per rank: where it was, and which rank the others wait for (one
