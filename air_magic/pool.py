@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 from air_magic.kernel.pool import PoolBrokenError, PoolBusyError, PoolCall, PoolEngine, current_pool, open_pools
 from air_magic.spec import AcceleratorArg, check_timeout, make_spec
@@ -85,9 +86,54 @@ class Pool:
         """Set each ``name=value`` in every rank's namespace (what later cells read)."""
         self._engine.push(**values)
 
-    def pull(self, name: str) -> list[Any]:
-        """The value of ``name`` in every rank's namespace, in rank order."""
-        return self._engine.pull(name)
+    @overload
+    def pull(self, name: str) -> list[Any]: ...
+    @overload
+    def pull(self, name: str, rank: int) -> Any: ...
+    @overload
+    def pull(self, name: str, *, ranks: list[int]) -> list[Any]: ...
+
+    def pull(self, name: str, rank: int | None = None, *, ranks: list[int] | None = None) -> Any:
+        """The value of ``name`` in every rank's namespace, in rank order; ``rank=0``: that rank's
+        value only (the others send nothing); ``ranks=[0, 2]``: theirs, in that order.  Large
+        tensors come through shared memory, as a launch's values do."""
+        if rank is not None and ranks is not None:
+            raise TypeError("pool.pull takes rank= or ranks=, not both")
+        wanted = [rank] if rank is not None else ranks
+        if wanted is not None:
+            wanted = _check_ranks(wanted, self._engine.world_size, "pool.pull")
+        values = self._engine.pull(name, wanted)
+        return values[0] if rank is not None else values
+
+    def state_dict(self, name: str, *, dtype: Any = None) -> dict[str, Any]:
+        """The module bound to ``name`` in the ranks as one full state dict of CPU tensors here:
+        a DDP or plain module's from rank 0, an FSDP2 or tensor-parallel module's put together
+        from every rank's shards, a DeepSpeed ZeRO-3 module's from its partitions.  Keys as the
+        unwrapped module names them; ``dtype=torch.bfloat16`` converts floating-point tensors on
+        the way.  The ranks write straight into one shared-memory area the kernel maps: no
+        collective, no process group, one copy."""
+        from air_magic.kernel import model_back
+
+        return model_back.state_dict(self._engine, name, dtype)
+
+    def model(self, name: str, factory: Callable[[], Any], *, dtype: Any = None) -> Any:
+        """An ``nn.Module`` on CPU: ``factory()`` built on the meta device (no memory), its keys
+        checked against the ranks' module first, then filled with the ranks' weights
+        (``load_state_dict(assign=True)``: no second copy).  In eval mode."""
+        from air_magic.kernel import model_back
+
+        return model_back.model(self._engine, name, factory, dtype)
+
+    def save(
+        self, name: str, folder: str | os.PathLike[str], *, max_shard_size: int | str = "5GB", dtype: Any = None
+    ) -> list[str]:
+        """The module bound to ``name`` as safetensors files in ``folder``, written by the ranks
+        (``model.safetensors``, or shards of at most ``max_shard_size`` and
+        ``model.safetensors.index.json``): for a model larger than the kernel's memory.  The
+        files' paths."""
+        from air_magic.kernel import model_back
+
+        return model_back.save(self._engine, name, folder, max_shard_size, dtype)
 
     def restart(self) -> None:
         """Fresh ranks (the state of the old ones is lost)."""
@@ -115,6 +161,22 @@ class Pool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_ranks(ranks: Any, world_size: int, what: str) -> list[int]:
+    """``ranks`` as a list of the pool's rank numbers, or a clear error."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"{what}: ranks must be a list of rank numbers, not {type(ranks).__name__}")
+    checked = []
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"{what}: a rank is a number from 0 to {world_size - 1}, not {rank!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{what}: rank {rank} is not one of the pool's ranks (0 to {world_size - 1})")
+        checked.append(rank)
+    if not checked:
+        raise ValueError(f"{what}: ranks is empty")
+    return checked
 
 
 def close_earlier() -> None:

@@ -598,11 +598,26 @@ class PoolEngine:
             ranks = self._ready()
             self._call(ranks, "push", {"names": blobs}, "push")
 
-    def pull(self, name: str) -> list[Any]:
-        """The value of ``name`` on every rank, in rank order."""
+    def pull(self, name: str, ranks: list[int] | None = None) -> list[Any]:
+        """The value of ``name`` on every rank, in rank order; on ``ranks`` only (the others
+        send nothing), in that order."""
         with self._turn():
-            ranks = self._ready()
-            return self._call(ranks, "pull", {"name": name}, f"pull({name!r})")
+            ready = self._ready()
+            if ranks is None:
+                return self._call(ready, "pull", {"name": name}, f"pull({name!r})")
+            values = self._call(ready, "pull", {"name": name, "ranks": sorted(set(ranks))}, f"pull({name!r})")
+            return [values[r] for r in ranks]
+
+    def ask(self, kind: str, data: dict[str, Any], label: str) -> list[Any]:
+        """A message of air_magic's own on every rank (``"model"``: the model back, answered by
+        :mod:`air_magic.rank.model_back`); one value per rank."""
+        with self._turn():
+            return self._call(self._ready(), kind, data, label)
+
+    def launch_is_local(self) -> bool:
+        """Whether the pool's ranks are processes of this machine (they can write its files)."""
+        with self._turn():
+            return self._ready().launch.local_processes
 
     def debug(self, rank: int | None = None) -> bool:
         """The post-mortem of ``rank``'s exception in the last call (default: the rank that
@@ -817,7 +832,15 @@ class PoolEngine:
         """One look (50 ms at most) for the pending ranks' replies to the call: each one
         recorded, and taken out of ``pending``; a reply out of step breaks the pool."""
         try:
-            answers = replies(pending, call.id, 0.05, lambda rank, _id: self._on_began(call, rank), call.closed)
+            launch = call.ranks.launch
+            answers = replies(
+                pending,
+                call.id,
+                0.05,
+                lambda rank, _id: self._on_began(call, rank),
+                call.closed,
+                (launch.shm_dir, launch.work_dir),
+            )
         except OutOfStep as exc:
             self._out_of_step(call, pending, exc)
         for reply in answers:

@@ -7,6 +7,8 @@
     replies(pending, id)              <----  ("began", id): a SIGINT raises in its code now
                                       <----  ("done", id, record blob, the rank's own names,
                                               the processes its code forked with os.fork())
+                                              (a large tensor: its bytes in a file of the
+                                              launch's /dev/shm folder, the blob names it)
 
 Every reply names the call it answers.  One that names another call (a process the rank's
 code forked and that went on speaking on the rank's connection, an earlier reply left
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-import cloudpickle
+from air_magic.rank import results as _results
 
 __all__ = ["OutOfStep", "Reply", "replies", "load"]
 
@@ -54,11 +56,13 @@ def replies(
     timeout: float,
     began: Callable[[int, int], None],
     closed: dict[int, float],
+    folders: tuple[str | None, ...] = (),
 ) -> list[Reply]:
     """The replies to call ``call_id`` that came within ``timeout`` s; a rank that answered
     leaves ``pending``.  A rank whose connection closed stays there and is added to
     ``closed`` (with when it was seen), and is not waited on again: the caller sees the
-    rank's end.  A rank's ``("began", id)`` goes to ``began(rank, id)``.  Raises
+    rank's end.  A rank's ``("began", id)`` goes to ``began(rank, id)``.  A record's large
+    tensors are files the rank wrote into ``folders`` (mapped here, then unlinked).  Raises
     :class:`OutOfStep`."""
     open_ = {rank: conn for rank, conn in pending.items() if rank not in closed}
     by_conn = {id(conn): rank for rank, conn in open_.items()}
@@ -92,7 +96,7 @@ def replies(
             began(rank, answered)
             continue
         _, _, blob, names, forked = message
-        found.append(Reply(rank, load(blob), list(names), list(forked)))
+        found.append(Reply(rank, load(blob, folders), list(names), list(forked)))
         del pending[rank]
     return found
 
@@ -111,10 +115,10 @@ def _short(message: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def load(blob: bytes) -> Any:
-    """A record sent by a rank; an error loading it raises is returned in its place (a value of
-    a class the kernel does not have)."""
+def load(blob: bytes, folders: tuple[str | None, ...] = ()) -> Any:
+    """A record sent by a rank (its large tensors' files looked for in ``folders``); an error
+    loading it raises is returned in its place (a value of a class the kernel does not have)."""
     try:
-        return cloudpickle.loads(blob)
+        return _results.loads_record(blob, folders)
     except Exception as exc:
         return exc

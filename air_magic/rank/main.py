@@ -566,7 +566,7 @@ def _run(request: LaunchRequest, rank: int) -> int:
         if payload["kind"] == "pool":  # a rank that stays: the kernel's cells until it closes the pool
             from air_magic.rank import pool as _pool
 
-            _pool.serve(main, rank, payload, _error_record)
+            _pool.serve(main, rank, payload, _error_record, shm_dir, request.work_dir)
             value = None
         elif payload["kind"] == "function":
             func = _load(payload["func"], "the function")

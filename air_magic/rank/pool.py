@@ -13,7 +13,8 @@ Ray ranks on other nodes, with an auth key: no CPU while idle)::
                                               outside torch's frames (air_magic.rank.interrupts)
                                        <--    ("began", id): from now on SIGINT raises
     ("call", id, func, args, kwargs)   -->    func(*args, **kwargs)
-    ("push", id, names) / ("pull", id, name) -->  set names / read one
+    ("push", id, names) / ("pull", id, name, ranks) -->  set names / read one (on the ranks asked)
+    ("model", id, {op, name, ...})     -->    the model back (air_magic.rank.model_back)
     ("finish", id, ops)                -->    make collectives a peer waits in (a Ctrl-C left
                                               it inside one the others had abandoned)
                                        <--    ("done", id, record, names of the namespace,
@@ -49,6 +50,7 @@ import cloudpickle
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableRecord, ValueRecord, printable
 from air_magic.rank import debugger as _debugger
 from air_magic.rank import interrupts as _interrupts
+from air_magic.rank import results as _results
 from air_magic.rank import tracking_shim as _tracking
 
 __all__ = ["serve"]
@@ -62,8 +64,12 @@ def serve(
     rank: int,
     data: dict[str, Any],
     error_record: Callable[[BaseException, dict[str, tuple[str, str]]], ErrorRecord],
+    shm_dir: str | None = None,
+    work_dir: str | None = None,
 ) -> None:
-    """Join the group, connect to the kernel, and run what it sends until it closes the pool."""
+    """Join the group, connect to the kernel, and run what it sends until it closes the pool.
+    A reply's large tensors travel as a launch's do: through files of ``shm_dir`` (or of
+    ``work_dir`` where it has no room), when the kernel is on this machine."""
     from multiprocessing.connection import Client
 
     os.environ[POOL_ENV] = "1"
@@ -71,6 +77,8 @@ def serve(
     _keep_the_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C between cells finds the rank idle
     address = data["address"]  # a Unix socket's path, or (host, port) for ranks of other machines
+    if not isinstance(address, str):  # the kernel is on another machine: values go in the reply itself
+        shm_dir = work_dir = None
     conn = Client(address if isinstance(address, str) else tuple(address), authkey=data["authkey"])
     me = os.getpid()
     _watch_forks(me)
@@ -93,7 +101,7 @@ def serve(
         if tracked:
             _tracking.end_call(message[1], _status(record))
         try:
-            blob = cloudpickle.dumps(record)
+            blob = _results.dumps_record(record, shm_dir, f"r{rank}c{message[1]}", work_dir)
         except BaseException as exc:  # the value cannot be pickled
             value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
             blob = cloudpickle.dumps(UnpicklableRecord(value_type, f"{type(exc).__name__}: {printable(exc)}"))
@@ -207,9 +215,16 @@ def _handle(
                 value = _post_mortem_here(data)
             elif kind == "pull":
                 name = data["name"]
+                wanted = data.get("ranks")
+                if wanted is not None and int(os.environ.get("RANK", "0")) not in wanted:
+                    return ValueRecord(None)  # another rank's value was asked for
                 if name not in namespace:
                     raise NameError(f"name {name!r} is not defined on this rank")
                 value = namespace[name]
+            elif kind == "model":  # pool.state_dict / model / save: air_magic.rank.model_back
+                from air_magic.rank import model_back
+
+                value = model_back.handle(namespace, data)
             else:
                 raise ValueError(f"unknown pool message {kind!r}")
         finally:

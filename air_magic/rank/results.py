@@ -46,7 +46,7 @@ import cloudpickle
 from air_magic.protocol import Record, result_path
 
 __all__ = ["SHM_THRESHOLD", "result_path", "write_record", "read_record", "rebuild_shared_tensor"]
-__all__ += ["rank_prefix", "tensor_files", "place_tensor_file"]
+__all__ += ["rank_prefix", "tensor_files", "place_tensor_file", "dumps_record", "loads_record"]
 
 #: Tensors at least this large (bytes) go through shared memory.
 SHM_THRESHOLD = 1 << 20
@@ -113,13 +113,22 @@ def place_tensor_file(name: str, data: Any, folders: Iterable[str | None]) -> st
     return path
 
 
+def _aligned(offset: int) -> int:
+    return (offset + 63) // 64 * 64
+
+
 class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
-    def __init__(self, file: io.BufferedWriter, shm_dir: str | None, prefix: str, fallback_dir: str | None) -> None:
+    """Pickles a record; each large CPU or CUDA tensor becomes a place in one file of the
+    record's (its name, offset, dtype and shape), whose bytes :meth:`write_tensors` copies
+    once, after the pickle is made (so the file's size is known and reserved first)."""
+
+    def __init__(self, file: IO[bytes], shm_dir: str | None, prefix: str, fallback_dir: str | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._shm_dir = shm_dir
         self._fallback_dir = fallback_dir
-        self._prefix = prefix
-        self._count = 0
+        self._name = _tensor_name(prefix, 0)
+        self._places: list[tuple[Any, int]] = []
+        self._size = 0
         self.shm_paths: list[str] = []
 
     def reducer_override(self, obj: Any) -> Any:
@@ -133,44 +142,63 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
             and obj.numel() > 0
             and obj.element_size() * obj.numel() >= SHM_THRESHOLD
         ):
-            return self._to_shared_memory(torch, obj)
+            source = obj.detach()
+            offset = _aligned(self._size)
+            self._places.append((source, offset))
+            self._size = offset + source.numel() * source.element_size()
+            # The name and place only: the kernel finds the file among its launch's folders.
+            return rebuild_shared_tensor, (self._name, source.dtype, tuple(source.shape), obj.requires_grad, offset)
         return super().reducer_override(obj)
 
-    def _to_shared_memory(self, torch: Any, tensor: Any) -> Any:
-        source = tensor.detach()
-        if source.device.type != "cpu":
-            source = source.cpu()
-        name = _tensor_name(self._prefix, self._count)
-        self._count += 1
-        # In shared memory if it has room, else in the private folder.
-        path = _reserve(name, source.numel() * source.element_size(), (self._shm_dir, self._fallback_dir))
+    def write_tensors(self) -> None:
+        """Copy the tensors to their places: in shared memory if it has room, else in the
+        private folder (CUDA tensors straight from the device)."""
+        if not self._places:
+            return
+        import torch
+
+        path = _reserve(self._name, self._size, (self._shm_dir, self._fallback_dir))
         self.shm_paths.append(path)
-        target = torch.from_file(path, shared=True, size=source.numel(), dtype=source.dtype)
-        target.copy_(source.reshape(-1))
-        # The name only: the kernel finds the file among its launch's folders.
-        return rebuild_shared_tensor, (name, source.dtype, tuple(source.shape), tensor.requires_grad)
+        area = torch.from_file(path, shared=True, size=self._size, dtype=torch.uint8)
+        for source, offset in self._places:
+            nbytes = source.numel() * source.element_size()
+            area[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
+        self._places.clear()
 
 
 def rebuild_shared_tensor(
-    name: str, dtype: Any, shape: tuple[int, ...], requires_grad: bool, folders: tuple[str | None, ...] = ()
+    name: str,
+    dtype: Any,
+    shape: tuple[int, ...],
+    requires_grad: bool,
+    offset: int = 0,
+    folders: tuple[str | None, ...] = (),
+    mapped: dict[str, Any] | None = None,
 ) -> Any:
-    """Map the tensor file ``name`` a rank wrote (the first of ``folders`` that has it) and
-    unlink it (the mapping stays valid)."""
+    """The tensor at ``offset`` of the file ``name`` a rank wrote (found in the first of
+    ``folders`` that has it).  The file is mapped once (kept in ``mapped`` for the record's
+    other tensors) and unlinked at once: the mapping stays valid, nothing stays behind."""
     import torch
 
-    found = next((path for path in _candidates(name, folders) if os.path.exists(path)), None)
-    if found is None:
-        raise FileNotFoundError(errno.ENOENT, f"the file of a result tensor is missing ({name})")
+    area = mapped.get(name) if mapped is not None else None
+    if area is None:
+        found = next((path for path in _candidates(name, folders) if os.path.exists(path)), None)
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, f"the file of a result tensor is missing ({name})")
+        try:
+            area = torch.from_file(found, shared=True, size=os.path.getsize(found), dtype=torch.uint8)
+        finally:
+            try:
+                os.unlink(found)
+            except FileNotFoundError:
+                pass
+        if mapped is not None:
+            mapped[name] = area
     numel = 1
     for dim in shape:
         numel *= dim
-    try:
-        tensor = torch.from_file(found, shared=True, size=numel, dtype=dtype).view(shape)
-    finally:
-        try:
-            os.unlink(found)
-        except FileNotFoundError:
-            pass
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    tensor = area[offset : offset + nbytes].view(dtype).view(shape)
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
@@ -183,36 +211,59 @@ def _candidates(name: str, folders: tuple[str | None, ...]) -> list[str]:
 
 
 class _RecordUnpickler(pickle.Unpickler):
-    """Loads a record, its tensors' files found in ``folders``."""
+    """Loads a record, its tensors' file found in ``folders``."""
 
     def __init__(self, file: IO[bytes], folders: tuple[str | None, ...]) -> None:
         super().__init__(file)
         self._folders = folders
+        self._mapped: dict[str, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == rebuild_shared_tensor.__name__:
-            return functools.partial(rebuild_shared_tensor, folders=self._folders)
+            return functools.partial(rebuild_shared_tensor, folders=self._folders, mapped=self._mapped)
         return super().find_class(module, name)
 
 
-def write_record(path: str, record: Record, shm_dir: str | None, prefix: str, fallback_dir: str | None = None) -> None:
-    """Pickle ``record`` to ``path`` atomically; large tensors go to ``shm_dir`` (or to
-    ``fallback_dir`` when shared memory has no room for them)."""
-    tmp = f"{path}.tmp"
-    pickler_paths: list[str] = []
+def _dump(pickler: _ResultPickler, record: Record) -> None:
     try:
-        with open(tmp, "wb") as handle:
-            pickler = _ResultPickler(handle, shm_dir, prefix, fallback_dir)
-            pickler_paths = pickler.shm_paths
-            pickler.dump(record)
-        os.replace(tmp, path)
-    except BaseException:  # no half-written result is left behind; re-raised
-        for leftover in [tmp, *pickler_paths]:
+        pickler.dump(record)
+        pickler.write_tensors()
+    except BaseException:  # no tensor file of a value that cannot travel is left behind
+        for leftover in pickler.shm_paths:
             try:
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
         raise
+
+
+def write_record(path: str, record: Record, shm_dir: str | None, prefix: str, fallback_dir: str | None = None) -> None:
+    """Pickle ``record`` to ``path`` atomically; large tensors go to one file in ``shm_dir`` (or
+    in ``fallback_dir`` when shared memory has no room for it), written before ``path`` appears."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as handle:
+            _dump(_ResultPickler(handle, shm_dir, prefix, fallback_dir), record)
+        os.replace(tmp, path)
+    except BaseException:  # no half-written result is left behind; re-raised
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def dumps_record(record: Record, shm_dir: str | None, prefix: str, fallback_dir: str | None = None) -> bytes:
+    """``record`` pickled to bytes (a pool rank's reply), its large tensors written to a file as
+    :func:`write_record` writes them; ``prefix`` names the file (unique to the call)."""
+    buffer = io.BytesIO()
+    _dump(_ResultPickler(buffer, shm_dir, prefix, fallback_dir), record)
+    return buffer.getvalue()
+
+
+def loads_record(blob: bytes, folders: tuple[str | None, ...] = ()) -> Record:
+    """The record :func:`dumps_record` made; its tensors' files are looked for in ``folders``."""
+    return _RecordUnpickler(io.BytesIO(blob), folders).load()  # type: ignore[no-any-return]
 
 
 def read_record(path: str, folders: tuple[str | None, ...] = ()) -> Record:

@@ -2,7 +2,7 @@
 """Why is it stuck: how soon the hang report comes, whether it ever comes when nothing hangs,
 and what torch's Flight Recorder costs.
 
-    .venv/bin/python benchmarks/hang/run.py [--samples 10] [--runs 100] [--quick]
+    .venv/bin/python benchmarks/hang/run.py [--samples 10] [--runs 100] [--pause 60] [--only PART] [--quick]
 
 * ``detection``: a real kernel (jupyter_client, as a notebook drives it) with a pool of 2 and
   of 4 CPU ranks and the default ``AIR_MAGIC_HANG_SECONDS`` (5); each cell makes two
@@ -10,16 +10,18 @@ and what torch's Flight Recorder costs.
   the others make.  Seconds from that line (the last collective completed) to the front end's
   display of the report (``--samples`` cells each), then Ctrl-C (the pool stays); and ranks
   that disagree (all_reduce against broadcast), the same way.
-* ``false reports``: ``--runs`` pool cells, with ``AIR_MAGIC_HANG_SECONDS=1`` and pauses three
-  times as long, a third each: a compute pause between collectives on every rank, a rank
-  paused in the debugger while its peer waits in an all_reduce (answered ``c`` after 3 s),
-  and 400 all_reduces of 65,536 floats that complete (3 s or so); a report in any of them is a false one.
-* ``recording``: ``air-magic run`` on 2 ranks, 1,000 all_reduces of 1,024 floats timed on
-  rank 0, with the recorder on (``TORCH_FR_BUFFER_SIZE=2000``, air_magic's default) and off
-  (``AIR_MAGIC_FLIGHT_RECORDER=0``), alternated, 7 runs each, in one run of this script;
-  and ``benchmarks/training/train.py``'s DDP training (2,000 steps), on and off alternated, 5 each.
+* ``false reports``: ``--runs`` pool cells of ``--pause`` seconds (60) at the default
+  ``AIR_MAGIC_HANG_SECONDS`` (5), a third each: every rank computing (matmuls) between two
+  all_reduces; a rank paused in the debugger while its peer waits in an all_reduce (answered
+  ``c`` after the pause); all_reduces of 65,536 floats that complete, one after another, for the
+  pause.  A report in any of them is a false one.
+* ``recording``: 1,000 all_reduces of 1,024 floats on 2 ranks (the median of 10 blocks, rank 0),
+  recorder on (``TORCH_FR_BUFFER_SIZE=2000``, air_magic's default) and off, alternated, 10 runs
+  each: under ``air-magic run``, and as two bare torch processes pinned to a core each; and
+  ``benchmarks/training/train.py``'s DDP training (2,000 steps), on and off alternated, 5 each.
 
-Writes ``results/hang.json`` and ``results/hang.md``.
+``--only PART`` runs one part (detection, false-reports, recording, training) and keeps the
+others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
 """
 
 from __future__ import annotations
@@ -120,7 +122,10 @@ def detection(n: int, samples: int, workdir: str) -> dict[str, Any]:
 PAUSE = """%%distributed --pool
 t = torch.ones(64)
 dist.all_reduce(t)
-time.sleep(3)
+torch.set_num_threads(1)
+began, a = time.time(), torch.rand(256, 256)
+while time.time() - began < {pause}:
+    a = torch.tanh(a @ a)
 dist.all_reduce(t)"""
 
 DEBUG = """%%distributed --pool
@@ -129,15 +134,19 @@ if dist.get_rank() == 1:
     breakpoint()
 dist.all_reduce(t)"""
 
+# Rank 0 says when to stop inside the collective itself, so every rank makes the same number.
 PROGRESS = """%%distributed --pool
-t = torch.ones(1 << 16)
-for _ in range(400):
-    dist.all_reduce(t)"""
+t, began, go = torch.ones(1 << 16), time.time(), 1.0
+while go:
+    t[0] = float(time.time() - began < {pause}) if dist.get_rank() == 0 else 1.0
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    go = t[0].item()"""
 
 
-def false_reports(runs: int, workdir: str) -> dict[str, Any]:
-    kernel = Kernel(tempfile.mkdtemp(dir=workdir), {"AIR_MAGIC_HANG_SECONDS": "1"})
+def false_reports(runs: int, pause: float, hang_seconds: str, workdir: str) -> dict[str, Any]:
+    kernel = Kernel(tempfile.mkdtemp(dir=workdir), {"AIR_MAGIC_HANG_SECONDS": hang_seconds})
     counts = {"compute pause": [0, 0], "debugger pause": [0, 0], "collectives that progress": [0, 0]}
+    began = time.time()
     try:
         kernel.ok("%load_ext air_magic\n%config DistributedMagics.tracking = False")
         kernel.ok("%distributed_pool -n 2 --no-tracking", timeout=300)
@@ -147,56 +156,109 @@ def false_reports(runs: int, workdir: str) -> dict[str, Any]:
             if kind == "debugger pause":
 
                 def answer(prompt: str, res: Any) -> str:
-                    time.sleep(3)
+                    time.sleep(pause)
                     return "c"
 
-                res = kernel.run_with_stdin(DEBUG, answer, timeout=120)
+                res = kernel.run_with_stdin(DEBUG, answer, timeout=pause + 120)
             else:
-                res = kernel.run(PAUSE if kind == "compute pause" else PROGRESS, timeout=120)
+                cell = PAUSE if kind == "compute pause" else PROGRESS
+                res = kernel.run(cell.format(pause=pause), timeout=pause + 120)
             assert res.error is None, res.error_text
             counts[kind][0] += 1
             counts[kind][1] += reported(res)
+            if reported(res):
+                print(f"  FALSE REPORT in run {i} ({kind}): {verdict(res)}", flush=True)
     finally:
         kernel.km.shutdown_kernel(now=True)
     for kind, (made, false) in counts.items():
         print(f"  {kind}: {false} false reports in {made} runs", flush=True)
-    return {kind: {"runs": made, "false_reports": false} for kind, (made, false) in counts.items()}
+    out: dict[str, Any] = {kind: {"runs": made, "false_reports": false} for kind, (made, false) in counts.items()}
+    out["settings"] = {"pause_s": pause, "AIR_MAGIC_HANG_SECONDS": hang_seconds, "took_s": time.time() - began}
+    return out
 
 
-RECORD = """import time, torch, torch.distributed as dist
+RECORD = """import os, sys, time, torch, torch.distributed as dist
+if os.environ.get("PIN_RANKS"):
+    os.sched_setaffinity(0, {int(os.environ["RANK"]) % os.cpu_count()})
 dist.init_process_group("gloo")
 t = torch.ones(1024)
-for _ in range(50):
+for _ in range(200):
     dist.all_reduce(t)
-began = time.perf_counter()
-for _ in range(1000):
-    dist.all_reduce(t)
+blocks = []
+for _ in range(10):
+    began = time.perf_counter()
+    for _ in range(1000):
+        dist.all_reduce(t)
+    blocks.append(time.perf_counter() - began)
 if dist.get_rank() == 0:
-    print("TOOK", time.perf_counter() - began, flush=True)
+    print("TOOK", sorted(blocks)[len(blocks) // 2], flush=True)
 """
 
 
+def _bare(script: Path, env: dict[str, str], port: int) -> str:
+    """Two ranks started here, without air_magic: torch's recorder alone."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    return outs[0]
+
+
 def recording(runs: int, workdir: str) -> dict[str, Any]:
+    """1,000 all_reduces of 1,024 floats on 2 ranks, the median of 10 blocks on rank 0, recorder on and
+    off alternated: under ``air-magic run`` (what a user gets: the recorder and the hang watch's
+    looks), and as two bare torch processes pinned to a core each (the recorder alone; pinning keeps
+    the scheduler's noise out of a few-percent difference)."""
     script = Path(workdir) / "record.py"
     script.write_text(RECORD)
-    took: dict[str, list[float]] = {"on": [], "off": []}
-    for i in range(2 * runs):
-        mode = "on" if i % 2 == 0 else "off"
-        env = dict(os.environ, AIR_MAGIC_FLIGHT_RECORDER="2000" if mode == "on" else "0")
-        env.pop("TORCH_FR_BUFFER_SIZE", None)
-        done = subprocess.run(
-            [sys.executable, "-m", "air_magic.cli", "run", str(script), "-n", "2", "--no-tracking"],
-            cwd=workdir,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
+    out: dict[str, Any] = {}
+    for way in ("air-magic run", "torch alone, pinned"):
+        took: dict[str, list[float]] = {"on": [], "off": []}
+        for i in range(2 * runs):
+            mode = "on" if i % 2 == 0 else "off"
+            env = dict(os.environ)
+            env.pop("TORCH_FR_BUFFER_SIZE", None)
+            if way == "air-magic run":
+                env["AIR_MAGIC_FLIGHT_RECORDER"] = "2000" if mode == "on" else "0"
+                stdout = subprocess.run(
+                    [sys.executable, "-m", "air_magic.cli", "run", str(script), "-n", "2", "--no-tracking"],
+                    cwd=workdir,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                ).stdout
+            else:
+                env["PIN_RANKS"] = "1"
+                if mode == "on":
+                    env["TORCH_FR_BUFFER_SIZE"] = "2000"
+                stdout = _bare(script, env, 29400 + i)
+            line = next(line for line in stdout.splitlines() if line.startswith("TOOK"))
+            took[mode].append(float(line.split()[1]))
+        ratios = [on / off for on, off in zip(took["on"], took["off"])]
+        on, off = statistics.median(took["on"]), statistics.median(took["off"])
+        out[way] = {
+            "on_s": took["on"],
+            "off_s": took["off"],
+            "median_on": on,
+            "median_off": off,
+            "ratio": on / off,
+            "pair_ratios": ratios,
+            "median_pair_ratio": statistics.median(ratios),
+        }
+        print(
+            f"  {way}: on {on * 1000:.0f} ms, off {off * 1000:.0f} ms per 1,000, ratio {on / off:.3f} "
+            f"(median of pairs {statistics.median(ratios):.3f})",
+            flush=True,
         )
-        line = next(line for line in done.stdout.splitlines() if line.startswith("TOOK"))
-        took[mode].append(float(line.split()[1]))
-    on, off = statistics.median(took["on"]), statistics.median(took["off"])
-    print(f"  1,000 all_reduces: on {on * 1000:.0f} ms, off {off * 1000:.0f} ms, ratio {on / off:.3f}", flush=True)
-    return {"on_s": took["on"], "off_s": took["off"], "median_on": on, "median_off": off, "ratio": on / off}
+    return out
 
 
 def training(runs: int, steps: int, workdir: str) -> dict[str, Any]:
@@ -255,14 +317,20 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
 
 
+PARTS = ("detection", "false-reports", "recording", "training")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--quick", action="store_true", help="3 samples, 9 runs, 3 recording runs")
+    parser.add_argument("--pause", type=float, default=60.0, help="seconds of each no-hang run (default 60)")
+    parser.add_argument("--hang-seconds", default="5", help="AIR_MAGIC_HANG_SECONDS for the no-hang runs")
+    parser.add_argument("--only", choices=PARTS, action="append", help="run this part only (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="3 samples, 9 runs of 3 s at a 1-s setting")
     args = parser.parse_args()
     if args.quick:
-        args.samples, args.runs = 3, 9
+        args.samples, args.runs, args.pause, args.hang_seconds = 3, 9, 3.0, "1"
     workdir = tempfile.mkdtemp(prefix="air-magic-hang-")
     try:
         run_all(args, workdir)
@@ -271,42 +339,63 @@ def main() -> None:
 
 
 def run_all(args: argparse.Namespace, workdir: str) -> None:
-    results: dict[str, Any] = {"machine": machine(), "samples": args.samples}
-    print("detection", flush=True)
-    results["detection"] = {str(n): detection(n, args.samples, workdir) for n in (2, 4)}
-    print("false reports", flush=True)
-    results["false_reports"] = false_reports(args.runs, workdir)
-    print("recording", flush=True)
-    results["recording"] = recording(3 if args.quick else 7, workdir)
-    print("training", flush=True)
-    results["training"] = training(2 if args.quick else 5, 600 if args.quick else 2000, workdir)
+    """Runs the parts asked for; a part not run keeps its last results (``results/hang.json``)."""
+    parts = args.only or PARTS
+    saved = RESULTS / "hang.json"
+    results: dict[str, Any] = json.loads(saved.read_text()) if saved.exists() else {}
+    results["machine"] = machine()
+    if "detection" in parts:
+        print("detection", flush=True)
+        results["detection"] = {str(n): detection(n, args.samples, workdir) for n in (2, 4)}
+    if "false-reports" in parts:
+        print("false reports", flush=True)
+        results["false_reports"] = false_reports(args.runs, args.pause, args.hang_seconds, workdir)
+    if "recording" in parts:
+        print("recording", flush=True)
+        results["recording"] = recording(3 if args.quick else 10, workdir)
+    if "training" in parts:
+        print("training", flush=True)
+        results["training"] = training(2 if args.quick else 5, 600 if args.quick else 2000, workdir)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "hang.json").write_text(json.dumps(results, indent=1))
-    lines = [
-        f"Machine: {results['machine']}",
-        "",
-        "| ranks | case | median s | p95 s | verdict | after Ctrl-C |",
-        "|---|---|---|---|---|---|",
-    ]
-    for n, cases in results["detection"].items():
-        for case, data in cases.items():
+    saved.write_text(json.dumps(results, indent=1))
+    lines = [f"Machine: {results['machine']}"]
+    if "detection" in results:
+        lines += ["", "| ranks | case | median s | p95 s | verdict | after Ctrl-C |", "|---|---|---|---|---|---|"]
+        for n, cases in results["detection"].items():
+            for case, data in cases.items():
+                lines.append(
+                    f"| {n} | {case} | {data['median']:.2f} | {data['p95']:.2f} | {'; '.join(data['verdicts'])} | "
+                    f"{'; '.join(data['after_ctrl_c'])} |"
+                )
+    if "false_reports" in results:
+        fr = dict(results["false_reports"])
+        settings = fr.pop("settings", {})
+        lines += [
+            "",
+            f"No hang: {settings.get('pause_s', '?')}-s runs, AIR_MAGIC_HANG_SECONDS="
+            f"{settings.get('AIR_MAGIC_HANG_SECONDS', '?')}",
+            "",
+            "| no hang | runs | false reports |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {kind} | {d['runs']} | {d['false_reports']} |" for kind, d in fr.items()]
+    if "recording" in results:
+        lines += [
+            "",
+            "| 1,000 all_reduces of 1,024 floats, 2 ranks | recorder on ms | off ms | ratio | median of pairs |",
+        ]
+        lines += ["|---|---|---|---|---|"]
+        for way, rec in results["recording"].items():
             lines.append(
-                f"| {n} | {case} | {data['median']:.2f} | {data['p95']:.2f} | {'; '.join(data['verdicts'])} | "
-                f"{'; '.join(data['after_ctrl_c'])} |"
+                f"| {way} | {rec['median_on'] * 1000:.0f} | {rec['median_off'] * 1000:.0f} | {rec['ratio']:.3f} | "
+                f"{rec['median_pair_ratio']:.3f} |"
             )
-    lines += ["", "| no hang | runs | false reports |", "|---|---|---|"]
-    lines += [f"| {kind} | {d['runs']} | {d['false_reports']} |" for kind, d in results["false_reports"].items()]
-    rec = results["recording"]
-    lines += [
-        "",
-        f"1,000 all_reduces of 1,024 floats on 2 ranks: recorder on {rec['median_on'] * 1000:.0f} ms, off "
-        f"{rec['median_off'] * 1000:.0f} ms (medians): ratio {rec['ratio']:.3f}",
-    ]
-    tr = results["training"]
-    lines.append(
-        f"DDP training (benchmarks/training/train.py, 2 ranks): recorder on {tr['median_on']:.1f} steps/s, off "
-        f"{tr['median_off']:.1f} steps/s (medians): cost {tr['cost']:+.1%}"
-    )
+    if "training" in results:
+        tr = results["training"]
+        lines.append(
+            f"\nDDP training (benchmarks/training/train.py, 2 ranks): recorder on {tr['median_on']:.1f} steps/s, "
+            f"off {tr['median_off']:.1f} steps/s (medians): cost {tr['cost']:+.1%}"
+        )
     (RESULTS / "hang.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -1,0 +1,187 @@
+"""Weights in Hugging Face's safetensors format: one ``model.safetensors``, or shards and
+``model.safetensors.index.json``, as ``transformers`` and ``safetensors.torch.load_file``
+read them.
+
+A safetensors file is 8 bytes (the header's length, little-endian), a JSON header (each
+key's dtype, shape and ``[begin, end)`` in the data), then the tensors' bytes back to back.
+:func:`plan_files` lays the keys out (largest element first, so every tensor starts at a
+multiple of its element size); :func:`create_files` writes the headers and sizes the files;
+the bytes are copied straight from each tensor's memory into the file, once, by the kernel
+(:func:`save_safetensors`) or by the ranks that hold them (``pool.save``)::
+
+    entries {key: (shape, dtype)} --plan_files--> [FilePlan(name, header, offsets)]
+        --create_files--> files of their full size, headers written
+        --each tensor's bytes--> file at 8 + len(header) + offset
+
+The ``safetensors`` package reads them back (:func:`safetensors.torch.load_file`); writing
+here rather than with ``safetensors.torch.save_file`` saves a copy of every tensor into one
+``bytes`` object first, and lets ranks write their shards in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["FilePlan", "plan_files", "create_files", "save_safetensors", "parse_size", "DTYPES"]
+
+#: torch dtype name -> safetensors dtype name.
+DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+}
+_SIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+
+
+@dataclass
+class FilePlan:
+    """One file: its name, its header (padded to 8 bytes) and each key's offset in the data."""
+
+    name: str
+    header: bytes
+    offsets: dict[str, int]
+    size: int  # of the data, bytes
+
+    @property
+    def data_start(self) -> int:
+        return 8 + len(self.header)
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5_000_000_000`` or ``"5GB"`` / ``"500MiB"`` (as transformers' max_shard_size)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, not {size}")
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)\s*", str(size), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"max_shard_size is bytes or a size such as '5GB' or '500MiB', not {size!r}")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    power = "KMGT".index(unit[0]) + 1
+    return int(number * base**power)
+
+
+def _nbytes(shape: list[int] | tuple[int, ...], dtype: str) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    return numel * _SIZES.get(DTYPES[dtype], 1)
+
+
+def plan_files(
+    entries: Mapping[str, tuple[list[int] | tuple[int, ...], str]],
+    max_shard_size: int | str = "5GB",
+    metadata: dict[str, str] | None = None,
+) -> list[FilePlan]:
+    """Lay ``entries`` (``{key: (shape, torch dtype name)}``) out in files of at most
+    ``max_shard_size`` bytes of data each (a larger tensor gets a file of its own)."""
+    limit = parse_size(max_shard_size)
+    for key, (_, dtype) in entries.items():
+        if dtype not in DTYPES:
+            raise ValueError(f"{key!r} is a {dtype} tensor, which safetensors cannot store")
+    ordered = sorted(entries, key=lambda key: (-_SIZES.get(DTYPES[entries[key][1]], 1), key))
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for key in ordered:
+        size = _nbytes(*entries[key])
+        if groups[-1] and filled + size > limit:
+            groups.append([])
+            filled = 0
+        groups[-1].append(key)
+        filled += size
+    plans = []
+    for index, keys in enumerate(groups):
+        name = "model.safetensors" if len(groups) == 1 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offsets: dict[str, int] = {}
+        at = 0
+        for key in keys:
+            shape, dtype = entries[key]
+            size = _nbytes(shape, dtype)
+            header[key] = {"dtype": DTYPES[dtype], "shape": [int(d) for d in shape], "data_offsets": [at, at + size]}
+            offsets[key] = at
+            at += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        plans.append(FilePlan(name, text, offsets, at))
+    return plans
+
+
+def create_files(folder: str, plans: list[FilePlan]) -> list[str]:
+    """Each planned file at its full size (its space reserved), its header written; the
+    index when there are several.  The files' paths."""
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for plan in plans:
+        path = os.path.join(folder, plan.name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            total = plan.data_start + plan.size
+            if total:
+                os.posix_fallocate(fd, 0, total)
+            os.pwrite(fd, len(plan.header).to_bytes(8, "little") + plan.header, 0)
+        finally:
+            os.close(fd)
+        paths.append(path)
+    if len(plans) > 1:
+        weight_map = {key: plan.name for plan in plans for key in plan.offsets}
+        total_size = sum(plan.size for plan in plans)
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as handle:
+            json.dump(index, handle, indent=2)
+    return paths
+
+
+def save_safetensors(
+    state_dict: Mapping[str, Any], folder: str | os.PathLike[str], max_shard_size: int | str = "5GB"
+) -> list[str]:
+    """Write ``state_dict`` (tensors on any device) to ``folder`` as Hugging Face saves a model:
+    ``model.safetensors``, or shards of at most ``max_shard_size`` and
+    ``model.safetensors.index.json``.  Tensors that share memory are written each under its key.
+    The paths of the files written."""
+    import torch
+
+    folder = os.fspath(folder)
+    entries: dict[str, tuple[list[int], str]] = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise TypeError(f"a state dict's keys are strings; {key!r} is a {type(key).__name__}")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{key!r} is a {type(value).__name__}, not a tensor: safetensors holds tensors only")
+        if hasattr(value, "to_local") and hasattr(value, "placements"):
+            raise TypeError(
+                f"{key!r} is a DTensor (one rank's shard): take the whole state dict with pool.state_dict or save it "
+                "from the ranks with pool.save"
+            )
+        entries[key] = (list(value.shape), str(value.dtype).removeprefix("torch."))
+    plans = plan_files(entries, max_shard_size)
+    paths = create_files(folder, plans)
+    for plan, path in zip(plans, paths):
+        with open(path, "r+b", buffering=0) as handle:
+            for key, offset in plan.offsets.items():
+                tensor = state_dict[key].detach()
+                if tensor.device.type != "cpu":
+                    tensor = tensor.cpu()
+                tensor = tensor.contiguous()
+                if tensor.numel() == 0:
+                    continue
+                handle.seek(plan.data_start + offset)
+                handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return paths

@@ -1,0 +1,361 @@
+"""The model back, kernel side: a pool's module as one full state dict in the kernel, as a
+module, or as safetensors files, with no process group and no CUDA here (the rank side is
+:mod:`air_magic.rank.model_back`)::
+
+    state_dict(engine, "model")
+      1. ask every rank for its plan ("model", plan)  ->  per key: full shape, dtype, each
+         rank's box; the kernel checks the boxes cover every element, and that the bytes fit
+         the kernel's free memory (else: how large, and pool.save)
+      2. one area of the full size: a file of the launch's /dev/shm folder where it has room,
+         else a memfd of the kernel's (ranks open /proc/<kernel>/fd/<n>), else a file of the
+         launch's private folder; its space reserved first (never SIGBUS)
+      3. ("model", write, {key: (area, offset)})  ->  each rank copies its parts in place
+      4. the kernel maps the area: each key a view of it (one copy of the model, no second)
+
+    save(engine, "model", folder): the same, the area being the safetensors files themselves
+    (headers written here, :mod:`air_magic.data.weights`): the kernel never holds the bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import psutil
+
+from air_magic.data import weights as _weights
+from air_magic.errors import AirMagicError
+
+if TYPE_CHECKING:
+    from air_magic.kernel.pool import PoolEngine
+
+__all__ = ["ModelBackError", "state_dict", "model", "save", "Area"]
+
+#: Free memory the kernel keeps besides the model (its own work, the front end's).
+HEADROOM = 256 << 20
+
+
+class ModelBackError(AirMagicError, ValueError):
+    """A model that cannot come back as asked (the message says why, and what to do)."""
+
+
+def _aligned(offset: int) -> int:
+    return (offset + 63) // 64 * 64
+
+
+@dataclass
+class Layout:
+    """The keys of a module's state dict: full shape and dtype (as it comes back), rank 0's
+    non-tensor entries, and the buffers a state dict leaves out."""
+
+    shapes: dict[str, list[int]]
+    dtypes: dict[str, str]
+    objects: dict[str, Any]
+    buffers: dict[str, Any]
+
+    def nbytes(self, key: str) -> int:
+        return _weights_nbytes(self.shapes[key], self.dtypes[key])
+
+    @property
+    def total(self) -> int:
+        return sum(self.nbytes(key) for key in self.shapes)
+
+
+def _weights_nbytes(shape: list[int], dtype: str) -> int:
+    import torch
+
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype) or not getattr(torch, name).is_floating_point:
+        raise ModelBackError(f"dtype= is a floating-point torch dtype (torch.bfloat16, 'float16'...), not {dtype!r}")
+    return name
+
+
+def layout(plans: list[dict[str, Any]], name: str, dtype: str | None) -> Layout:
+    """Every rank's plan merged; an error where the ranks disagree on a key or leave part of
+    a tensor unwritten."""
+    import torch
+
+    first = plans[0]
+    shapes: dict[str, list[int]] = {}
+    dtypes: dict[str, str] = {}
+    for key, part in first["keys"].items():
+        shapes[key] = list(part["shape"])
+        own = part["dtype"]
+        dtypes[key] = dtype if dtype and getattr(torch, own).is_floating_point else own
+    for rank, plan in enumerate(plans[1:], start=1):
+        if set(plan["keys"]) != set(first["keys"]):
+            missing = sorted(set(first["keys"]) - set(plan["keys"]))[:5]
+            extra = sorted(set(plan["keys"]) - set(first["keys"]))[:5]
+            raise ModelBackError(
+                f"{name!r} differs between rank 0 and rank {rank}: keys only on rank 0 {missing}, only on rank "
+                f"{rank} {extra}"
+            )
+    for key in shapes:
+        numel = 1
+        for dim in shapes[key]:
+            numel *= dim
+        covered = 0
+        for plan in plans:
+            box = plan["keys"][key]["box"]
+            if box is not None:
+                count = 1
+                for size in box[1]:
+                    count *= size
+                covered += count
+        if covered != numel:
+            raise ModelBackError(
+                f"{name!r}: the ranks hold {covered} of the {numel} elements of {key!r} (shape {shapes[key]}); "
+                "a tensor sharded over ranks outside the pool, or replicated shards, cannot be put together"
+            )
+    return Layout(shapes, dtypes, first["objects"], first["buffers"])
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def check_fits(nbytes: int, name: str) -> None:
+    """An error, before anything is copied, when ``nbytes`` would not fit the kernel's free memory."""
+    free = psutil.virtual_memory().available
+    if nbytes + HEADROOM > free:
+        raise ModelBackError(
+            f"{name!r}'s state dict is {_size(nbytes)} and this machine has {_size(free)} of memory free: it would not "
+            f"fit in the kernel. Write it from the ranks instead: pool.save({name!r}, folder) (safetensors files the "
+            "kernel never holds), or ask for a smaller dtype (dtype=torch.bfloat16)."
+        )
+
+
+class Area:
+    """One file of ``size`` bytes the ranks write into and the kernel maps: in ``shm_dir`` where
+    it has room, else a memfd (not bounded by /dev/shm's size), else in ``fallback_dir``."""
+
+    def __init__(self, size: int, shm_dir: str | None, fallback_dir: str) -> None:
+        self.size = size
+        self.where = ""
+        self._fd: int | None = None
+        self._path: str | None = None
+        if shm_dir and _room(shm_dir) >= size:
+            self._path = self._file(shm_dir)
+            if self._path:
+                self.where = "shared memory (/dev/shm)"
+        if self._path is None and hasattr(os, "memfd_create"):
+            fd = os.memfd_create("air_magic-model", 0)
+            try:
+                if size:
+                    os.posix_fallocate(fd, 0, size)
+                self._fd = fd
+                self.where = "shared memory (a memfd)"
+            except OSError:
+                os.close(fd)
+        if self._path is None and self._fd is None:
+            self._path = self._file(fallback_dir)
+            if self._path is None:
+                raise ModelBackError(
+                    f"no room for the model's {_size(size)}: not in /dev/shm, memory nor {fallback_dir}"
+                )
+            self.where = "a file of the launch's folder"
+
+    def _file(self, folder: str) -> str | None:
+        fd, path = tempfile.mkstemp(prefix="model-", dir=folder)
+        try:
+            if self.size:
+                os.posix_fallocate(fd, 0, self.size)
+            return path
+        except OSError as exc:
+            os.unlink(path)
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                return None
+            raise
+        finally:
+            os.close(fd)
+
+    @property
+    def path_for_ranks(self) -> str:
+        """The path a rank of this machine opens."""
+        if self._fd is not None:
+            return f"/proc/{os.getpid()}/fd/{self._fd}"
+        assert self._path is not None
+        return self._path
+
+    def map(self) -> Any:
+        """The whole area as one uint8 tensor; the file is gone (unlinked, or its fd closed) after."""
+        import torch
+
+        path = f"/proc/self/fd/{self._fd}" if self._fd is not None else self._path
+        assert path is not None
+        try:
+            return torch.from_file(path, shared=True, size=self.size, dtype=torch.uint8)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+            self._path = None
+
+
+def _room(folder: str) -> int:
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return 0
+    return stat.f_bavail * stat.f_frsize
+
+
+def _plans(engine: "PoolEngine", name: str, what: str) -> list[dict[str, Any]]:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ModelBackError(f"{what} takes the name a module is bound to in the ranks (a string), not {name!r}")
+    if not engine.launch_is_local():
+        raise ModelBackError(
+            f"{what} needs the pool's ranks on this machine (backend='local'); on Ray, save from the ranks "
+            "(air_magic.data.save_training_state) and open it with air_magic.data.open_checkpoint"
+        )
+    return engine.ask("model", {"op": "plan", "name": name}, f"{what}")
+
+
+def state_dict(engine: "PoolEngine", name: str, dtype: Any = None) -> dict[str, Any]:
+    """One full CPU state dict of the module bound to ``name`` in the ranks."""
+    wanted = _dtype_name(dtype)
+    plans = _plans(engine, name, f"pool.state_dict({name!r})")
+    lay = layout(plans, name, wanted)
+    tensors = _fill(engine, name, lay, wanted)
+    out: dict[str, Any] = {}
+    for key in plans[0]["order"]:
+        out[key] = tensors[key] if key in tensors else lay.objects[key]
+    return out
+
+
+def _fill(engine: "PoolEngine", name: str, lay: Layout, dtype: str | None) -> dict[str, Any]:
+    import torch
+
+    check_fits(lay.total, name)
+    offsets: dict[str, int] = {}
+    at = 0
+    for key in lay.shapes:
+        at = _aligned(at)
+        offsets[key] = at
+        at += lay.nbytes(key)
+    launch = engine.launch
+    assert launch is not None
+    area = Area(at, launch.shm_dir, launch.work_dir)
+    try:
+        places = {key: (area.path_for_ranks, offset) for key, offset in offsets.items()}
+        engine.ask(
+            "model", {"op": "write", "name": name, "places": places, "dtype": dtype}, f"pool.state_dict({name!r})"
+        )
+        whole = area.map()
+    finally:
+        area.close()
+    tensors = {}
+    for key, offset in offsets.items():
+        dt = getattr(torch, lay.dtypes[key])
+        tensors[key] = whole[offset : offset + lay.nbytes(key)].view(dt).view(lay.shapes[key])
+    return tensors
+
+
+def model(engine: "PoolEngine", name: str, factory: Callable[[], Any], dtype: Any = None) -> Any:
+    """``factory()`` built on the meta device, its keys checked against the ranks' module
+    before anything is copied, then filled with the ranks' weights (``assign=True``: the module's
+    tensors are the state dict's, no second copy)."""
+    import torch
+
+    if not callable(factory):
+        raise ModelBackError(
+            f"pool.model({name!r}, factory): factory builds the module (a class or function), not {factory!r}"
+        )
+    wanted = _dtype_name(dtype)
+    plans = _plans(engine, name, f"pool.model({name!r})")
+    lay = layout(plans, name, wanted)
+    with torch.device("meta"):
+        module = factory()
+    if not isinstance(module, torch.nn.Module):
+        raise ModelBackError(
+            f"pool.model({name!r}, factory): factory() made a {type(module).__name__}, not a torch.nn.Module"
+        )
+    expected = set(module.state_dict().keys())
+    have = set(lay.shapes) | set(lay.objects)
+    if expected != have:
+        missing = sorted(expected - have)
+        unexpected = sorted(have - expected)
+        raise ModelBackError(
+            f"pool.model({name!r}, factory): the module factory() builds does not match the ranks' {name!r}. "
+            f"Keys the factory's module has and the ranks' does not (missing): {_few(missing)}; keys the ranks' "
+            f"module has and the factory's does not (unexpected): {_few(unexpected)}."
+        )
+    own = module.state_dict()
+    for key in lay.shapes:
+        if list(own[key].shape) != lay.shapes[key]:
+            raise ModelBackError(
+                f"pool.model({name!r}, factory): {key!r} is {lay.shapes[key]} in the ranks and {list(own[key].shape)} "
+                "in the factory's module"
+            )
+    tensors = _fill(engine, name, lay, wanted)
+    state = {key: tensors.get(key, lay.objects.get(key)) for key in own}
+    module.load_state_dict(state, assign=True)
+    for buffer_name, value in lay.buffers.items():  # buffers no state dict holds (persistent=False)
+        owner_name, _, attr = buffer_name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if attr in owner._buffers:
+            owner._buffers[attr] = (
+                value if wanted is None or not value.is_floating_point() else value.to(getattr(torch, wanted))
+            )
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if left:
+        raise ModelBackError(f"pool.model({name!r}, factory): {_few(left)} stayed on the meta device")
+    return module.eval()
+
+
+def _few(keys: list[str]) -> str:
+    if not keys:
+        return "none"
+    shown = ", ".join(repr(k) for k in keys[:8])
+    return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def save(
+    engine: "PoolEngine",
+    name: str,
+    folder: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    dtype: Any = None,
+) -> list[str]:
+    """The module bound to ``name`` written by the ranks themselves into safetensors files in
+    ``folder`` (the kernel writes the headers only, and never holds the weights)."""
+    wanted = _dtype_name(dtype)
+    plans = _plans(engine, name, f"pool.save({name!r})")
+    lay = layout(plans, name, wanted)
+    if lay.objects:
+        raise ModelBackError(
+            f"pool.save({name!r}): safetensors holds tensors only, and the state dict also has {_few(sorted(lay.objects))}"
+        )
+    files = _weights.plan_files({key: (lay.shapes[key], lay.dtypes[key]) for key in lay.shapes}, max_shard_size)
+    paths = _weights.create_files(os.fspath(folder), files)
+    places = {}
+    for plan, path in zip(files, paths):
+        for key, offset in plan.offsets.items():
+            places[key] = (os.path.abspath(path), plan.data_start + offset)
+    engine.ask("model", {"op": "write", "name": name, "places": places, "dtype": wanted}, f"pool.save({name!r})")
+    return paths

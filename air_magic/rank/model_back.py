@@ -1,0 +1,206 @@
+"""The model back, rank side: what a module's state dict holds here, and its bytes written
+straight to their place in a file the kernel made (the kernel side is
+:mod:`air_magic.kernel.model_back`)::
+
+    kernel                                         rank r (a pool rank; no collective, no group)
+    ------                                         ------
+    ("model", id, {op: "plan", name})  ------->    plan(): the module bound to ``name``, unwrapped
+                                                   (DDP, torch.compile, DeepSpeed); per key: the
+                                                   full shape and dtype, and which part of it this
+                                                   rank holds and writes:
+                                                     a plain tensor      all of it, rank 0 only
+                                                     a DTensor (FSDP2,   its local shard's box
+                                                       tensor parallel)  (offsets, sizes); a shard
+                                                                         replicated on a mesh
+                                                                         dimension: coordinate 0
+                                                     ZeRO-3 parameter    its flat partition
+                                   <-------        the plan (small), rank 0's non-tensor entries
+    lay out one area (offsets), or safetensors files
+    ("model", id, {op: "write", places}) ----->    write(): each part copied once (converted to
+                                                   the dtype asked for) into the file at its
+                                                   place, mapped here (/dev/shm, a memfd of the
+                                                   kernel's, or a file on disk)
+                                   <-------        bytes written
+    the kernel maps the area: one full state dict, no second copy
+
+A rank never makes a collective here: a pool whose process group is stuck or gone still
+gives its model back.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["unwrap", "plan", "write", "handle", "ModelBackError"]
+
+#: Names that wrappers of submodules add inside keys (torch.compile, activation checkpointing);
+#: the wrappers of the whole model (DDP's ``module.``) are taken off by :func:`unwrap`.
+WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+class ModelBackError(Exception):
+    """The name does not hold a module whose state dict can come back (the message says why)."""
+
+
+def handle(namespace: dict[str, Any], data: dict[str, Any]) -> Any:
+    """A ``("model", ...)`` message of the kernel."""
+    if data["op"] == "plan":
+        return plan(namespace, data["name"])
+    if data["op"] == "write":
+        return write(namespace, data["name"], data["places"], data.get("dtype"))
+    raise ValueError(f"unknown model message {data['op']!r}")
+
+
+def unwrap(value: Any, name: str) -> Any:
+    """The ``nn.Module`` that ``value`` is or wraps (DDP, torch.compile, a DeepSpeed engine)."""
+    import torch
+
+    module = value
+    for _ in range(8):
+        inner = getattr(module, "module", None)  # DDP, DataParallel, a DeepSpeed engine
+        if isinstance(inner, torch.nn.Module) and type(module).__name__ in (
+            "DistributedDataParallel",
+            "DataParallel",
+            "DeepSpeedEngine",
+            "PipelineEngine",
+        ):
+            module = inner
+            continue
+        orig = getattr(module, "_orig_mod", None)  # torch.compile
+        if isinstance(orig, torch.nn.Module):
+            module = orig
+            continue
+        break
+    if not isinstance(module, torch.nn.Module):
+        raise ModelBackError(
+            f"{name!r} in the ranks is a {type(value).__module__}.{type(value).__qualname__}, not a torch.nn.Module "
+            "(pool.state_dict and pool.model take the name a module is bound to; pool.pull takes any value)"
+        )
+    if type(module).__name__ == "FullyShardedDataParallel":
+        raise ModelBackError(
+            f"{name!r} is wrapped in FSDP (version 1), whose state dict needs a collective; use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), or save it from the ranks with its own state_dict_type"
+        )
+    return module
+
+
+def _entries(module: Any) -> dict[str, Any]:
+    """The module's state dict with the parameters themselves (ZeRO-3's carry their partition)."""
+    entries = module.state_dict(keep_vars=True)
+    return {".".join(p for p in key.split(".") if p not in WRAPPER_NAMES): value for key, value in entries.items()}
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def plan(namespace: dict[str, Any], name: str) -> dict[str, Any]:
+    """What this rank holds of the module bound to ``name``: ``{"keys": {key: part}, "objects":
+    {key: value}, "buffers": {name: tensor}, "order": [key...]}``; a part is ``{"shape", "dtype", "kind", "box"}``
+    where ``box`` is ``(offsets, sizes)`` of what this rank writes, or None (it writes nothing)."""
+    import torch
+
+    if name not in namespace:
+        raise NameError(f"name {name!r} is not defined on this rank")
+    module = unwrap(namespace[name], name)
+    rank = _rank()
+    keys: dict[str, Any] = {}
+    objects: dict[str, Any] = {}
+    entries = _entries(module)
+    for key, value in entries.items():
+        if not isinstance(value, torch.Tensor):
+            if rank == 0:
+                objects[key] = value
+            continue
+        keys[key] = _part(value, rank)
+    buffers = {}
+    if rank == 0:  # buffers a state dict leaves out (registered with persistent=False): pool.model needs them
+        for buffer_name, buffer in module.named_buffers():
+            short = ".".join(p for p in buffer_name.split(".") if p not in WRAPPER_NAMES)
+            if short not in keys and buffer is not None:
+                buffers[short] = buffer.detach().cpu()
+    return {"keys": keys, "objects": objects, "buffers": buffers, "order": list(entries)}
+
+
+def _part(value: Any, rank: int) -> dict[str, Any]:
+    dtype = str(value.dtype).removeprefix("torch.")
+    if hasattr(value, "ds_tensor") and hasattr(value, "ds_shape"):  # a DeepSpeed ZeRO-3 parameter
+        numel = int(value.ds_numel)
+        size = int(value.ds_tensor.numel())
+        start = min(rank * size, numel)
+        end = min(start + size, numel)
+        return {"shape": list(value.ds_shape), "dtype": dtype, "kind": "zero3", "box": [[start], [end - start]]}
+    placements = getattr(value, "placements", None)
+    if placements is not None and hasattr(value, "to_local"):  # a DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh = value.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:  # this rank is not in the mesh
+            return {"shape": list(value.shape), "dtype": dtype, "kind": "dtensor", "box": None}
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                raise ModelBackError(
+                    "a DTensor with a Partial placement holds sums not yet made; redistribute it first"
+                )
+            if placement.is_replicate() and coordinate[dim] != 0:  # the same bytes as coordinate 0's
+                return {"shape": list(value.shape), "dtype": dtype, "kind": "dtensor", "box": None}
+        sizes, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+        return {"shape": list(value.shape), "dtype": dtype, "kind": "dtensor", "box": [list(offsets), list(sizes)]}
+    shape = list(value.shape)
+    box = [[0] * len(shape), shape] if rank == 0 else None
+    return {"shape": shape, "dtype": dtype, "kind": "plain", "box": box}
+
+
+def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: str | None) -> int:
+    """Copy this rank's part of each key to its place: ``places[key] = (path, byte offset)`` of
+    the key's full tensor (row-major, in ``dtype`` or its own), in a file the kernel made and
+    sized.  Each file is mapped once.  The bytes written."""
+    import torch
+
+    module = unwrap(namespace[name], name)
+    rank = _rank()
+    target = getattr(torch, dtype) if dtype else None
+    areas: dict[str, Any] = {}
+    written = 0
+    try:
+        for key, value in _entries(module).items():
+            if key not in places or not isinstance(value, torch.Tensor):
+                continue
+            held: Any = value  # a DTensor or a ZeRO-3 parameter, as _part found
+            part = _part(value, rank)
+            if part["box"] is None:
+                continue
+            path, offset = places[key]
+            area = areas.get(path)
+            if area is None:
+                area = areas[path] = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+            out_dtype = target if target is not None and value.is_floating_point() else value.dtype
+            full_shape = part["shape"]
+            numel = 1
+            for dim in full_shape:
+                numel *= dim
+            nbytes = numel * torch.empty((), dtype=out_dtype).element_size()
+            full = area[offset : offset + nbytes].view(out_dtype)
+            offsets, sizes = part["box"]
+            if part["kind"] == "zero3":
+                local = held.ds_tensor.detach().reshape(-1)[: sizes[0]]
+                full[offsets[0] : offsets[0] + sizes[0]].copy_(local)
+                written += sizes[0] * full.element_size()
+                continue
+            local = held.to_local() if part["kind"] == "dtensor" else held
+            local = local.detach()
+            view = full.view(full_shape) if full_shape else full.view(())
+            for dim, (start, size) in enumerate(zip(offsets, sizes)):
+                view = view.narrow(dim, start, size)
+            if local.numel():
+                view.copy_(local.reshape(view.shape))
+            written += local.numel() * full.element_size()
+    finally:
+        areas.clear()
+    return written
