@@ -36,6 +36,7 @@ from air_magic.errors import (
 
 if TYPE_CHECKING:
     from air_magic.kernel.launcher import Launch
+    from air_magic.data.weights import save_safetensors
     from air_magic.pool import Pool, PoolBrokenError
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "AcceleratorType",
     "GPUType",
     "ray_init",
+    "save_safetensors",
     "load_ipython_extension",
     "unload_ipython_extension",
     "AirMagicError",
@@ -74,6 +76,10 @@ def __getattr__(name: str) -> Any:
         from air_magic.kernel.launcher import Launch
 
         return Launch
+    if name == "save_safetensors":  # imports torch: when first used
+        from air_magic.data.weights import save_safetensors
+
+        return save_safetensors
     if name in ("Pool", "PoolBrokenError"):  # the pool's engine is the launcher's too
         from air_magic import pool
 

@@ -21,10 +21,12 @@ from air_magic.data.checkpoint import (
     checkpoint_writer,
     load_checkpoint,
     load_training_state,
+    open_checkpoint,
     save_checkpoint,
     save_training_state,
 )
 from air_magic.data.dataset import DataError, StreamingDataset
+from air_magic.data.weights import save_safetensors
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
@@ -42,6 +44,8 @@ __all__ = [
     "load_checkpoint",
     "save_training_state",
     "load_training_state",
+    "open_checkpoint",
+    "save_safetensors",
     "UCVolumeDataset",
     "UCVolumeWriter",
     "UCVolumeReader",

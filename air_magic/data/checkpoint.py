@@ -5,12 +5,16 @@ saved by 2 ranks loads on 1, or on 4).  Local paths use DCP's ``FileSystemWriter
 ``FileSystemReader``; other URLs (``s3://``, ``gs://``, ``memory://`` ...) DCP's fsspec
 writer and reader.  ``save_training_state`` / ``load_training_state`` keep a model, its
 optimizer and a data loader's position together, through DCP's ``get_state_dict`` /
-``set_state_dict`` (which understand DDP, FSDP2 and plain modules).
+``set_state_dict`` (which understand DDP, FSDP2 and plain modules).  ``open_checkpoint``
+reads one in the kernel, with no process group: DCP's metadata for the keys, shapes and dtypes,
+and ``dcp.load(no_dist=True)`` into plain CPU tensors of the full shapes (resharding from
+however many ranks saved it).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import fsspec
@@ -26,6 +30,8 @@ __all__ = [
     "load_checkpoint",
     "save_training_state",
     "load_training_state",
+    "open_checkpoint",
+    "Checkpoint",
 ]
 
 
@@ -142,3 +148,79 @@ def _load_loader_state(url: str, dataloader: Any) -> None:
         )
     with fsspec.open(path, "rb") as handle:
         dataloader.load_state_dict(torch.load(handle, weights_only=False))
+
+
+class Checkpoint:
+    """A DCP checkpoint opened with no process group (:func:`open_checkpoint`).  Keys are DCP's
+    flattened names (``model.0.weight``, ``optimizer.state.0.weight.exp_avg``...)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._reader = checkpoint_reader(url)
+        self._metadata = self._reader.read_metadata().state_dict_metadata
+
+    def keys(self) -> list[str]:
+        """Every key the checkpoint holds, in its order."""
+        return list(self._metadata)
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{key: (shape, dtype)}`` of the tensors (other values are not listed)."""
+        out = {}
+        for key, meta in self._metadata.items():
+            size = getattr(meta, "size", None)
+            if size is not None:
+                out[key] = (tuple(size), str(meta.properties.dtype).removeprefix("torch."))
+        return out
+
+    def __len__(self) -> int:
+        return len(self._metadata)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._metadata
+
+    def __repr__(self) -> str:
+        shapes = self.shapes()
+        lines = [f"<Checkpoint {self.url!r}: {len(self)} keys"]
+        for key in list(self._metadata)[:20]:
+            if key in shapes:
+                shape, dtype = shapes[key]
+                lines.append(f"  {key}: {dtype}[{', '.join(map(str, shape))}]")
+            else:
+                lines.append(f"  {key}: (a value)")
+        if len(self._metadata) > 20:
+            lines.append(f"  ... and {len(self._metadata) - 20} more")
+        return "\n".join(lines) + ">"
+
+    def load(self, keys: Any = None, *, prefix: str | None = None) -> dict[str, Any]:
+        """A dict of plain CPU tensors (full shapes) for ``keys`` (all by default); ``prefix``
+        (``"model."``) takes the keys that start with it and drops it from their names, ready for
+        ``module.load_state_dict``."""
+        import torch
+
+        if isinstance(keys, str):
+            keys = [keys]
+        wanted = list(self._metadata) if keys is None else list(keys)
+        unknown = [key for key in wanted if key not in self._metadata]
+        if unknown:
+            raise KeyError(f"not in the checkpoint at {self.url!r}: {unknown[:5]} (ck.keys() lists its keys)")
+        if prefix is not None:
+            wanted = [key for key in wanted if key.startswith(prefix)]
+            if not wanted:
+                raise KeyError(f"no key of the checkpoint at {self.url!r} starts with {prefix!r}")
+        state: dict[str, Any] = {}
+        for key in wanted:
+            meta = self._metadata[key]
+            size = getattr(meta, "size", None)
+            state[key] = torch.empty(tuple(size), dtype=meta.properties.dtype) if size is not None else None
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load(state, storage_reader=checkpoint_reader(self.url), no_dist=True)
+        if prefix is not None:
+            return {key[len(prefix) :]: value for key, value in state.items()}
+        return state
+
+
+def open_checkpoint(url: str) -> Checkpoint:
+    """A checkpoint that ``save_training_state`` / ``save_checkpoint`` wrote, opened in the kernel
+    (no process group): ``ck.keys()``, ``ck.load(keys=None, prefix=None)``."""
+    return Checkpoint(url)

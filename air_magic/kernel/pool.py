@@ -215,6 +215,7 @@ class _Call:
     background: bool = False  # a pool.submit call: no thread of the user's waits for it
     hangs: HangWatch | None = None  # the waiting cell's hang watch
     regrouped: str = ""  # the note of a group rebuilt after the call (its collective timed out)
+    assembled: dict[int, Any] = field(default_factory=dict)  # DTensors' full tensors, shared by the replies
     waiter: int = field(default_factory=threading.get_ident)  # the thread that waits for it
 
 
@@ -840,6 +841,7 @@ class PoolEngine:
                 lambda rank, _id: self._on_began(call, rank),
                 call.closed,
                 (launch.shm_dir, launch.work_dir),
+                call.assembled,
             )
         except OutOfStep as exc:
             self._out_of_step(call, pending, exc)
@@ -1163,9 +1165,14 @@ class PoolEngine:
             record = records.get(rank)
             if isinstance(record, UnpicklableRecord):
                 if kind == "pull":
-                    raise _outcome.result_error(
+                    error = _outcome.result_error(
                         rank, n, f"a {record.value_type} for {call.label}, which cannot be sent back ({record.reason})"
                     )
+                    error.add_note(
+                        "[air_magic] a module (DDP, FSDP2, DeepSpeed...) comes back with pool.state_dict(name) or "
+                        "pool.model(name, factory)."
+                    )
+                    raise error
                 raise _outcome.result_error(
                     rank, n, f"a {record.value_type}, which cannot be sent back ({record.reason})"
                 )

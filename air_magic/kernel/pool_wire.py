@@ -57,12 +57,14 @@ def replies(
     began: Callable[[int, int], None],
     closed: dict[int, float],
     folders: tuple[str | None, ...] = (),
+    assembled: dict[int, Any] | None = None,
 ) -> list[Reply]:
     """The replies to call ``call_id`` that came within ``timeout`` s; a rank that answered
     leaves ``pending``.  A rank whose connection closed stays there and is added to
     ``closed`` (with when it was seen), and is not waited on again: the caller sees the
     rank's end.  A rank's ``("began", id)`` goes to ``began(rank, id)``.  A record's large
-    tensors are files the rank wrote into ``folders`` (mapped here, then unlinked).  Raises
+    tensors are files the rank wrote into ``folders`` (mapped here, then unlinked); a DTensor's
+    full tensor is put together in ``assembled``, shared by the call's replies.  Raises
     :class:`OutOfStep`."""
     open_ = {rank: conn for rank, conn in pending.items() if rank not in closed}
     by_conn = {id(conn): rank for rank, conn in open_.items()}
@@ -96,7 +98,7 @@ def replies(
             began(rank, answered)
             continue
         _, _, blob, names, forked = message
-        found.append(Reply(rank, load(blob, folders), list(names), list(forked)))
+        found.append(Reply(rank, load(blob, folders, assembled), list(names), list(forked)))
         del pending[rank]
     return found
 
@@ -115,10 +117,10 @@ def _short(message: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def load(blob: bytes, folders: tuple[str | None, ...] = ()) -> Any:
+def load(blob: bytes, folders: tuple[str | None, ...] = (), assembled: dict[int, Any] | None = None) -> Any:
     """A record sent by a rank (its large tensors' files looked for in ``folders``); an error
     loading it raises is returned in its place (a value of a class the kernel does not have)."""
     try:
-        return _results.loads_record(blob, folders)
+        return _results.loads_record(blob, folders, assembled)
     except Exception as exc:
         return exc

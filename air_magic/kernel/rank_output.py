@@ -616,11 +616,12 @@ def read_records(work_dir: str, ending: _outcome.Ending, shm_dir: str | None = N
     tensors' files are in the launch's ``shm_dir``, or in ``work_dir`` where it had no room."""
     folders = (shm_dir, work_dir)
     records: dict[int, Any] = {}
+    assembled: dict[int, Any] = {}  # DTensors' full tensors, one for every rank's entry
     for state in ending.ranks:
         if ending.failures and state.returncode == 0 and not state.left:
             continue  # finished: its value is not read
         try:
-            records[state.rank] = _results.read_record(_results.result_path(work_dir, state.rank), folders)
+            records[state.rank] = _results.read_record(_results.result_path(work_dir, state.rank), folders, assembled)
         except FileNotFoundError:
             records[state.rank] = _outcome.MISSING
         except Exception as exc:  # cut short by a kill, or unloadable here (any unpickling error)

@@ -18,7 +18,9 @@ it at once, so the tensor arrives without a second copy and nothing stays behind
 ``/dev/shm``.  The file's space is reserved first (``posix_fallocate``): where
 ``/dev/shm`` is too small (Docker's 64 MB), the tensor goes to a file in the launch's
 private folder instead, rather than the rank dying of SIGBUS while it writes.
-CUDA tensors arrive as CPU tensors: the kernel never touches CUDA.
+CUDA tensors arrive as CPU tensors: the kernel never touches CUDA.  A DTensor (FSDP2, tensor
+parallel) travels as the rank's shard and its place; the kernel puts the full tensor together
+from every rank's record, once (each rank's entry is that one tensor).
 
 A rank on another machine (the Ray backend) writes its files the same way into folders
 of its node; its agent hands each file's bytes to Ray as a raw buffer, next to the small
@@ -46,7 +48,7 @@ import cloudpickle
 from air_magic.protocol import Record, result_path
 
 __all__ = ["SHM_THRESHOLD", "result_path", "write_record", "read_record", "rebuild_shared_tensor"]
-__all__ += ["rank_prefix", "tensor_files", "place_tensor_file", "dumps_record", "loads_record"]
+__all__ += ["rank_prefix", "tensor_files", "place_tensor_file", "dumps_record", "loads_record", "assemble_piece"]
 
 #: Tensors at least this large (bytes) go through shared memory.
 SHM_THRESHOLD = 1 << 20
@@ -129,10 +131,13 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
         self._name = _tensor_name(prefix, 0)
         self._places: list[tuple[Any, int]] = []
         self._size = 0
+        self._pieces = 0
         self.shm_paths: list[str] = []
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
+        if torch is not None and type(obj).__name__ == "DTensor" and hasattr(obj, "placements"):
+            return self._dtensor_piece(obj)
         if (
             self._shm_dir is not None
             and torch is not None
@@ -149,6 +154,19 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
             # The name and place only: the kernel finds the file among its launch's folders.
             return rebuild_shared_tensor, (self._name, source.dtype, tuple(source.shape), obj.requires_grad, offset)
         return super().reducer_override(obj)
+
+    def _dtensor_piece(self, dtensor: Any) -> Any:
+        """A DTensor travels as this rank's shard and where it goes in the full tensor: the
+        kernel puts the full tensor together from every rank's record (:func:`assemble_piece`)."""
+        from air_magic.rank.model_back import _part
+
+        part = _part(dtensor, int(os.environ.get("RANK", "0")))
+        index = self._pieces
+        self._pieces += 1
+        local = dtensor.to_local().detach() if part["box"] is not None else None
+        if local is not None and local.device.type != "cpu" and self._shm_dir is None:
+            local = local.cpu()
+        return assemble_piece, (index, dtensor.dtype, tuple(dtensor.shape), part["box"], local)
 
     def write_tensors(self) -> None:
         """Copy the tensors to their places: in shared memory if it has room, else in the
@@ -204,6 +222,27 @@ def rebuild_shared_tensor(
     return tensor
 
 
+def assemble_piece(
+    index: int, dtype: Any, shape: tuple[int, ...], box: Any, local: Any, assembled: dict[int, Any] | None = None
+) -> Any:
+    """The full tensor of the ``index``-th DTensor of the ranks' records, this rank's shard
+    copied into its ``box`` (offsets, sizes).  ``assembled`` is shared by the records of every
+    rank of one launch (or one pool call): each rank's entry is the same tensor, held once."""
+    import torch
+
+    full = assembled.get(index) if assembled is not None else None
+    if full is None:
+        full = torch.zeros(shape, dtype=dtype)
+        if assembled is not None:
+            assembled[index] = full
+    if box is not None and local is not None and local.numel():
+        view = full
+        for dim, (start, size) in enumerate(zip(*box)):
+            view = view.narrow(dim, start, size)
+        view.copy_(local.reshape(view.shape))
+    return full
+
+
 def _candidates(name: str, folders: tuple[str | None, ...]) -> list[str]:
     if os.path.basename(name) != name:  # a file name, never a path
         return []
@@ -213,14 +252,17 @@ def _candidates(name: str, folders: tuple[str | None, ...]) -> list[str]:
 class _RecordUnpickler(pickle.Unpickler):
     """Loads a record, its tensors' file found in ``folders``."""
 
-    def __init__(self, file: IO[bytes], folders: tuple[str | None, ...]) -> None:
+    def __init__(self, file: IO[bytes], folders: tuple[str | None, ...], assembled: dict[int, Any] | None) -> None:
         super().__init__(file)
         self._folders = folders
         self._mapped: dict[str, Any] = {}
+        self._assembled = assembled
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == rebuild_shared_tensor.__name__:
             return functools.partial(rebuild_shared_tensor, folders=self._folders, mapped=self._mapped)
+        if module == __name__ and name == assemble_piece.__name__:
+            return functools.partial(assemble_piece, assembled=self._assembled)
         return super().find_class(module, name)
 
 
@@ -261,13 +303,15 @@ def dumps_record(record: Record, shm_dir: str | None, prefix: str, fallback_dir:
     return buffer.getvalue()
 
 
-def loads_record(blob: bytes, folders: tuple[str | None, ...] = ()) -> Record:
-    """The record :func:`dumps_record` made; its tensors' files are looked for in ``folders``."""
-    return _RecordUnpickler(io.BytesIO(blob), folders).load()  # type: ignore[no-any-return]
+def loads_record(blob: bytes, folders: tuple[str | None, ...] = (), assembled: dict[int, Any] | None = None) -> Record:
+    """The record :func:`dumps_record` made; its tensors' files are looked for in ``folders``;
+    ``assembled``: the full tensors of DTensors, shared with the other ranks' records."""
+    return _RecordUnpickler(io.BytesIO(blob), folders, assembled).load()  # type: ignore[no-any-return]
 
 
-def read_record(path: str, folders: tuple[str | None, ...] = ()) -> Record:
-    """The record at ``path``; its large tensors' files are looked for in ``folders``."""
+def read_record(path: str, folders: tuple[str | None, ...] = (), assembled: dict[int, Any] | None = None) -> Record:
+    """The record at ``path``; its large tensors' files are looked for in ``folders``;
+    ``assembled``: the full tensors of DTensors, shared with the other ranks' records."""
     with open(path, "rb") as handle:
         # written by our own rank, in our own private folder
-        return _RecordUnpickler(handle, folders).load()  # type: ignore[no-any-return]
+        return _RecordUnpickler(handle, folders, assembled).load()  # type: ignore[no-any-return]
