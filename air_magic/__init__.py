@@ -35,8 +35,8 @@ from air_magic.errors import (
 )
 
 if TYPE_CHECKING:
-    from air_magic.kernel.launcher import Launch
     from air_magic.data.weights import save_safetensors
+    from air_magic.kernel.launcher import Launch
     from air_magic.pool import Pool, PoolBrokenError
 
 __all__ = [
