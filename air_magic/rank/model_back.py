@@ -13,7 +13,8 @@ straight to their place in a file the kernel made (the kernel side is
                                                        tensor parallel)  (offsets, sizes); a shard
                                                                          replicated on a mesh
                                                                          dimension: coordinate 0
-                                                     ZeRO-3 parameter    its flat partition
+                                                     ZeRO-3 parameter    its flat partition (one
+                                                                         kept whole: rank 0)
                                    <-------        the plan (small), rank 0's non-tensor entries
     lay out one area (offsets), or safetensors files
     ("model", id, {op: "write", places}) ----->    write(): each part copied once (converted to
@@ -129,7 +130,8 @@ def plan(namespace: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _part(value: Any, rank: int) -> dict[str, Any]:
     dtype = str(value.dtype).removeprefix("torch.")
-    if hasattr(value, "ds_tensor") and hasattr(value, "ds_shape"):  # a DeepSpeed ZeRO-3 parameter
+    if hasattr(value, "ds_tensor") and hasattr(value, "ds_shape") and not getattr(value, "ds_persist", False):
+        # A DeepSpeed ZeRO-3 parameter, partitioned (a small one it keeps whole is a plain tensor).
         numel = int(value.ds_numel)
         size = int(value.ds_tensor.numel())
         start = min(rank * size, numel)
