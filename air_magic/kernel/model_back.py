@@ -143,48 +143,39 @@ def check_fits(nbytes: int, name: str) -> None:
 
 
 class Area:
-    """One file of ``size`` bytes the ranks write into and the kernel maps: in ``shm_dir`` where
-    it has room, else a memfd (not bounded by /dev/shm's size), else in ``fallback_dir``."""
+    """One file of ``size`` bytes the ranks write into and the kernel maps, of one ``kind``:
+    ``"shm"`` (a file of ``shm_dir``, where statvfs says it has room), ``"memfd"`` (not bounded
+    by /dev/shm's size) or ``"file"`` (in ``fallback_dir``).  The kernel only sizes it
+    (``ftruncate``); each rank reserves the bytes it writes (:func:`air_magic.rank.model_back.write`)."""
 
-    def __init__(self, size: int, shm_dir: str | None, fallback_dir: str) -> None:
+    KINDS = ("shm", "memfd", "file")
+    WHERE = {"shm": "shared memory (/dev/shm)", "memfd": "shared memory (a memfd)", "file": "a file of the launch's folder"}
+
+    def __init__(self, size: int, kind: str, shm_dir: str | None, fallback_dir: str) -> None:
         self.size = size
-        self.where = ""
+        self.kind = kind
+        self.where = self.WHERE[kind]
         self._fd: int | None = None
         self._path: str | None = None
-        if shm_dir and _room(shm_dir) >= size:
-            self._path = self._file(shm_dir)
-            if self._path:
-                self.where = "shared memory (/dev/shm)"
-        if self._path is None and hasattr(os, "memfd_create"):
-            fd = os.memfd_create("air_magic-model", 0)
+        if kind == "memfd":
+            self._fd = os.memfd_create("air_magic-model", 0)
+            os.ftruncate(self._fd, size)
+        else:
+            folder = shm_dir if kind == "shm" else fallback_dir
+            assert folder is not None
+            fd, self._path = tempfile.mkstemp(prefix="model-", dir=folder)
             try:
-                if size:
-                    os.posix_fallocate(fd, 0, size)
-                self._fd = fd
-                self.where = "shared memory (a memfd)"
-            except OSError:
+                os.ftruncate(fd, size)
+            finally:
                 os.close(fd)
-        if self._path is None and self._fd is None:
-            self._path = self._file(fallback_dir)
-            if self._path is None:
-                raise ModelBackError(
-                    f"no room for the model's {_size(size)}: not in /dev/shm, memory nor {fallback_dir}"
-                )
-            self.where = "a file of the launch's folder"
 
-    def _file(self, folder: str) -> str | None:
-        fd, path = tempfile.mkstemp(prefix="model-", dir=folder)
-        try:
-            if self.size:
-                os.posix_fallocate(fd, 0, self.size)
-            return path
-        except OSError as exc:
-            os.unlink(path)
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                return None
-            raise
-        finally:
-            os.close(fd)
+    @classmethod
+    def kinds(cls, size: int, shm_dir: str | None) -> list[str]:
+        """The kinds worth trying for ``size`` bytes, in order."""
+        kinds = ["shm"] if shm_dir and _room(shm_dir) >= size else []
+        if hasattr(os, "memfd_create"):
+            kinds.append("memfd")
+        return kinds + ["file"]
 
     @property
     def path_for_ranks(self) -> str:
@@ -201,6 +192,8 @@ class Area:
         path = f"/proc/self/fd/{self._fd}" if self._fd is not None else self._path
         assert path is not None
         try:
+            if self.size == 0:
+                return torch.empty(0, dtype=torch.uint8)
             return torch.from_file(path, shared=True, size=self.size, dtype=torch.uint8)
         finally:
             self.close()
@@ -215,6 +208,10 @@ class Area:
             except FileNotFoundError:
                 pass
             self._path = None
+
+
+def _no_room(exc: BaseException) -> bool:
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG) or "No space left" in str(exc)
 
 
 def _room(folder: str) -> int:
@@ -260,15 +257,22 @@ def _fill(engine: "PoolEngine", name: str, lay: Layout, dtype: str | None) -> di
         at += lay.nbytes(key)
     launch = engine.launch
     assert launch is not None
-    area = Area(at, launch.shm_dir, launch.work_dir)
-    try:
-        places = {key: (area.path_for_ranks, offset) for key, offset in offsets.items()}
-        engine.ask(
-            "model", {"op": "write", "name": name, "places": places, "dtype": dtype}, f"pool.state_dict({name!r})"
-        )
-        whole = area.map()
-    finally:
-        area.close()
+    kinds = Area.kinds(at, launch.shm_dir)
+    whole = None
+    for kind in kinds:
+        area = Area(at, kind, launch.shm_dir, launch.work_dir)
+        try:
+            places = {key: (area.path_for_ranks, offset) for key, offset in offsets.items()}
+            message = {"op": "write", "name": name, "places": places, "dtype": dtype}
+            engine.ask("model", message, f"pool.state_dict({name!r})")
+            whole = area.map()
+            break
+        except OSError as exc:  # a rank found no room (ENOSPC, ENOMEM): the next kind of area
+            if kind == kinds[-1] or not _no_room(exc):
+                raise
+        finally:
+            area.close()
+    assert whole is not None
     tensors = {}
     for key, offset in offsets.items():
         dt = getattr(torch, lay.dtypes[key])

@@ -159,16 +159,34 @@ def _part(value: Any, rank: int) -> dict[str, Any]:
     return {"shape": shape, "dtype": dtype, "kind": "plain", "box": box}
 
 
+def _span(part: dict[str, Any], element: int) -> tuple[int, int]:
+    """The bytes of the key's full tensor that this rank's box lies in: its own rows where the
+    box spans whole rows (a Shard(0), a ZeRO-3 partition), else the whole tensor."""
+    shape, (offsets, sizes) = part["shape"], part["box"]
+    if part["kind"] == "zero3":
+        return offsets[0] * element, sizes[0] * element
+    row = element
+    for dim in shape[1:]:
+        row *= dim
+    if shape and list(sizes[1:]) == list(shape[1:]):
+        return offsets[0] * row, sizes[0] * row
+    total = row * (shape[0] if shape else 1)
+    return 0, total
+
+
 def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: str | None) -> int:
     """Copy this rank's part of each key to its place: ``places[key] = (path, byte offset)`` of
     the key's full tensor (row-major, in ``dtype`` or its own), in a file the kernel made and
-    sized.  Each file is mapped once.  The bytes written."""
+    sized.  The rank reserves the bytes it writes first (``posix_fallocate``: the ranks share
+    the zeroing, and a full /dev/shm is an ENOSPC error here, never a SIGBUS); each file is
+    mapped once.  The bytes written."""
     import torch
 
     module = unwrap(namespace[name], name)
     rank = _rank()
     target = getattr(torch, dtype) if dtype else None
     areas: dict[str, Any] = {}
+    fds: dict[str, int] = {}
     written = 0
     try:
         for key, value in _entries(module).items():
@@ -179,30 +197,37 @@ def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: s
             if part["box"] is None:
                 continue
             path, offset = places[key]
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDWR)
+            out_dtype = target if target is not None and value.is_floating_point() else value.dtype
+            element = torch.empty((), dtype=out_dtype).element_size()
+            start, length = _span(part, element)
+            if length:
+                os.posix_fallocate(fds[path], offset + start, length)
             area = areas.get(path)
             if area is None:
                 area = areas[path] = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
-            out_dtype = target if target is not None and value.is_floating_point() else value.dtype
             full_shape = part["shape"]
             numel = 1
             for dim in full_shape:
                 numel *= dim
-            nbytes = numel * torch.empty((), dtype=out_dtype).element_size()
-            full = area[offset : offset + nbytes].view(out_dtype)
+            full = area[offset : offset + numel * element].view(out_dtype)
             offsets, sizes = part["box"]
             if part["kind"] == "zero3":
                 local = held.ds_tensor.detach().reshape(-1)[: sizes[0]]
                 full[offsets[0] : offsets[0] + sizes[0]].copy_(local)
-                written += sizes[0] * full.element_size()
+                written += sizes[0] * element
                 continue
             local = held.to_local() if part["kind"] == "dtensor" else held
             local = local.detach()
             view = full.view(full_shape) if full_shape else full.view(())
-            for dim, (start, size) in enumerate(zip(offsets, sizes)):
-                view = view.narrow(dim, start, size)
+            for dim, (begin, size) in enumerate(zip(offsets, sizes)):
+                view = view.narrow(dim, begin, size)
             if local.numel():
                 view.copy_(local.reshape(view.shape))
-            written += local.numel() * full.element_size()
+            written += local.numel() * element
     finally:
         areas.clear()
+        for fd in fds.values():
+            os.close(fd)
     return written

@@ -115,6 +115,29 @@ def place_tensor_file(name: str, data: Any, folders: Iterable[str | None]) -> st
     return path
 
 
+def map_for_writing(path: str, size: int) -> Any:
+    """The file at ``path`` (its first ``size`` bytes, already reserved) as a writable uint8
+    tensor, its pages faulted in at once (``MAP_POPULATE``: one call instead of a fault per
+    page as the copy goes)."""
+    import mmap
+
+    import torch
+
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    import warnings
+
+    with warnings.catch_warnings():  # "non-writable buffer": it is writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
 def _aligned(offset: int) -> int:
     return (offset + 63) // 64 * 64
 
@@ -173,11 +196,9 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
         private folder (CUDA tensors straight from the device)."""
         if not self._places:
             return
-        import torch
-
         path = _reserve(self._name, self._size, (self._shm_dir, self._fallback_dir))
         self.shm_paths.append(path)
-        area = torch.from_file(path, shared=True, size=self._size, dtype=torch.uint8)
+        area = map_for_writing(path, self._size)
         for source, offset in self._places:
             nbytes = source.numel() * source.element_size()
             area[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
