@@ -149,7 +149,11 @@ class Area:
     (``ftruncate``); each rank reserves the bytes it writes (:func:`air_magic.rank.model_back.write`)."""
 
     KINDS = ("shm", "memfd", "file")
-    WHERE = {"shm": "shared memory (/dev/shm)", "memfd": "shared memory (a memfd)", "file": "a file of the launch's folder"}
+    WHERE = {
+        "shm": "shared memory (/dev/shm)",
+        "memfd": "shared memory (a memfd)",
+        "file": "a file of the launch's folder",
+    }
 
     def __init__(self, size: int, kind: str, shm_dir: str | None, fallback_dir: str) -> None:
         self.size = size
