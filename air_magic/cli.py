@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import json
 import linecache
 import os
 import sys
@@ -113,7 +114,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         prog="air-magic",
         description="Tools for air_magic, the notebook launcher for multi-GPU training: "
         "lint moves serverless_gpu / databricks.air code to air_magic, run launches a script "
-        "or a function on every accelerator of this machine from a terminal.",
+        "or a function on every accelerator of this machine from a terminal, ps lists the machine's "
+        "launches and pools, stop stops one of yours.",
         epilog="`air-magic VERB --help` describes a verb.",
     )
     parser.add_argument("--version", action="version", version=f"air-magic {__version__}")
@@ -136,6 +138,22 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="ADDRESS",
         help="the Ray cluster to run on, with --backend ray (sets RAY_ADDRESS for the launch)",
     )
+    ps = verbs.add_parser(
+        "ps",
+        help="list the machine's air_magic launches and pools (every user's), and GPU memory no launch holds",
+        description="Every air_magic launch and pool on this machine: yours in full (kernel, notebook, pids, "
+        "GPUs, GPU and host memory, state, age), other users' as owner, GPUs and age; then the processes "
+        "holding GPU memory that are no launch's.",
+    )
+    ps.add_argument("--json", action="store_true", help="a JSON list, for scripts")
+    stop = verbs.add_parser(
+        "stop",
+        help="stop one of your launches or pools (its cell says it was stopped from outside)",
+        description="Stop a launch or pool of yours by its id (air-magic ps lists them): its ranks get SIGTERM, "
+        "then SIGKILL after 5 s; its notebook cell raises, saying who stopped it. Someone else's is refused "
+        "(root may).",
+    )
+    stop.add_argument("id", metavar="ID", help="the launch's or pool's id, as air-magic ps shows it")
     return parser, run
 
 
@@ -167,7 +185,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         from air_magic.lint import cli as lint_cli
 
         return lint_cli.run(args)
+    if args.verb in ("ps", "stop"):
+        return machine_verb(args)
     return run(args, script_args)
+
+
+def machine_verb(args: argparse.Namespace) -> int:
+    """``air-magic ps`` and ``air-magic stop ID``."""
+    from air_magic.kernel import machine
+
+    try:
+        if args.verb == "stop":
+            print(machine.stop(args.id))
+            return EXIT_OK
+        found, skipped = machine.rows()
+        if args.json:
+            print(json.dumps(found, indent=1))
+        else:
+            print(machine.table(found, machine.orphans(), skipped))
+        for line in skipped if args.json else ():
+            sys.stderr.write(f"[air_magic] skipped a record: {line}\n")
+        return EXIT_OK
+    except (machine.StopError, OSError) as exc:  # OSError: the list's folder cannot be trusted
+        sys.stderr.write(f"air-magic {args.verb}: error: {exc}\n")
+        return EXIT_FAILED
 
 
 def run(args: argparse.Namespace, script_args: Sequence[str] = ()) -> int:
@@ -250,6 +291,9 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
         warm_in_background(launcher.session_dir)
     if args.address is not None:
         os.environ["RAY_ADDRESS"] = args.address  # read by the Ray backend, and by the ranks
+    from air_magic.kernel import claims
+
+    claims.FRONT = "run"  # what this process's launch is in the machine's list
     with _first_on_sys_path(path_first):  # the ranks take sys.path as it is at the start
         launch = launcher.start(spec, payload)
     try:

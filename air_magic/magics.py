@@ -271,6 +271,33 @@ class DistributedMagics(Magics):
         return None
 
     @magic_arguments()
+    @argument("--stop", metavar="ID", help="Stop your launch or pool ID (its cell says who stopped it).")
+    @argument("--json", action="store_true", help="The list as JSON.")
+    @line_magic
+    def distributed_ps(self, line: str) -> Any:
+        """Every air_magic launch and pool on this machine (every notebook's, every user's),
+        as ``air-magic ps`` shows them; ``--stop ID`` stops one of yours, as ``air-magic stop``::
+
+            In [7]: %distributed_ps
+            ID             OWNER  KIND  RANKS  GPUS  GPU MEM      HOST MEM   STATE    AGE  NOTEBOOK / KERNEL
+            0003-5f2c91ab  alice  pool  4      0,1,2,3  9.1G ...  2.3G ...   running  12m  train.ipynb
+        """
+        args = self.distributed_ps.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
+        from air_magic.kernel import machine
+
+        if args.stop:
+            try:
+                print(f"[air_magic] {machine.stop(args.stop)}")
+            except machine.StopError as exc:
+                raise UsageError(f"%distributed_ps --stop: {exc}") from None
+            return None
+        found, skipped = machine.rows()
+        if args.json:
+            return found
+        print(machine.table(found, machine.orphans(), skipped))
+        return None
+
+    @magic_arguments()
     @argument("rank", nargs="?", type=int, help="The rank to look into (default: the one that failed first).")
     @line_magic
     def distributed_debug(self, line: str) -> None:

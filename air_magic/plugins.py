@@ -171,11 +171,13 @@ def register() -> None:
         if _registered:
             return
         from air_magic.kernel import pool as _pool
+        from air_magic.kernel.claims import claim_observer
         from air_magic.kernel.launcher import Launch, Launcher
 
         Launch.render = panel_mimebundle
         _pool.CALL_WATCHERS.append(pool_panel)
         _pool.CALL_WATCHERS.append(lab_call)
+        Launcher.add_observer(claim_observer)  # first: a launch waiting for GPUs has no run, no panel yet
         Launcher.add_observer(tracking)
         Launcher.add_observer(panel)
         Launcher.add_observer(tracking_off)

@@ -510,6 +510,13 @@ class Launch:
             self.ranks[rank].node = nodes.get(rank)
         if self.status == "starting":
             self.status = "running"
+        for observer in self.observers:  # an observer may say what the ranks are (the machine's list)
+            hook = getattr(observer, "after_start", None)
+            if hook is not None:
+                try:
+                    hook(self)
+                except Exception:  # never the launch's outcome
+                    pass
 
     def _on_exit(self, rank: int, returncode: int, at: float | None = None) -> None:
         state = self.ranks[rank]

@@ -213,6 +213,8 @@ class Launcher:
                     with launch.timed(observer, "before_start"):
                         observer.before_start(launch, env)
                     launch.observers.append(observer)
+            except LaunchError:  # the GPUs' claim refused the launch (GPUsBusyError): its words
+                raise
             except Exception as exc:  # optional pieces (any error of theirs) never stop a launch
                 print(
                     f"[air_magic] {getattr(factory, '__name__', 'observer')} is off for this launch: "

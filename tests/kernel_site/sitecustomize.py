@@ -29,3 +29,48 @@ if _slow:
             return None
 
     sys.meta_path.insert(0, _SlowMlflow())
+
+# ``AIR_MAGIC_TEST_FAKE_GPUS=N``: NVML answers as a machine with N GPUs would (the edge this CPU
+# machine does not have), in the kernel, its helper and its ranks (kept in the environment).
+# ``AIR_MAGIC_TEST_FAKE_GPU_BUSY=INDEX:MIB`` adds a process outside air_magic using MIB on one.
+_fake = os.environ.get("AIR_MAGIC_TEST_FAKE_GPUS")
+if _fake:
+    import sys
+    import types
+
+    _nv = types.ModuleType("pynvml")
+
+    class NVMLError(Exception):
+        pass
+
+    class _Proc:
+        def __init__(self, pid: int, used: int) -> None:
+            self.pid, self.usedGpuMemory = pid, used
+
+    class _Memory:
+        def __init__(self, used: int, total: int) -> None:
+            self.used, self.total, self.free = used, total, total - used
+
+    class _Rates:
+        gpu = 0
+        memory = 0
+
+    _busy: dict[int, int] = {}
+    for _item in filter(None, os.environ.get("AIR_MAGIC_TEST_FAKE_GPU_BUSY", "").split(",")):
+        _index, _mib = _item.split(":")
+        _busy[int(_index)] = int(_mib) << 20
+
+    def _procs(handle: int) -> list:
+        return [_Proc(999_999, _busy[handle])] if handle in _busy else []
+
+    _nv.NVMLError = NVMLError  # type: ignore[attr-defined]
+    _nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    _nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetCount = lambda: int(_fake)  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetHandleByIndex = lambda i: i  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetName = lambda h: "NVIDIA H100 80GB HBM3"  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetUUID = lambda h: f"GPU-00000000-0000-0000-0000-{h:012d}"  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetMemoryInfo = lambda h: _Memory(_busy.get(h, 0), 80 << 30)  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetUtilizationRates = lambda h: _Rates()  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetComputeRunningProcesses = _procs  # type: ignore[attr-defined]
+    sys.modules["pynvml"] = _nv

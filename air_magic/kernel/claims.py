@@ -1,0 +1,248 @@
+"""One GPU box, many notebooks: each launch and pool in the machine's list, and the GPUs it
+claims (the list is :mod:`air_magic.protocol.registry`; ``air-magic ps`` and ``stop`` read it)::
+
+    before the ranks start (an observer, the first):
+        GPU ranks: under the machine's claims lock, the GPUs this kernel may use (NVML,
+        CUDA_VISIBLE_DEVICES honoured) less those live records claim and those processes
+        outside air_magic use heavily (AIR_MAGIC_GPU_BUSY_MIB) --> enough free: the record is
+        written with them, and the ranks get CUDA_VISIBLE_DEVICES = their UUIDs
+                                                       --> not enough: wait (said once: who holds
+        them), looking again every 0.2 s; AIR_MAGIC_GPU_WAIT=0: refuse at once, in the same words
+        CPU ranks: the record only
+    when the ranks have started: their pids in the record
+    when the launch has ended: the record goes; a stop asked from outside is said in the cell
+
+A record dies with its holder (the kernel's process): a killed kernel's GPUs are free for the
+next look.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from air_magic.errors import LaunchError
+from air_magic.protocol import registry
+
+if TYPE_CHECKING:
+    from air_magic.kernel.launch import Launch
+
+__all__ = ["ClaimObserver", "GPU", "visible_gpus", "choose", "GPUsBusyError", "describe_holders"]
+
+#: How often a waiting launch looks again.
+POLL = 0.2
+
+
+class GPUsBusyError(LaunchError):
+    """The GPUs a launch asks for are held (and it was not to wait)."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    index: int  # NVML's (the machine's) index
+    uuid: str
+
+
+def visible_gpus() -> list[GPU]:
+    """The GPUs this process may use, by NVML, in ``CUDA_VISIBLE_DEVICES``' order where it is set."""
+    try:
+        import pynvml  # type: ignore[import-untyped]
+
+        pynvml.nvmlInit()
+    except Exception:  # no NVML: no GPU to claim
+        return []
+    try:
+        found = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+            found.append(GPU(index, uuid.decode() if isinstance(uuid, bytes) else str(uuid)))
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    chosen = []
+    for entry in (e.strip() for e in visible.split(",")):
+        match = [
+            g for g in found if (entry.isdigit() and g.index == int(entry)) or (entry and g.uuid.startswith(entry))
+        ]
+        if not match:
+            break  # CUDA stops at the first entry it does not know
+        chosen.append(match[0])
+    return chosen
+
+
+def outside_use(gpus: list[GPU], known: set[int]) -> dict[str, int]:
+    """Bytes of each GPU's memory that processes outside air_magic's records use."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    used: dict[str, int] = {}
+    try:
+        for gpu in gpus:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(gpu.index)
+            try:
+                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except pynvml.NVMLError:
+                continue
+            used[gpu.uuid] = sum(int(p.usedGpuMemory or 0) for p in procs if p.pid not in known)
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return used
+
+
+def choose(count: int | None, gpus: list[GPU], taken: set[str], busy: set[str]) -> list[GPU] | None:
+    """``count`` free GPUs (None: every free one, at least one), or None when there are not enough."""
+    free = [g for g in gpus if g.uuid not in taken and g.uuid not in busy]
+    if count is None:
+        return free or None
+    return free[:count] if len(free) >= count else None
+
+
+def describe_holders(wanted: list[GPU], holders: list[registry.Record], busy: set[str]) -> str:
+    """``GPUs 0–3 are held by alice · train.ipynb · pool · 12 min``: who holds what is wanted."""
+    parts = []
+    uuids = {g.uuid for g in wanted}
+    for record in holders:
+        mine = [g["index"] for g in record.gpus if g["uuid"] in uuids]
+        if mine:
+            where = " · ".join(x for x in (record.user, record.notebook or record.kernel, record.kind) if x)
+            parts.append(
+                f"GPU{'s' * (len(mine) > 1)} {_span(mine)} {'are' if len(mine) > 1 else 'is'} held by {where} · {_age(record.age())}"
+            )
+    outside = sorted(g.index for g in wanted if g.uuid in busy)
+    if outside:
+        parts.append(f"GPU{'s' * (len(outside) > 1)} {_span(outside)} used by processes outside air_magic")
+    return "; ".join(parts) or "no GPU is free"
+
+
+def _span(indices: list[int]) -> str:
+    indices = sorted(indices)
+    if len(indices) > 2 and indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}–{indices[-1]}"
+    return ", ".join(map(str, indices))
+
+
+def _age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _kernel_id() -> str:
+    try:
+        from ipykernel.connect import get_connection_file  # type: ignore[import-untyped]
+
+        name = os.path.basename(get_connection_file())
+        return name.removeprefix("kernel-").removesuffix(".json")
+    except Exception:  # not in a kernel (air-magic run, a script)
+        return ""
+
+
+#: What this process's launches are in the list: ``air-magic run`` sets ``"run"``.
+FRONT = "launch"
+
+
+def _kind(launch: "Launch") -> str:
+    return "pool" if launch.kind == "pool" else FRONT
+
+
+class ClaimObserver:
+    """The launch's record in the machine's list, and its GPUs."""
+
+    def __init__(self, launch: "Launch") -> None:
+        self.launch = launch
+        self.holder: registry.Holder | None = None
+
+    def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
+        me = os.getpid()
+        record = registry.Record(
+            id=launch.id,
+            uid=os.getuid(),
+            user=registry.user_name(os.getuid()),
+            holder_pid=me,
+            holder_start=registry.process_start(me),
+            kind=_kind(launch),
+            ranks=launch.world_size,
+            notebook=os.environ.get("JPY_SESSION_NAME", ""),
+            kernel=_kernel_id(),
+            label=launch.label or "",
+        )
+        if launch.placement.device != "cuda" or not launch.local_processes:
+            self.holder = registry.publish(record)
+            return
+        gpus = visible_gpus()
+        if not gpus:
+            self.holder = registry.publish(record)
+            return
+        count = launch.world_size if launch.spec.num_accelerators is not None else None
+        said = False
+        wait = os.environ.get("AIR_MAGIC_GPU_WAIT", "1").strip().lower() not in ("0", "false", "no", "off")
+        while True:
+            with registry.claims_lock():
+                holders, _ = registry.records()
+                taken = {g["uuid"] for r in holders for g in r.gpus}
+                known = {p for r in holders for p in r.pids}
+                limit = int(float(os.environ.get("AIR_MAGIC_GPU_BUSY_MIB", "1024")) * 2**20)
+                busy = {uuid for uuid, used in outside_use(gpus, known).items() if used > limit}
+                chosen = choose(count, gpus, taken, busy)
+                if chosen is not None:
+                    record.gpus = [{"index": g.index, "uuid": g.uuid} for g in chosen]
+                    record.ranks = len(chosen) if count is None else record.ranks
+                    self.holder = registry.publish(record)
+                    break
+            wanted = gpus if count is None else [g for g in gpus if g.uuid in taken or g.uuid in busy]
+            words = describe_holders(wanted, holders, busy)
+            if not wait:
+                raise GPUsBusyError(
+                    f"{count if count is not None else 'the'} GPU{'s' * (count != 1)} asked for "
+                    f"{'are' if count != 1 else 'is'} not free: {words}. Wait for them (the default), or ask for fewer."
+                )
+            if not said:
+                line = f"[air_magic] {words}; waiting (Interrupt to stop waiting)"
+                print(line, file=sys.stderr, flush=True)
+                said = True
+            time.sleep(POLL)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in record.gpus)
+
+    def after_start(self, launch: "Launch") -> None:
+        if self.holder is not None:
+            pids = [state.pid for state in launch.ranks if state.pid]
+            starts = [registry.process_start(pid) for pid in pids]
+            self.holder.update(pids=pids, pid_starts=starts, state="running")
+
+    def after_end(self, launch: "Launch") -> None:
+        if self.holder is None:
+            return
+        try:
+            with open(registry.stopped_path(launch.id)) as handle:
+                who = json.load(handle)
+            launch.notify(
+                f"[air_magic] this launch was stopped from outside: air-magic stop by {who.get('user', '?')} "
+                f"(pid {who.get('pid', '?')} on {who.get('host', '?')}) at {who.get('at', '?')}.",
+                "stderr",
+            )
+        except (OSError, ValueError):
+            pass
+        self.holder.close()
+        self.holder = None
+
+
+def claim_observer(launch: "Launch") -> ClaimObserver:
+    """The observer factory (registered first by :mod:`air_magic.plugins`)."""
+    return ClaimObserver(launch)

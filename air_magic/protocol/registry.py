@@ -1,0 +1,294 @@
+"""The machine's list of launches and pools: one small record per live launch, in a folder
+every user of the machine can write, read by ``air-magic ps`` / ``stop`` and by the GPU claims
+(standard library only)::
+
+    <tempdir>/air-magic-launches/        drwxrwxrwt (sticky, as /tmp: only a file's owner removes it)
+        claims.lock                      flock'ed while a launch picks GPUs: no two get the same one
+        <launch id>.json                 one record, owned by the launch's user (0644), written
+                                         whole then renamed; its holder (the kernel, or air-magic
+                                         run) keeps it open with a shared flock while it lives
+        <launch id>.stopped              who asked ``air-magic stop`` (the holder says so in the cell)
+
+A record is alive while its holder is: the holder's pid runs with the start time the record
+names (where this process can see that pid), else its flock is held.  A dead record is removed
+by its owner's next look and skipped by everyone's.  What a record says is trusted only as far
+as the file's owner goes: a record whose ``uid`` is not its file's owner, that is not a regular
+file, is larger than :data:`MAX_BYTES` or is not a record is skipped (and said once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pwd
+import re
+import socket
+import stat
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+__all__ = [
+    "REGISTRY_ENV",
+    "MAX_BYTES",
+    "Record",
+    "Holder",
+    "folder",
+    "publish",
+    "records",
+    "claims_lock",
+    "process_start",
+    "user_name",
+    "stopped_path",
+]
+
+#: Where the records are (default ``<tempdir>/air-magic-launches``).
+REGISTRY_ENV = "AIR_MAGIC_REGISTRY"
+#: A record larger than this is not one.
+MAX_BYTES = 64 << 10
+_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+@dataclass
+class Record:
+    """One launch or pool: who, where, what it holds."""
+
+    id: str
+    uid: int
+    user: str
+    holder_pid: int  # the kernel (or air-magic run) that started it
+    holder_start: int | None  # that process's start time (clock ticks since boot): no pid reuse
+    kind: str  # "launch", "pool" or "run"
+    ranks: int
+    pids: list[int] = field(default_factory=list)
+    pid_starts: list[int | None] = field(default_factory=list)  # each rank's start time: no pid reuse
+    gpus: list[dict[str, Any]] = field(default_factory=list)  # {"index": int, "uuid": str}
+    notebook: str = ""
+    kernel: str = ""
+    label: str = ""  # the cell or function (its owner sees it; others do not)
+    state: str = "starting"
+    started: float = field(default_factory=time.time)
+    host: str = field(default_factory=socket.gethostname)
+    pidns: str = field(default_factory=lambda: _pidns())  # the holder's pid namespace
+
+    @classmethod
+    def parse(cls, data: Any) -> "Record":
+        """A record from JSON, every field's type checked (ValueError otherwise)."""
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        types: dict[str, Any] = {
+            "id": str, "uid": int, "user": str, "holder_pid": int, "kind": str, "ranks": int, "pids": list,
+            "gpus": list, "notebook": str, "kernel": str, "label": str, "state": str, "started": (int, float),
+            "host": str,
+        }  # fmt: skip
+        for name, kind in types.items():
+            if not isinstance(data.get(name), kind) or isinstance(data.get(name), bool):
+                raise ValueError(f"{name} is missing or of the wrong type")
+        if not isinstance(data.get("pidns", ""), str):
+            raise ValueError("pidns is of the wrong type")
+        if not (data.get("holder_start") is None or isinstance(data["holder_start"], int)):
+            raise ValueError("holder_start is of the wrong type")
+        if not _ID.fullmatch(data["id"]) or data["kind"] not in ("launch", "pool", "run"):
+            raise ValueError("id or kind is not one of a record")
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in data["pids"]):
+            raise ValueError("pids are not process ids")
+        starts = data.get("pid_starts", [])
+        if not isinstance(starts, list) or not all(
+            s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in starts
+        ):
+            raise ValueError("pid_starts are not start times")
+        for gpu in data["gpus"]:
+            if not (isinstance(gpu, dict) and isinstance(gpu.get("index"), int) and isinstance(gpu.get("uuid"), str)):
+                raise ValueError("gpus are not GPUs")
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def age(self) -> float:
+        return max(0.0, time.time() - self.started)
+
+
+def folder() -> str:
+    """The records' folder, made (sticky, writable by all) if missing; refused where it is not
+    a real folder (a link someone put there) or is writable by others without the sticky bit."""
+    path = os.environ.get(REGISTRY_ENV) or os.path.join(tempfile.gettempdir(), "air-magic-launches")
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o1777)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise OSError(f"{path} is not a folder (a link or a file is in its place)")
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        raise OSError(f"{path} is writable by every user without the sticky bit: records there cannot be trusted")
+    return path
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks after boot), or None where it is not visible here
+    (or has died and waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 2 :].split()
+    if fields and fields[0] in (b"Z", b"X"):  # a zombie: dead, not yet reaped by its parent
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def stopped_path(launch_id: str) -> str:
+    return os.path.join(folder(), f"{launch_id}.stopped")
+
+
+class Holder:
+    """A published record, kept alive (a shared flock on its file) until :meth:`close`."""
+
+    def __init__(self, record: Record, path: str, fd: int) -> None:
+        self.record = record
+        self.path = path
+        self._fd: int | None = fd
+
+    def update(self, **fields: Any) -> None:
+        """Rewrite the record with ``fields`` changed (whole, then renamed: never half-written)."""
+        for name, value in fields.items():
+            setattr(self.record, name, value)
+        if self._fd is None:
+            return
+        fd = _write(self.path, self.record)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        old, self._fd = self._fd, fd
+        os.close(old)
+
+    def close(self) -> None:
+        """The launch has ended: its record goes."""
+        if self._fd is None:
+            return
+        for path in (self.path, stopped_path(self.record.id)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def _write(path: str, record: Record) -> int:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.write(fd, json.dumps(asdict(record)).encode())
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return fd
+
+
+def publish(record: Record) -> Holder:
+    """Write ``record`` into the machine's list and hold it alive."""
+    path = os.path.join(folder(), f"{record.id}.json")
+    fd = _write(path, record)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return Holder(record, path, fd)
+
+
+def _alive(record: Record, fd: int) -> bool:
+    start = process_start(record.holder_pid)
+    if start is not None:  # the holder's pid is visible here: it is the holder if it started then
+        return record.holder_start is None or start == record.holder_start
+    if record.host == socket.gethostname() and record.pidns == _pidns():
+        return False  # this machine's, this pid namespace's, and no such process
+    try:  # another pid namespace (a container): the holder's lock says
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _pidns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def records(remove_dead: bool = True) -> tuple[list[Record], list[str]]:
+    """The live records, oldest first, and a line for each file skipped (forged, truncated,
+    too large).  Dead records of this user are removed."""
+    where = folder()
+    found: list[Record] = []
+    skipped: list[str] = []
+    me = os.getuid()
+    for name in sorted(os.listdir(where)):
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(where, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone meanwhile, a link, not ours to read
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+                skipped.append(f"{name}: not a record (not a plain file, or {info.st_size} bytes)")
+                continue
+            try:
+                record = Record.parse(json.loads(os.read(fd, MAX_BYTES + 1)))
+            except (ValueError, TypeError, UnicodeDecodeError) as exc:
+                skipped.append(f"{name}: not a record ({exc})")
+                continue
+            if record.uid != info.st_uid or f"{record.id}.json" != name:
+                skipped.append(f"{name}: forged (it names uid {record.uid}; the file is uid {info.st_uid}'s)")
+                continue
+            if not _alive(record, fd):
+                if remove_dead and me in (info.st_uid, 0):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                continue
+            found.append(record)
+        finally:
+            os.close(fd)
+    found.sort(key=lambda r: r.started)
+    return found, skipped
+
+
+@contextlib.contextmanager
+def claims_lock(timeout: float = 10.0) -> Iterator[None]:
+    """The machine-wide lock a launch holds while it picks GPUs and writes its record."""
+    path = os.path.join(folder(), "claims.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except PermissionError:  # another user's: reading is enough for a lock
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{path} stayed locked for {timeout:g} s (a process holds it)") from None
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)
