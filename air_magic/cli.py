@@ -271,6 +271,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         given["timeout"] = timeout_from_text(args.timeout)
     if args.no_tracking:
         given["tracking"] = False
+    if args.no_wait:
+        given["wait"] = False
     spec = make_spec(**given)
     if args.address is not None and spec.backend != "ray":
         raise _Refused("--address is the address of a Ray cluster: use it with --backend ray.")

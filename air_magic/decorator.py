@@ -152,6 +152,7 @@ class DistributedFunction(Generic[R]):
         run_name: str | None = None,
         backend: str | None = None,
         panel: bool | None = None,
+        wait: bool | None = None,
     ) -> "DistributedFunction[R]":
         """A new, re-validated object with some settings changed (``timeout=None``: no limit)."""
         spec = self.spec
@@ -180,6 +181,7 @@ class DistributedFunction(Generic[R]):
             run_name=spec.run_name if run_name is None else run_name,
             backend=spec.backend if backend is None else backend,
             panel=spec.panel if panel is None else panel,
+            wait=spec.wait if wait is None else wait,
         )
         return DistributedFunction(self.func, new_spec)
 
@@ -230,6 +232,7 @@ def distributed(
     backend: str = "local",
     remote: bool = False,
     panel: bool | None = None,
+    wait: bool = True,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -246,6 +249,7 @@ def distributed(
     backend: Any = "local",
     remote: Any = False,
     panel: Any = None,
+    wait: Any = True,
 ) -> Any:
     """Run a function as one process per accelerator of this machine (DDP, FSDP, DeepSpeed).
 
@@ -271,6 +275,9 @@ def distributed(
     panel : bool, optional
         Show the launch's live panel; ``None`` (default) follows the kernel's setting
         (``%config DistributedMagics.panel``, ``AIR_MAGIC_PANEL``).
+    wait : bool
+        When the GPUs asked for are held by another launch (another notebook's), wait for
+        them (the default, saying who holds them), or refuse at once (``False``).
 
     Returns
     -------
@@ -306,6 +313,7 @@ def distributed(
         backend=backend,
         remote=remote,
         panel=panel,
+        wait=wait,
     )
     _warm_launcher(spec.tracking)
 

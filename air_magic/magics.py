@@ -166,7 +166,11 @@ class DistributedMagics(Magics):
         if engine is None:  # the first pool cell starts the pool the spec describes
             try:
                 engine = Pool(
-                    spec.num_accelerators, spec.accelerator_type, tracking=spec.tracking, backend=spec.backend
+                    spec.num_accelerators,
+                    spec.accelerator_type,
+                    tracking=spec.tracking,
+                    backend=spec.backend,
+                    wait=spec.wait,
                 )._engine
             except ConfigurationError as exc:
                 raise UsageError(f"%%distributed: {exc}") from None
@@ -250,6 +254,7 @@ class DistributedMagics(Magics):
                     tracking=self.tracking and not args.no_tracking,
                     timeout=_timeout_arg(args.timeout) if args.timeout is not None else None,
                     backend=args.backend or "local",
+                    wait=not args.no_wait,
                 )
             except ConfigurationError as exc:
                 raise UsageError(f"%distributed_pool: {exc}") from None
@@ -346,6 +351,7 @@ class DistributedMagics(Magics):
                 experiment=args.experiment if args.experiment is not None else self.experiment,
                 run_name=args.run_name,
                 backend=args.backend or "local",
+                wait=not args.no_wait,
             )
         except ConfigurationError as exc:
             raise UsageError(f"%%distributed: {exc}") from None

@@ -153,6 +153,16 @@ OPTIONS: tuple[Option, ...] = (
             "(the nodes of the Ray cluster air_magic.ray_init() or RAY_ADDRESS names)."
         ),
     ),
+    Option(
+        "wait",
+        default=True,
+        flags=("--no-wait",),
+        action="store_true",
+        help=(
+            "When the GPUs asked for are held by another launch or notebook, refuse at once "
+            "(naming who holds them) instead of waiting for them."
+        ),
+    ),
     Option("remote", default=False),  # refused: kept so that old code gets a clear error
     # None: the kernel's setting (%config DistributedMagics.panel, AIR_MAGIC_PANEL).
     Option("panel"),
@@ -169,7 +179,7 @@ def _flagged() -> Iterable[Option]:
 
 
 #: The options of a pool (``%distributed_pool``, ``air_magic.Pool``): what its ranks are.
-POOL_KEYWORDS = ("num_accelerators", "accelerator_type", "timeout", "tracking", "backend")
+POOL_KEYWORDS = ("num_accelerators", "accelerator_type", "timeout", "tracking", "backend", "wait")
 
 
 def apply_arguments(

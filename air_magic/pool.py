@@ -23,7 +23,7 @@ class Pool:
     """N ranks that keep their namespace and their process group from one call to the next.
 
     ``Pool(num_accelerators=None, accelerator_type=None, *, backend="local", tracking=True,
-    timeout=None)`` starts the ranks at once (the same ranks a launch with these options
+    timeout=None, wait=True)`` starts the ranks at once (the same ranks a launch with these options
     would start: ``backend="ray"`` places one rank per bundle on the nodes of the Ray
     cluster); ``timeout`` bounds each call.  ``%%distributed --pool`` runs a cell on the
     kernel's pool.
@@ -41,8 +41,11 @@ class Pool:
         backend: str = "local",
         tracking: bool = True,
         timeout: float | None = None,
+        wait: bool = True,
     ) -> None:
-        spec = make_spec(num_accelerators, accelerator_type, None, tracking=tracking, backend=backend, panel=False)
+        spec = make_spec(
+            num_accelerators, accelerator_type, None, tracking=tracking, backend=backend, panel=False, wait=wait
+        )
         from air_magic.plugins import get_launcher
 
         self._engine = PoolEngine(spec, get_launcher, timeout=check_timeout(timeout) if timeout is not None else None)

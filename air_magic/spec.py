@@ -77,6 +77,8 @@ class LaunchSpec:
     experiment: str | None = None
     run_name: str | None = None
     backend: str = "local"
+    #: Wait for GPUs another launch holds (False: refuse at once, naming who holds them).
+    wait: bool = True
     #: The launch's live panel: ``None`` follows the kernel's setting (``settings.panel``).
     #: TODO(panel.py): its panel decision is to read this first, then ``settings.panel``.
     panel: bool | None = None
@@ -164,6 +166,8 @@ class LaunchSpec:
             parts.append(f"run_name={self.run_name!r}")
         if self.backend != "local":
             parts.append(f"backend={self.backend!r}")
+        if not self.wait:
+            parts.append("wait=False")
         if self.panel is not None:
             parts.append(f"panel={self.panel!r}")
         return ", ".join(parts)
@@ -337,6 +341,7 @@ def make_spec(
     backend: object = "local",
     remote: object = False,
     panel: object = None,
+    wait: object = True,
 ) -> LaunchSpec:
     """Validate the decorator's arguments (no hardware is looked at) and build a spec."""
     checked_timeout = check_timeout(timeout)
@@ -364,6 +369,8 @@ def make_spec(
             "backend='ray' needs Ray, which is not installed in the environment this kernel runs in: "
             "pip install 'air_magic[ray]' (and the same on every node of the cluster)."
         )
+    if not isinstance(wait, bool):
+        raise ConfigurationError(f"wait must be True or False, got {wait!r}.")
     if panel is not None and not isinstance(panel, bool):
         raise ConfigurationError(f"panel must be True, False or None (the kernel's setting), got {panel!r}.")
     return LaunchSpec(
@@ -374,5 +381,6 @@ def make_spec(
         experiment=_check_text(experiment, "experiment"),
         run_name=_check_text(run_name, "run_name"),
         backend=str(backend),
+        wait=wait,
         panel=panel,
     )

@@ -7,7 +7,7 @@ claims (the list is :mod:`air_magic.protocol.registry`; ``air-magic ps`` and ``s
         outside air_magic use heavily (AIR_MAGIC_GPU_BUSY_MIB) --> enough free: the record is
         written with them, and the ranks get CUDA_VISIBLE_DEVICES = their UUIDs
                                                        --> not enough: wait (said once: who holds
-        them), looking again every 0.2 s; AIR_MAGIC_GPU_WAIT=0: refuse at once, in the same words
+        them), looking again every 0.2 s; --no-wait / wait=False: refuse at once, in the same words
         CPU ranks: the record only
     when the ranks have started: their pids in the record
     when the launch has ended: the record goes; a stop asked from outside is said in the cell
@@ -192,7 +192,7 @@ class ClaimObserver:
             return
         count = launch.world_size if launch.spec.num_accelerators is not None else None
         said = False
-        wait = os.environ.get("AIR_MAGIC_GPU_WAIT", "1").strip().lower() not in ("0", "false", "no", "off")
+        wait = launch.spec.wait
         while True:
             with registry.claims_lock():
                 holders, _ = registry.records()
@@ -211,7 +211,7 @@ class ClaimObserver:
             if not wait:
                 raise GPUsBusyError(
                     f"{count if count is not None else 'the'} GPU{'s' * (count != 1)} asked for "
-                    f"{'are' if count != 1 else 'is'} not free: {words}. Wait for them (the default), or ask for fewer."
+                    f"{'are' if count != 1 else 'is'} not free: {words}. Wait for them (without --no-wait / wait=False), or ask for fewer."
                 )
             if not said:
                 line = f"[air_magic] {words}; waiting (Interrupt to stop waiting)"

@@ -75,15 +75,16 @@ def test_notebooks_get_disjoint_gpus_wait_for_held_ones_and_a_dead_kernel_frees_
     assert sorted(mine) == ["first.ipynb", "second.ipynb"]
     assert sorted(mine["first.ipynb"] + mine["second.ipynb"]) == [0, 1, 2, 3]  # disjoint, all four
 
-    # Refused at once when asked not to wait, naming who holds them.
-    third.ok("import os\nos.environ['AIR_MAGIC_GPU_WAIT'] = '0'")
-    refused = third.run(f"hold.distributed({gates[2]!r})")
+    # Refused at once when asked not to wait, naming who holds them; --no-wait on a cell too.
+    refused = third.run(f"hold.with_overrides(wait=False).distributed({gates[2]!r})")
     assert refused.error is not None and refused.error["ename"] == "GPUsBusyError"
     user = registry.user_name(os.getuid())
     assert f"held by {user} · first.ipynb · launch" in refused.error["evalue"]
     assert f"held by {user} · second.ipynb · launch" in refused.error["evalue"]
+    cell = third.run("%%distributed -n 2 --no-wait\n1")
+    assert cell.error is not None and cell.error["ename"] == "GPUsBusyError"
+    assert cell.error["evalue"] == refused.error["evalue"]
     # By default it waits, says so once, and starts when the GPUs it waits for are free.
-    third.ok("os.environ['AIR_MAGIC_GPU_WAIT'] = '1'")
     Path(gates[2]).touch()
     waiting = third.execute(f"got = hold.distributed({gates[2]!r})")
     seen = third.collect(waiting, timeout=60, until=lambda r: "waiting (Interrupt to stop waiting)" in r.stderr)
