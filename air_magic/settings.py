@@ -26,6 +26,12 @@ Environment variable           Setting (default)
 ``AIR_MAGIC_HANG_SECONDS``     ``hang_seconds``: seconds without a completed collective, while
                                a rank waits in one, before the cell shows a hang report (5;
                                0: never)
+``AIR_MAGIC_GPU_BUSY_MIB``     ``gpu_busy_mib``: MiB of a GPU's memory processes outside
+                               air_magic may use before a launch's claim counts the GPU as
+                               busy (1024)
+``AIR_MAGIC_REGISTRY``         the machine's list of launches and pools (GPU claims,
+                               ``air-magic ps``): ``<tempdir>/air-magic-launches``; read by
+                               :mod:`air_magic.protocol.registry`
 ``AIR_MAGIC_LOG_LIMIT``        ``log_limit``: bytes of each rank's log kept after a launch
                                (16 MiB; a whole number of bytes)
 ``AIR_MAGIC_SHM_DIR``          ``shm_dir``: where large result tensors travel (``/dev/shm``;
@@ -97,6 +103,7 @@ WARM_ENV = "AIR_MAGIC_WARM"
 OUTPUT_LIMIT_ENV = "AIR_MAGIC_OUTPUT_LIMIT"
 STALL_SECONDS_ENV = "AIR_MAGIC_STALL_SECONDS"
 HANG_SECONDS_ENV = "AIR_MAGIC_HANG_SECONDS"
+GPU_BUSY_MIB_ENV = "AIR_MAGIC_GPU_BUSY_MIB"
 LOG_LIMIT_ENV = "AIR_MAGIC_LOG_LIMIT"
 SHM_DIR_ENV = "AIR_MAGIC_SHM_DIR"
 #: Environment variable that replaces the default bound on CPU ranks.
@@ -220,6 +227,12 @@ class Settings:
         """Seconds no collective completes, while a rank waits in one, before the cell shows
         a hang report (``AIR_MAGIC_HANG_SECONDS``; 0: never)."""
         return self._number(HANG_SECONDS_ENV, 5.0, unit="seconds", zero="0 never reports")
+
+    @property
+    def gpu_busy_mib(self) -> float:
+        """MiB of a GPU's memory that processes outside air_magic's launches may use before the
+        GPU counts as busy for a launch's claim (``AIR_MAGIC_GPU_BUSY_MIB``; 1024)."""
+        return self._number(GPU_BUSY_MIB_ENV, 1024.0, unit="MiB", zero="0 counts any use as busy")
 
     @property
     def log_limit(self) -> int:
@@ -376,6 +389,7 @@ _CHECKED = (
     "output_limit",
     "stall_seconds",
     "hang_seconds",
+    "gpu_busy_mib",
     "log_limit",
     "log_keep_days",
     "log_keep_mb",

@@ -63,6 +63,12 @@ def _our_temp_files() -> set[str]:
     return found
 
 
+#: The machine's list of launches (GPU claims, air-magic ps) of this run's own: the machine's real
+#: one (another notebook's launches) is not the tests' to see, nor theirs to fill.  Inherited by
+#: every kernel, helper and command the tests start; removed at the session's end.
+_LAUNCH_LIST = tempfile.mkdtemp(prefix="am-launches-")
+os.environ.setdefault("AIR_MAGIC_REGISTRY", os.path.join(_LAUNCH_LIST, "launches"))
+
 _TEMP_AT_START = _our_temp_files()  # (another run's, or the user's: not this run's to judge)
 #: The test after which each of this run's temporary files was first seen: a report of what
 #: was left behind names where to look.
@@ -89,6 +95,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         sys.stderr.write("\nair_magic processes left after the test session:\n" + describe(leftovers) + "\n")
         _kill_and_clean(leftovers)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(_LAUNCH_LIST, ignore_errors=True)
     # Nor a file or folder of this run in the temp folder or /dev/shm (10 s for the last
     # processes' own clean-up).  One a live process works in (its current folder, a file it
     # holds open) is not a leftover: another program's at work.  Nothing is removed: it may

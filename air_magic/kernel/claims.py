@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from air_magic.errors import LaunchError
 from air_magic.protocol import registry
+from air_magic.settings import settings
 
 if TYPE_CHECKING:
     from air_magic.kernel.launch import Launch
@@ -198,7 +199,7 @@ class ClaimObserver:
                 holders, _ = registry.records()
                 taken = {g["uuid"] for r in holders for g in r.gpus}
                 known = {p for r in holders for p in r.pids}
-                limit = int(float(os.environ.get("AIR_MAGIC_GPU_BUSY_MIB", "1024")) * 2**20)
+                limit = int(settings.gpu_busy_mib * 2**20)
                 busy = {uuid for uuid, used in outside_use(gpus, known).items() if used > limit}
                 chosen = choose(count, gpus, taken, busy)
                 if chosen is not None:
