@@ -216,17 +216,23 @@ def report(
                     _op(entry),
                     _shapes(entry),
                     entry.get("where", ""),
-                    "Flight Recorder",
+                    _recorder(seen.get(rank)),
                 )
             )
         else:
             where = stacks[rank][0] if rank in stacks else ""
             last = info.get("last") or {}
             state = COMPUTING if seen.get(rank) else SILENT
-            how = ["Flight Recorder"] if seen.get(rank) else []
+            how = [_recorder(seen.get(rank))] if seen.get(rank) else []
             how += [stacks[rank][2]] if rank in stacks else []
             rows.append(Row(rank, state, label, enqueued, _op(last), "", where, " + ".join(how) or "nothing"))
     return HangReport(_verdict(rows, waiting, names, group, stuck_for), rows, stuck_for)
+
+
+def _recorder(data: dict[str, Any] | None) -> str:
+    """How a row's collectives were read: now, or (a rank that did not answer this time) earlier."""
+    age = (data or {}).get("_age")
+    return "Flight Recorder" if age is None else f"Flight Recorder, {age:.0f} s ago"
 
 
 def _verdict(
@@ -322,6 +328,7 @@ class HangWatch:
         self.unsure = False
         self._read: dict[int, tuple[str, bool, str, float]] = {}  # rank -> the last stack read of it
         self._seen: Mapping[int, dict[str, Any] | None] = {}  # what the last report's read said
+        self._said: dict[int, tuple[dict[str, Any], float]] = {}  # rank -> its last report read, when
 
     def check(self) -> None:
         now = time.monotonic()
@@ -379,14 +386,21 @@ class HangWatch:
         ended = dict(self.ended() if ended is None else ended)
         live = [r for r in range(self.world_size) if r not in ended]
         unanswered: set[int] = set()
-        seen = self.ask(live, timeout=3.0, unanswered=unanswered, how="r")
+        seen = dict(self.ask(live, timeout=3.0, unanswered=unanswered, how="r"))
         self.unsure = bool(unanswered)  # (a rank's thread still busy: ask again, it is not over)
-        self._seen = seen
+        self._seen = dict(seen)
+        now = time.monotonic()
+        for rank in live:  # a rank that did not answer in time (a loaded machine) keeps its last answer
+            data = seen.get(rank)
+            if data:
+                self._said[rank] = (data, now)
+            elif rank in self._said:
+                earlier, at = self._said[rank]
+                seen[rank] = dict(earlier, _age=now - at)
         paused = {r: where for r in live if (where := paused_at(self.work_dir, r)) is not None}
         if not any(d and d.get("pending") for d in seen.values()):
             return None
         stacks = dict(self.stacks([r for r in live if r not in paused]))
-        now = time.monotonic()
         for rank in live:  # a rank read by nothing this time keeps what an earlier look read of it
             if rank in stacks and stacks[rank][0]:
                 self._read[rank] = (*stacks[rank], now)

@@ -174,12 +174,27 @@ def _span(part: dict[str, Any], element: int) -> tuple[int, int]:
     return 0, total
 
 
+def _exact_span(part: dict[str, Any]) -> bool:
+    """Whether this rank's box is exactly its span's bytes (whole rows, or a ZeRO-3 partition)."""
+    shape, sizes = part["shape"], part["box"][1]
+    return part["kind"] == "zero3" or not shape or list(sizes[1:]) == list(shape[1:])
+
+
+def _pwrite_all(fd: int, data: Any, at: int) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        done = os.pwrite(fd, view, at)
+        view, at = view[done:], at + done
+
+
 def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: str | None) -> int:
     """Copy this rank's part of each key to its place: ``places[key] = (path, byte offset)`` of
     the key's full tensor (row-major, in ``dtype`` or its own), in a file the kernel made and
-    sized.  The rank reserves the bytes it writes first (``posix_fallocate``: the ranks share
-    the zeroing, and a full /dev/shm is an ENOSPC error here, never a SIGBUS); each file is
-    mapped once.  The bytes written."""
+    sized.  A part that is whole rows (a Shard(0), a ZeRO-3 partition, a plain tensor) is one
+    ``pwrite`` from the tensor's memory (the file's pages are allocated as they are written: a
+    full /dev/shm is an ENOSPC error here, never a SIGBUS); another part (a column shard) is
+    copied into a mapping of the file after its bytes are reserved (``posix_fallocate``).  The
+    bytes written."""
     import torch
 
     module = unwrap(namespace[name], name)
@@ -202,8 +217,19 @@ def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: s
             out_dtype = target if target is not None and value.is_floating_point() else value.dtype
             element = torch.empty((), dtype=out_dtype).element_size()
             start, length = _span(part, element)
-            if length:
-                os.posix_fallocate(fds[path], offset + start, length)
+            offsets, sizes = part["box"]
+            if part["kind"] == "zero3":
+                local = held.ds_tensor.detach().reshape(-1)[: sizes[0]]
+            else:
+                local = (held.to_local() if part["kind"] == "dtensor" else held).detach()
+            if not length:
+                continue
+            if _exact_span(part):
+                data = local.to(device="cpu", dtype=out_dtype).contiguous().reshape(-1)
+                _pwrite_all(fds[path], data.view(torch.uint8).numpy(), offset + start)
+                written += length
+                continue
+            os.posix_fallocate(fds[path], offset + start, length)
             area = areas.get(path)
             if area is None:
                 area = areas[path] = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
@@ -211,16 +237,7 @@ def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: s
             numel = 1
             for dim in full_shape:
                 numel *= dim
-            full = area[offset : offset + numel * element].view(out_dtype)
-            offsets, sizes = part["box"]
-            if part["kind"] == "zero3":
-                local = held.ds_tensor.detach().reshape(-1)[: sizes[0]]
-                full[offsets[0] : offsets[0] + sizes[0]].copy_(local)
-                written += sizes[0] * element
-                continue
-            local = held.to_local() if part["kind"] == "dtensor" else held
-            local = local.detach()
-            view = full.view(full_shape) if full_shape else full.view(())
+            view = area[offset : offset + numel * element].view(out_dtype).view(full_shape)
             for dim, (begin, size) in enumerate(zip(offsets, sizes)):
                 view = view.narrow(dim, begin, size)
             if local.numel():

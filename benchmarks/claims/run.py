@@ -89,7 +89,7 @@ def _claim_and_hold(launch_id: str, ranks: int, ready: Any, go: Any, out: Any) -
         out.put(env["CUDA_VISIBLE_DEVICES"].split(","))
     except Exception:
         out.put([])
-    time.sleep(0.3)  # hold while the others try
+    time.sleep(0.05)  # hold while the other tries
     observer.after_end(observer.launch)  # type: ignore[arg-type]
 
 

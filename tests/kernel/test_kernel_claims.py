@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -67,6 +66,14 @@ def test_notebooks_get_disjoint_gpus_wait_for_held_ones_and_a_dead_kernel_frees_
 
     gates = [str(tmp_path / f"gate{i}") for i in range(3)]
     first, second, third = kernel("first.ipynb"), kernel("second.ipynb"), kernel("third.ipynb")
+    try:
+        _disjoint_waiting_and_freed(first, second, third, gates)
+    finally:
+        for k in (first, second, third):  # their helpers and ranks go now, not at the session's end
+            k.shutdown()
+
+
+def _disjoint_waiting_and_freed(first: Any, second: Any, third: Any, gates: list[str]) -> None:
     first.ok(f"held = hold.submit({gates[0]!r})")
     second.ok(f"held = hold.submit({gates[1]!r})")
     assert wait_until(lambda: sum(bool(r.pids) for r in registry.records()[0]) == 2, timeout=60)
@@ -107,6 +114,13 @@ def test_notebooks_get_disjoint_gpus_wait_for_held_ones_and_a_dead_kernel_frees_
 def test_ps_and_stop_from_a_terminal_and_a_notebook(kernel_factory: Any, machine_list: str) -> None:
     env = {registry.REGISTRY_ENV: machine_list, "JPY_SESSION_NAME": "ps.ipynb"}
     k = kernel_factory(env)
+    try:
+        _ps_and_stop(k)
+    finally:
+        k.shutdown()
+
+
+def _ps_and_stop(k: Any) -> None:
     k.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
     done = _cli("ps", "--json")
     assert done.returncode == 0, done.stderr
@@ -151,6 +165,13 @@ def test_ps_and_stop_from_a_terminal_and_a_notebook(kernel_factory: Any, machine
 )
 def test_another_user_sees_owner_gpus_and_age_only_and_cannot_stop_it(kernel_factory: Any, machine_list: str) -> None:
     k = kernel_factory({registry.REGISTRY_ENV: machine_list, "JPY_SESSION_NAME": "secret-project.ipynb"})
+    try:
+        _another_user(k, machine_list)
+    finally:
+        k.shutdown()
+
+
+def _another_user(k: Any, machine_list: str) -> None:
     k.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
     done = _cli("ps", "--json", user=65534)
     assert done.returncode == 0, done.stderr
@@ -179,4 +200,3 @@ def test_another_user_sees_owner_gpus_and_age_only_and_cannot_stop_it(kernel_fac
     assert [r.id for r in found] == [row["id"]]
     assert skipped == ["0099-forged.json: forged (it names uid 0; the file is uid 65534's)"]
     k.ok("%distributed_pool --stop")
-    time.sleep(0.1)

@@ -323,23 +323,25 @@ def test_each_bad_input_gets_a_clear_error_before_anything_is_copied(k: Kernel) 
 
 def test_fsdp2_on_four_ranks(kernel_factory: Any) -> None:
     k4 = kernel_factory()
-    k4.ok("%distributed_pool -n 4 --no-tracking", timeout=240)
-    k4.ok("import air_magic, torch\npool = air_magic.Pool.current()")
-    k4.ok(
-        "%%distributed --pool\n"
-        "import torch, torch.nn as nn\n"
-        "from torch.distributed.fsdp import fully_shard\n"
-        "torch.manual_seed(0)\n"
-        "m = nn.Sequential(nn.Linear(10, 33), nn.ReLU(), nn.Linear(33, 7))\n"
-        "for layer in (m[0], m[2], m):\n"
-        "    fully_shard(layer)",
-        timeout=120,
-    )
-    k4.ok(
-        "sd = pool.state_dict('m')\nranks = pool.run(lambda: {k: v.full_tensor() for k, v in m.state_dict().items()})"
-    )
-    assert k4.value("all(torch.equal(sd[k], r[k]) for r in ranks for k in sd) and len(ranks) == 4")
-    k4.ok("pool.close()")
+    try:
+        k4.ok("%distributed_pool -n 4 --no-tracking", timeout=240)
+        k4.ok("import air_magic, torch\npool = air_magic.Pool.current()")
+        k4.ok(
+            "%%distributed --pool\n"
+            "import torch, torch.nn as nn\n"
+            "from torch.distributed.fsdp import fully_shard\n"
+            "torch.manual_seed(0)\n"
+            "m = nn.Sequential(nn.Linear(10, 33), nn.ReLU(), nn.Linear(33, 7))\n"
+            "for layer in (m[0], m[2], m):\n"
+            "    fully_shard(layer)",
+            timeout=120,
+        )
+        k4.ok(
+            "sd = pool.state_dict('m')\nranks = pool.run(lambda: {k: v.full_tensor() for k, v in m.state_dict().items()})"
+        )
+        assert k4.value("all(torch.equal(sd[k], r[k]) for r in ranks for k in sd) and len(ranks) == 4")
+    finally:
+        k4.shutdown()  # its helper and ranks go now, not at the session's end
 
 
 SMALL_SHM_KERNEL = """\

@@ -152,3 +152,27 @@ def test_a_rank_that_holds_the_gil_is_read_by_py_spy_where_it_is_installed(tmp_p
     text = py_spy_stacks(4242)
     assert '  File "/home/me/gil.py", line 6 in <module>' in text
     assert user_frame(text) == ("/home/me/gil.py:6 in <module>", False)
+
+
+def test_a_rank_that_answered_before_keeps_its_answer_when_a_look_goes_unanswered(tmp_path: Any) -> None:
+    """On a loaded machine a rank's thread may miss one look's 3 s: its row keeps what it said
+    last (with its age), so the verdict does not flip to "it does not answer" and back."""
+    from air_magic.kernel.hangs import HangWatch
+
+    answers = [
+        {0: seen(3, 2, entry(3)), 1: seen(2, 2, last_where="train.py:5 in <module>")},
+        {0: seen(3, 2, entry(3)), 1: None},
+    ]
+
+    def ask(ranks: list[int], **kwargs: Any) -> dict[int, Any]:
+        return answers.pop(0) if kwargs.get("how") == "r" else {}
+
+    watch = HangWatch(str(tmp_path), 2, 5.0, ended=dict, show=lambda made: None, ask=ask)
+    first = watch.look(ended={})
+    second = watch.look(ended={})
+    assert first is not None and second is not None
+    assert second.verdict == first.verdict
+    assert first.verdict.startswith("rank 1 is behind: its last collective is #2 (train.py:5 in <module>)")
+    assert second.rows[1].state == COMPUTING
+    assert second.rows[1].read.startswith("Flight Recorder, ") and second.rows[1].read.endswith(" s ago")
+    assert second.rows[0].read == "Flight Recorder"
