@@ -106,9 +106,9 @@ class _Refused(Exception):
 # -- the command line -----------------------------------------------------------------------------
 
 
-def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """``air-magic``'s parser, and its ``run`` verb's."""
-    from air_magic.lint import cli as lint_cli
+def _parser(lint: bool = True) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """``air-magic``'s parser, and its ``run`` verb's (``lint=False``: without the linter's verb,
+    whose import ``ps`` and ``stop`` do not wait for)."""
 
     parser = argparse.ArgumentParser(
         prog="air-magic",
@@ -121,7 +121,10 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser.add_argument("--version", action="version", version=f"air-magic {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
-    lint_cli.add_parser(verbs)
+    if lint:
+        from air_magic.lint import cli as lint_cli
+
+        lint_cli.add_parser(verbs)
     run = verbs.add_parser(
         "run",
         help="run a script, or a function of a module or notebook, on every accelerator (or N CPU ranks)",
@@ -169,7 +172,7 @@ def _split_script_args(words: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``air-magic``; returns the exit status."""
     words, script_args = _split_script_args(list(sys.argv[1:] if argv is None else argv))
-    parser, run_parser = _parser()
+    parser, run_parser = _parser(lint=not words or words[0] not in ("ps", "stop"))
     try:
         args, extra = parser.parse_known_args(words)
         if extra and args.verb == "run":

@@ -345,7 +345,7 @@ class HangWatch:
         for rank, data in seen.items():
             if data:  # (a rank that did not answer this time keeps what it said last)
                 groups = data.get("groups") or {}
-                done[rank] = tuple(sorted((str(i.get("name", pg)), i.get("completed")) for pg, i in groups.items()))
+                done[rank] = tuple(sorted((str(pg), i.get("completed")) for pg, i in groups.items()))
         progress = (tuple(sorted(ended)), tuple(sorted(done.items())))
         pending = any(d and d.get("pending") for d in seen.values())
         if self.progress is None and pending and not paused:
@@ -428,7 +428,7 @@ class HangWatch:
             if not data or rank not in before:
                 continue
             groups = data.get("groups") or {}
-            now = tuple(sorted((str(i.get("name", pg)), i.get("completed")) for pg, i in groups.items()))
+            now = tuple(sorted((str(pg), i.get("completed")) for pg, i in groups.items()))
             if now != before[rank]:
                 return True
         return False

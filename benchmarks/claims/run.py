@@ -9,7 +9,8 @@ launches ever get one GPU.  NVML's answer is replaced (8 GPUs this CPU machine d
 * ``refusal``: a launch's claim refused (``wait=False``, every GPU held): the
   observer's ``before_start`` until it raises;
 * ``overlap``: ``--pairs`` pairs of processes claiming 4 of the 8 GPUs at the same moment, and
-  ``--crowd`` processes claiming 1 GPU each at once: GPUs claimed twice (the goal: none);
+  ``--crowd`` processes claiming 1 GPU each at once, each holding its claim until every one has
+  tried: GPUs claimed twice (the goal: none; the crowd: 8 claimed, the rest refused);
 * ``dead holder``: a holder of every GPU killed with SIGKILL while a launch waits for them: the
   seconds from the kill to the waiter's claim;
 * ``added``: the observer's hooks on a warm CPU launch and on a (faked) GPU launch, per launch.
@@ -75,7 +76,7 @@ class FakeLaunch:
         pass
 
 
-def _claim_and_hold(launch_id: str, ranks: int, ready: Any, go: Any, out: Any) -> None:
+def _claim_and_hold(launch_id: str, ranks: int, ready: Any, go: Any, out: Any, release: Any) -> None:
     fake_nvml()
     from air_magic.kernel.claims import ClaimObserver
 
@@ -89,7 +90,7 @@ def _claim_and_hold(launch_id: str, ranks: int, ready: Any, go: Any, out: Any) -
         out.put(env["CUDA_VISIBLE_DEVICES"].split(","))
     except Exception:
         out.put([])
-    time.sleep(0.05)  # hold while the other tries
+    release.wait()  # held until every claimant has tried: any GPU claimed twice overlapped
     observer.after_end(observer.launch)  # type: ignore[arg-type]
 
 
@@ -98,29 +99,33 @@ def overlap(pairs: int, crowd: int) -> dict[str, Any]:
     twice = 0
     refused_pairs = 0
     for i in range(pairs):
-        go, out = ctx.Event(), ctx.Queue()
+        go, out, release = ctx.Event(), ctx.Queue(), ctx.Event()
         readies = [ctx.Event() for _ in range(2)]
-        procs = [ctx.Process(target=_claim_and_hold, args=(f"p{i}-{j}", 4, readies[j], go, out)) for j in range(2)]
+        procs = [
+            ctx.Process(target=_claim_and_hold, args=(f"p{i}-{j}", 4, readies[j], go, out, release)) for j in range(2)
+        ]
         for proc in procs:
             proc.start()
         for ready in readies:
             ready.wait()
         go.set()
         got = [out.get(timeout=30) for _ in procs]
+        release.set()
         for proc in procs:
             proc.join()
         flat = [g for gpus in got for g in gpus]
         twice += len(flat) - len(set(flat))
         refused_pairs += sum(1 for gpus in got if not gpus)
-    go, out = ctx.Event(), ctx.Queue()
+    go, out, release = ctx.Event(), ctx.Queue(), ctx.Event()
     readies = [ctx.Event() for _ in range(crowd)]
-    procs = [ctx.Process(target=_claim_and_hold, args=(f"c{j}", 1, readies[j], go, out)) for j in range(crowd)]
+    procs = [ctx.Process(target=_claim_and_hold, args=(f"c{j}", 1, readies[j], go, out, release)) for j in range(crowd)]
     for proc in procs:
         proc.start()
     for ready in readies:
         ready.wait()
     go.set()
     got = [out.get(timeout=60) for _ in procs]
+    release.set()
     for proc in procs:
         proc.join()
     flat = [g for gpus in got for g in gpus]
