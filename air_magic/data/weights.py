@@ -125,17 +125,17 @@ def plan_files(
 
 
 def create_files(folder: str, plans: list[FilePlan]) -> list[str]:
-    """Each planned file at its full size (its space reserved), its header written; the
-    index when there are several.  The files' paths."""
+    """Each planned file at its full size, its header written; the index when there are
+    several.  The files' paths."""
     os.makedirs(folder, exist_ok=True)
     paths = []
     for plan in plans:
         path = os.path.join(folder, plan.name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            total = plan.data_start + plan.size
-            if total:
-                os.posix_fallocate(fd, 0, total)
+            # Sized only: the bytes are written in place (a full disk is an error of that write;
+            # a rank that maps a part of the file reserves that part first).
+            os.ftruncate(fd, plan.data_start + plan.size)
             os.pwrite(fd, len(plan.header).to_bytes(8, "little") + plan.header, 0)
         finally:
             os.close(fd)
