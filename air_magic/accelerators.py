@@ -307,6 +307,35 @@ def detect_hardware() -> Hardware:
     return Hardware(gpu_count=len(names), gpu_name=names[0] if names else None, cpu_count=usable_cpu_count())
 
 
+def gpu_processes() -> list[tuple[int, str, list[tuple[int, int]]]]:
+    """Every GPU NVML sees, in one NVML session: ``(index, UUID, [(pid, bytes used), ...])``;
+    ``[]`` without NVML (no driver, no package).  What the GPU claims and ``air-magic ps`` read."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError, or whatever loading the driver's library raises: no NVML here
+        return []
+    try:
+        found = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            try:
+                procs = [
+                    (int(p.pid), int(p.usedGpuMemory or 0)) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                ]
+            except pynvml.NVMLError:
+                procs = []
+            found.append((index, uuid.decode() if isinstance(uuid, bytes) else str(uuid), procs))
+        return found
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # pragma: no cover - shutdown failures change nothing
+            pass
+
+
 # -- live numbers (the launch panel) -------------------------------------------------------
 
 

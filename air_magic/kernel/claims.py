@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from air_magic.accelerators import gpu_processes
 from air_magic.errors import LaunchError
 from air_magic.protocol import registry
 from air_magic.settings import settings
@@ -48,24 +49,10 @@ class GPU:
     uuid: str
 
 
-def visible_gpus() -> list[GPU]:
-    """The GPUs this process may use, by NVML, in ``CUDA_VISIBLE_DEVICES``' order where it is set."""
-    try:
-        import pynvml  # type: ignore[import-untyped]
-
-        pynvml.nvmlInit()
-    except Exception:  # no NVML: no GPU to claim
-        return []
-    try:
-        found = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
-            found.append(GPU(index, uuid.decode() if isinstance(uuid, bytes) else str(uuid)))
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+def visible_gpus(machine: list[tuple[int, str, list[tuple[int, int]]]]) -> list[GPU]:
+    """The GPUs of ``machine`` (:func:`~air_magic.accelerators.gpu_processes`) this process may
+    use, in ``CUDA_VISIBLE_DEVICES``' order where it is set."""
+    found = [GPU(index, uuid) for index, uuid, _ in machine]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return found
@@ -80,29 +67,9 @@ def visible_gpus() -> list[GPU]:
     return chosen
 
 
-def outside_use(gpus: list[GPU], known: set[int]) -> dict[str, int]:
+def outside_use(machine: list[tuple[int, str, list[tuple[int, int]]]], known: set[int]) -> dict[str, int]:
     """Bytes of each GPU's memory that processes outside air_magic's records use."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    used: dict[str, int] = {}
-    try:
-        for gpu in gpus:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(gpu.index)
-            try:
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except pynvml.NVMLError:
-                continue
-            used[gpu.uuid] = sum(int(p.usedGpuMemory or 0) for p in procs if p.pid not in known)
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return used
+    return {uuid: sum(used for pid, used in procs if pid not in known) for _, uuid, procs in machine}
 
 
 def choose(count: int | None, gpus: list[GPU], taken: set[str], busy: set[str]) -> list[GPU] | None:
@@ -187,7 +154,8 @@ class ClaimObserver:
         if launch.placement.device != "cuda" or not launch.local_processes:
             self.holder = registry.publish(record)
             return
-        gpus = visible_gpus()
+        machine = gpu_processes()
+        gpus = visible_gpus(machine)
         if not gpus:
             self.holder = registry.publish(record)
             return
@@ -200,7 +168,7 @@ class ClaimObserver:
                 taken = {g["uuid"] for r in holders for g in r.gpus}
                 known = {p for r in holders for p in r.pids}
                 limit = int(settings.gpu_busy_mib * 2**20)
-                busy = {uuid for uuid, used in outside_use(gpus, known).items() if used > limit}
+                busy = {uuid for uuid, used in outside_use(machine, known).items() if used > limit}
                 chosen = choose(count, gpus, taken, busy)
                 if chosen is not None:
                     record.gpus = [{"index": g.index, "uuid": g.uuid} for g in chosen]
@@ -219,6 +187,7 @@ class ClaimObserver:
                 print(line, file=sys.stderr, flush=True)
                 said = True
             time.sleep(POLL)
+            machine = gpu_processes()  # what outside processes use now
         env["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in record.gpus)
 
     def after_start(self, launch: "Launch") -> None:

@@ -23,6 +23,7 @@ import socket
 import time
 from typing import Any
 
+from air_magic.accelerators import gpu_processes
 from air_magic.protocol import registry
 from air_magic.protocol.processes import carriers
 
@@ -38,26 +39,10 @@ class StopError(Exception):
 
 def _gpu_memory() -> dict[int, int]:
     """Bytes of GPU memory each process uses (NVML; empty without it)."""
-    try:
-        import pynvml  # type: ignore[import-untyped]
-
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
     used: dict[int, int] = {}
-    try:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            try:
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(index))
-            except pynvml.NVMLError:
-                continue
-            for proc in procs:
-                used[int(proc.pid)] = used.get(int(proc.pid), 0) + int(proc.usedGpuMemory or 0)
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+    for _, _, procs in gpu_processes():
+        for pid, nbytes in procs:
+            used[pid] = used.get(pid, 0) + nbytes
     return used
 
 

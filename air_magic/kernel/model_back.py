@@ -28,6 +28,7 @@ import psutil
 
 from air_magic.data import weights as _weights
 from air_magic.errors import AirMagicError
+from air_magic.rank.results import aligned
 
 if TYPE_CHECKING:
     from air_magic.kernel.pool import PoolEngine
@@ -42,29 +43,28 @@ class ModelBackError(AirMagicError, ValueError):
     """A model that cannot come back as asked (the message says why, and what to do)."""
 
 
-def _aligned(offset: int) -> int:
-    return (offset + 63) // 64 * 64
-
-
 @dataclass
 class Layout:
     """The keys of a module's state dict: full shape and dtype (as it comes back), rank 0's
-    non-tensor entries, and the buffers a state dict leaves out."""
+    non-tensor entries, the buffers a state dict leaves out, and the keys of tied weights
+    (``aliases``: a second key of one Parameter names its first; it comes back as the same tensor)."""
 
     shapes: dict[str, list[int]]
     dtypes: dict[str, str]
     objects: dict[str, Any]
     buffers: dict[str, Any]
+    aliases: dict[str, str]
 
     def nbytes(self, key: str) -> int:
-        return _weights_nbytes(self.shapes[key], self.dtypes[key])
+        return _nbytes(self.shapes[key], self.dtypes[key])
 
     @property
     def total(self) -> int:
-        return sum(self.nbytes(key) for key in self.shapes)
+        """The bytes of the area: each tied weight once."""
+        return sum(self.nbytes(key) for key in self.shapes if key not in self.aliases)
 
 
-def _weights_nbytes(shape: list[int], dtype: str) -> int:
+def _nbytes(shape: list[int], dtype: str) -> int:
     import torch
 
     numel = 1
@@ -121,7 +121,7 @@ def layout(plans: list[dict[str, Any]], name: str, dtype: str | None) -> Layout:
                 f"{name!r}: the ranks hold {covered} of the {numel} elements of {key!r} (shape {shapes[key]}); "
                 "a tensor sharded over ranks outside the pool, or replicated shards, cannot be put together"
             )
-    return Layout(shapes, dtypes, first["objects"], first["buffers"])
+    return Layout(shapes, dtypes, first["objects"], first["buffers"], dict(first.get("aliases") or {}))
 
 
 def _size(nbytes: int) -> str:
@@ -148,17 +148,9 @@ class Area:
     by /dev/shm's size) or ``"file"`` (in ``fallback_dir``).  The kernel only sizes it
     (``ftruncate``); each rank reserves the bytes it writes (:func:`air_magic.rank.model_back.write`)."""
 
-    KINDS = ("shm", "memfd", "file")
-    WHERE = {
-        "shm": "shared memory (/dev/shm)",
-        "memfd": "shared memory (a memfd)",
-        "file": "a file of the launch's folder",
-    }
-
     def __init__(self, size: int, kind: str, shm_dir: str | None, fallback_dir: str) -> None:
         self.size = size
         self.kind = kind
-        self.where = self.WHERE[kind]
         self._fd: int | None = None
         self._path: str | None = None
         if kind == "memfd":
@@ -229,12 +221,14 @@ def _room(folder: str) -> int:
 def _plans(engine: "PoolEngine", name: str, what: str) -> list[dict[str, Any]]:
     if not isinstance(name, str) or not name.isidentifier():
         raise ModelBackError(f"{what} takes the name a module is bound to in the ranks (a string), not {name!r}")
-    if not engine.launch_is_local():
+    plans = engine.ask("model", {"op": "plan", "name": name}, f"{what}")  # (starts the pool if need be)
+    launch = engine.launch
+    if launch is None or not launch.local_processes:
         raise ModelBackError(
             f"{what} needs the pool's ranks on this machine (backend='local'); on Ray, save from the ranks "
             "(air_magic.data.save_training_state) and open it with air_magic.data.open_checkpoint"
         )
-    return engine.ask("model", {"op": "plan", "name": name}, f"{what}")
+    return plans
 
 
 def state_dict(engine: "PoolEngine", name: str, dtype: Any = None) -> dict[str, Any]:
@@ -256,9 +250,10 @@ def _fill(engine: "PoolEngine", name: str, lay: Layout, dtype: str | None) -> di
     offsets: dict[str, int] = {}
     at = 0
     for key in lay.shapes:
-        at = _aligned(at)
-        offsets[key] = at
-        at += lay.nbytes(key)
+        if key not in lay.aliases:
+            at = aligned(at)
+            offsets[key] = at
+            at += lay.nbytes(key)
     launch = engine.launch
     assert launch is not None
     kinds = Area.kinds(at, launch.shm_dir)
@@ -281,6 +276,8 @@ def _fill(engine: "PoolEngine", name: str, lay: Layout, dtype: str | None) -> di
     for key, offset in offsets.items():
         dt = getattr(torch, lay.dtypes[key])
         tensors[key] = whole[offset : offset + lay.nbytes(key)].view(dt).view(lay.shapes[key])
+    for key, first in lay.aliases.items():  # a tied weight: the same tensor, as torch's state_dict gives it
+        tensors[key] = tensors[first]
     return tensors
 
 
@@ -322,7 +319,10 @@ def model(engine: "PoolEngine", name: str, factory: Callable[[], Any], dtype: An
             )
     tensors = _fill(engine, name, lay, wanted)
     state = {key: tensors.get(key, lay.objects.get(key)) for key in own}
+    ties = _ties(module)
     module.load_state_dict(state, assign=True)
+    for alias, first in ties:  # assign=True made a Parameter per key: the factory's ties again
+        _set_parameter(module, alias, module.get_parameter(first))
     for buffer_name, value in lay.buffers.items():  # buffers no state dict holds (persistent=False)
         owner_name, _, attr = buffer_name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
@@ -334,6 +334,23 @@ def model(engine: "PoolEngine", name: str, factory: Callable[[], Any], dtype: An
     if left:
         raise ModelBackError(f"pool.model({name!r}, factory): {_few(left)} stayed on the meta device")
     return module.eval()
+
+
+def _ties(module: Any) -> list[tuple[str, str]]:
+    """``(name, first name)`` of each parameter that is another's (tied weights: one Parameter)."""
+    first: dict[int, str] = {}
+    ties = []
+    for param_name, param in module.named_parameters(remove_duplicate=False):
+        seen = first.setdefault(id(param), param_name)
+        if seen != param_name:
+            ties.append((param_name, seen))
+    return ties
+
+
+def _set_parameter(module: Any, name: str, param: Any) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    owner._parameters[attr] = param
 
 
 def _few(keys: list[str]) -> str:

@@ -615,11 +615,6 @@ class PoolEngine:
         with self._turn():
             return self._call(self._ready(), kind, data, label)
 
-    def launch_is_local(self) -> bool:
-        """Whether the pool's ranks are processes of this machine (they can write its files)."""
-        with self._turn():
-            return self._ready().launch.local_processes
-
     def debug(self, rank: int | None = None) -> bool:
         """The post-mortem of ``rank``'s exception in the last call (default: the rank that
         failed first), in pdb through the kernel's stdin; the rank lets the traceback go after

@@ -102,7 +102,8 @@ def _world() -> int:
 
 def plan(namespace: dict[str, Any], name: str) -> dict[str, Any]:
     """What this rank holds of the module bound to ``name``: ``{"keys": {key: part}, "objects":
-    {key: value}, "buffers": {name: tensor}, "order": [key...]}``; a part is ``{"shape", "dtype", "kind", "box"}``
+    {key: value}, "buffers": {name: tensor}, "order": [key...], "aliases": {key: key}}`` (a
+    tied weight's second key names its first); a part is ``{"shape", "dtype", "kind", "box"}``
     where ``box`` is ``(offsets, sizes)`` of what this rank writes, or None (it writes nothing)."""
     import torch
 
@@ -112,20 +113,24 @@ def plan(namespace: dict[str, Any], name: str) -> dict[str, Any]:
     rank = _rank()
     keys: dict[str, Any] = {}
     objects: dict[str, Any] = {}
+    aliases: dict[str, str] = {}  # a tied weight's other keys (one Parameter): key -> its first key
+    first: dict[int, str] = {}
     entries = _entries(module)
     for key, value in entries.items():
         if not isinstance(value, torch.Tensor):
             if rank == 0:
                 objects[key] = value
             continue
+        aliases[key] = first.setdefault(id(value), key)
         keys[key] = _part(value, rank)
+    aliases = {key: to for key, to in aliases.items() if key != to}
     buffers = {}
     if rank == 0:  # buffers a state dict leaves out (registered with persistent=False): pool.model needs them
         for buffer_name, buffer in module.named_buffers():
             short = ".".join(p for p in buffer_name.split(".") if p not in WRAPPER_NAMES)
             if short not in keys and buffer is not None:
                 buffers[short] = buffer.detach().cpu()
-    return {"keys": keys, "objects": objects, "buffers": buffers, "order": list(entries)}
+    return {"keys": keys, "objects": objects, "buffers": buffers, "order": list(entries), "aliases": aliases}
 
 
 def _part(value: Any, rank: int) -> dict[str, Any]:

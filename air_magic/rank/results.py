@@ -48,7 +48,15 @@ import cloudpickle
 from air_magic.protocol import Record, result_path
 
 __all__ = ["SHM_THRESHOLD", "result_path", "write_record", "read_record", "rebuild_shared_tensor"]
-__all__ += ["rank_prefix", "tensor_files", "place_tensor_file", "dumps_record", "loads_record", "assemble_piece"]
+__all__ += [
+    "rank_prefix",
+    "tensor_files",
+    "place_tensor_file",
+    "dumps_record",
+    "loads_record",
+    "assemble_piece",
+    "aligned",
+]
 
 #: Tensors at least this large (bytes) go through shared memory.
 SHM_THRESHOLD = 1 << 20
@@ -138,7 +146,8 @@ def map_for_writing(path: str, size: int) -> Any:
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-def _aligned(offset: int) -> int:
+def aligned(offset: int) -> int:
+    """``offset`` rounded up to 64 bytes: where a tensor of a shared file may start."""
     return (offset + 63) // 64 * 64
 
 
@@ -171,7 +180,7 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
             and obj.element_size() * obj.numel() >= SHM_THRESHOLD
         ):
             source = obj.detach()
-            offset = _aligned(self._size)
+            offset = aligned(self._size)
             self._places.append((source, offset))
             self._size = offset + source.numel() * source.element_size()
             # The name and place only: the kernel finds the file among its launch's folders.

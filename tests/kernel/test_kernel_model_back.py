@@ -90,6 +90,30 @@ def test_a_ddp_model_comes_back_once_as_a_state_dict_and_as_a_module(k: Kernel) 
     assert k.value("(m.training, m.a.weight.device.type, m.a.weight.requires_grad)") == (False, "cpu", True)
 
 
+def test_tied_weights_come_back_once_and_stay_tied(k: Kernel) -> None:
+    """A language model's output layer is its embedding (one Parameter, two keys), as in GPT-2."""
+    tied = (
+        "class Tied(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed = torch.nn.Embedding(50, 8)\n"
+        "        self.head = torch.nn.Linear(8, 50, bias=False)\n"
+        "        self.head.weight = self.embed.weight\n"
+        "    def forward(self, ids):\n"
+        "        return self.head(self.embed(ids))\n"
+    )
+    _setup(k)
+    k.ok(tied)
+    k.ok("%%distributed --pool\ntorch.manual_seed(0)\ntied = Tied()")
+    k.ok("sd = pool.state_dict('tied')")
+    assert k.value("(list(sd), sd['head.weight'] is sd['embed.weight'])") == (["embed.weight", "head.weight"], True)
+    assert k.value("same('tied', lambda: {k: v.detach().clone() for k, v in tied.state_dict().items()})")
+    k.ok("m = pool.model('tied', Tied)")
+    assert k.value("m.head.weight is m.embed.weight")
+    # Weights equal bit for bit (above); a matmul on other thread counts may round differently.
+    assert k.value("torch.allclose(m(torch.arange(5)), pool.run(lambda: tied(torch.arange(5)).detach())[0], atol=1e-6)")
+
+
 def test_fsdp2_and_tensor_parallel_shards_are_put_together_without_a_collective(k: Kernel) -> None:
     _setup(k)
     k.ok(
