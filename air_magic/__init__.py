@@ -36,8 +36,10 @@ from air_magic.errors import (
 
 if TYPE_CHECKING:
     from air_magic.data.weights import save_safetensors
+    from air_magic.kernel.claims import GPUsBusyError
     from air_magic.kernel.launcher import Launch
-    from air_magic.pool import Pool, PoolBrokenError
+    from air_magic.kernel.model_back import ModelBackError
+    from air_magic.pool import Pool, PoolBrokenError, PoolBusyError, PoolCall
 
 __all__ = [
     "__version__",
@@ -45,7 +47,11 @@ __all__ = [
     "DistributedFunction",
     "Launch",
     "Pool",
+    "PoolCall",
     "PoolBrokenError",
+    "PoolBusyError",
+    "ModelBackError",
+    "GPUsBusyError",
     "AcceleratorType",
     "GPUType",
     "ray_init",
@@ -80,10 +86,18 @@ def __getattr__(name: str) -> Any:
         from air_magic.data.weights import save_safetensors
 
         return save_safetensors
-    if name in ("Pool", "PoolBrokenError"):  # the pool's engine is the launcher's too
+    if name in ("Pool", "PoolCall", "PoolBrokenError", "PoolBusyError"):  # the pool's engine is the launcher's too
         from air_magic import pool
 
         return getattr(pool, name)
+    if name == "ModelBackError":  # what pool.state_dict/model/save refuse
+        from air_magic.kernel.model_back import ModelBackError
+
+        return ModelBackError
+    if name == "GPUsBusyError":  # a launch told not to wait for GPUs another one holds
+        from air_magic.kernel.claims import GPUsBusyError
+
+        return GPUsBusyError
     raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
 
 

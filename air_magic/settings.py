@@ -6,67 +6,72 @@ import); :meth:`Settings.check` reads them all before a launch starts anything, 
 value is that launch's ``ConfigurationError``, never an error inside a running one; unless a value was set on the object: ``%config DistributedMagics.<trait>``
 writes ``capture_warn_mb`` and ``panel`` here, and then wins over the environment.
 
-=============================  ===========================================================
-Environment variable           Setting (default)
-=============================  ===========================================================
-``AIR_MAGIC_CAPTURE_WARN_MB``  ``capture_warn_mb``: warn when a captured object pickles
-                               to more MB than this (100); a bad value is a
-                               ``ConfigurationError`` at the launch that reads it
-``AIR_MAGIC_PANEL``            ``panel_mode``: ``auto`` (default), ``0``/``off``/``false``/
-                               ``no``/``none`` (no panel), ``text``/``plain``,
-                               ``widget``/``widgets``; ``panel``: the
-                               ``%config DistributedMagics.panel`` switch (True)
-``AIR_MAGIC_WARM``             ``warm``: start the helper and MLflow's store early, and
-                               load the panel and the linter (``1``; ``0`` leaves it
-                               to the first launch)
-``AIR_MAGIC_OUTPUT_LIMIT``     ``output_limit``: bytes of rank 0's output copied into the
-                               cell per launch (1 MiB; a whole number of bytes)
-``AIR_MAGIC_STALL_SECONDS``    ``stall_seconds``: seconds without output before the ranks'
-                               stacks are looked at (300; 0: never)
-``AIR_MAGIC_HANG_SECONDS``     ``hang_seconds``: seconds without a completed collective, while
-                               a rank waits in one, before the cell shows a hang report (5;
-                               0: never)
-``AIR_MAGIC_GPU_BUSY_MIB``     ``gpu_busy_mib``: MiB of a GPU's memory processes outside
-                               air_magic may use before a launch's claim counts the GPU as
-                               busy (1024)
-``AIR_MAGIC_REGISTRY``         the machine's list of launches and pools (GPU claims,
-                               ``air-magic ps``): ``<tempdir>/air-magic-launches``; read by
-                               :mod:`air_magic.protocol.registry`
-``AIR_MAGIC_LOG_LIMIT``        ``log_limit``: bytes of each rank's log kept after a launch
-                               (16 MiB; a whole number of bytes)
-``AIR_MAGIC_SHM_DIR``          ``shm_dir``: where large result tensors travel (``/dev/shm``;
-                               on a Ray node, as the node's environment sets it)
-``AIR_MAGIC_MAX_CPU_RANKS``    ``max_cpu_ranks(cores)``: the most CPU ranks a launch may
-                               start (4 per usable core)
-``AIR_MAGIC_PRELOAD``          ``preload``: modules the helper imports at start, comma
-                               separated (torch and its distributed, nn, optim, data);
-                               read by the helper process
-``AIR_MAGIC_LOG_DIR``          ``log_dir``: where each launch's logs are kept after the kernel
-                               exits (``$XDG_CACHE_HOME/air_magic/logs``, else
-                               ``~/.cache/air_magic/logs``)
-``AIR_MAGIC_LOG_KEEP_DAYS``    ``log_keep_days``: launch logs older than this are pruned (14)
-``AIR_MAGIC_LOG_KEEP_MB``      ``log_keep_mb``: the oldest launch logs are pruned past this
-                               total (1024)
-``AIR_MAGIC_STATE_DIR``        ``state_dir``: state that outlives a kernel (``None``:
-                               ``$XDG_STATE_HOME/air_magic``, else
-                               ``~/.local/state/air_magic``)
-``AIR_MAGIC_RAY_STRATEGY``     ``ray_strategy``: how a Ray launch's ranks are placed on the
-                               cluster's nodes: ``PACK`` (default: as few nodes as
-                               possible), ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``
-``AIR_MAGIC_RAY_PLACE_TIMEOUT`` ``ray_place_timeout``: seconds a Ray launch waits for the
-                               cluster to have room for its ranks (60)
-``AIR_MAGIC_FLIGHT_RECORDER``  ``flight_recorder``: collectives torch's Flight Recorder keeps
-                               per rank (2000; 0: off), for the hang report and a pool's
-                               Ctrl-C; a ``TORCH_FR_BUFFER_SIZE`` of the user's wins
-``AIR_MAGIC_ON_BREAKPOINT``    ``on_breakpoint``: what a breakpoint in a rank does: ``prompt``
-                               (default: a pdb prompt in the waiting cell; skipped with
-                               one line where there is no stdin), ``skip``, or ``error``
-                               (the rank fails where there is no stdin, or always)
-=============================  ===========================================================
+===============================  ===========================================================
+Environment variable             Setting (default)
+===============================  ===========================================================
+``AIR_MAGIC_CAPTURE_WARN_MB``    ``capture_warn_mb``: warn when a captured object pickles
+                                 to more MB than this (100); a bad value is a
+                                 ``ConfigurationError`` at the launch that reads it
+``AIR_MAGIC_PANEL``              ``panel_mode``: ``auto`` (default), ``0``/``off``/``false``/
+                                 ``no``/``none`` (no panel), ``text``/``plain``,
+                                 ``widget``/``widgets``; ``panel``: the
+                                 ``%config DistributedMagics.panel`` switch (True)
+``AIR_MAGIC_WARM``               ``warm``: start the helper and MLflow's store early, and
+                                 load the panel and the linter (``1``; ``0`` leaves it
+                                 to the first launch)
+``AIR_MAGIC_OUTPUT_LIMIT``       ``output_limit``: bytes of rank 0's output copied into the
+                                 cell per launch (1 MiB; a whole number of bytes)
+``AIR_MAGIC_STALL_SECONDS``      ``stall_seconds``: seconds without output before the ranks'
+                                 stacks are looked at (300; 0: never)
+``AIR_MAGIC_HANG_SECONDS``       ``hang_seconds``: seconds without a completed collective, while
+                                 a rank waits in one, before the cell shows a hang report (5;
+                                 0: never)
+``AIR_MAGIC_GPU_BUSY_MIB``       ``gpu_busy_mib``: MiB of a GPU's memory processes outside
+                                 air_magic may use before a launch's claim counts the GPU as
+                                 busy (1024)
+``AIR_MAGIC_REGISTRY``           the machine's list of launches and pools (GPU claims,
+                                 ``air-magic ps``): ``<tempdir>/air-magic-launches``; read by
+                                 :mod:`air_magic.protocol.registry`
+``AIR_MAGIC_LOG_LIMIT``          ``log_limit``: bytes of each rank's log kept after a launch
+                                 (16 MiB; a whole number of bytes)
+``AIR_MAGIC_SHM_DIR``            ``shm_dir``: where large result tensors travel (``/dev/shm``;
+                                 on a Ray node, as the node's environment sets it)
+``AIR_MAGIC_MAX_CPU_RANKS``      ``max_cpu_ranks(cores)``: the most CPU ranks a launch may
+                                 start (4 per usable core)
+``AIR_MAGIC_PRELOAD``            ``preload``: modules the helper imports at start, comma
+                                 separated (torch and its distributed, nn, optim, data);
+                                 read by the helper process
+``AIR_MAGIC_LOG_DIR``            ``log_dir``: where each launch's logs are kept after the kernel
+                                 exits (``$XDG_CACHE_HOME/air_magic/logs``, else
+                                 ``~/.cache/air_magic/logs``)
+``AIR_MAGIC_LOG_KEEP_DAYS``      ``log_keep_days``: launch logs older than this are pruned (14)
+``AIR_MAGIC_LOG_KEEP_MB``        ``log_keep_mb``: the oldest launch logs are pruned past this
+                                 total (1024)
+``AIR_MAGIC_STATE_DIR``          ``state_dir``: state that outlives a kernel (``None``:
+                                 ``$XDG_STATE_HOME/air_magic``, else
+                                 ``~/.local/state/air_magic``)
+``AIR_MAGIC_RAY_STRATEGY``       ``ray_strategy``: how a Ray launch's ranks are placed on the
+                                 cluster's nodes: ``PACK`` (default: as few nodes as
+                                 possible), ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``
+``AIR_MAGIC_RAY_PLACE_TIMEOUT``  ``ray_place_timeout``: seconds a Ray launch waits for the
+                                 cluster to have room for its ranks (60)
+``AIR_MAGIC_FLIGHT_RECORDER``    ``flight_recorder``: collectives torch's Flight Recorder keeps
+                                 per rank (2000; 0: off), for the hang report and a pool's
+                                 Ctrl-C; a ``TORCH_FR_BUFFER_SIZE`` of the user's wins
+``AIR_MAGIC_ON_BREAKPOINT``      ``on_breakpoint``: what a breakpoint in a rank does: ``prompt``
+                                 (default: a pdb prompt in the waiting cell; skipped with
+                                 one line where there is no stdin), ``skip``, or ``error``
+                                 (the rank fails where there is no stdin, or always)
+``AIR_MAGIC_BREAKPOINT_WAIT``    seconds a rank of a background launch (``.submit()``,
+                                 ``--async``) waits at a breakpoint for ``launch.debug()``
+                                 (300); read by the rank
+===============================  ===========================================================
 
 Set by air_magic for its own child processes, not settings: ``AIR_MAGIC_TRACKING_DIR``
 (a launch's spool folder), ``AIR_MAGIC_RUN_WAIT`` (how long a rank waits for the
-launch's MLflow run), ``AIR_MAGIC_LAUNCH_ID``, ``AIR_MAGIC_MLFLOW_RUN_ID``.  Two switches
+launch's MLflow run), ``AIR_MAGIC_LAUNCH_ID``, ``AIR_MAGIC_MLFLOW_RUN_ID``,
+``AIR_MAGIC_POSTMORTEM`` (the kernel has ``%pdb on``: a rank that raises opens pdb first) and
+``AIR_MAGIC_POOL`` (set in a pool's ranks, so code can tell it runs in one).  Two switches
 for comparisons and for a store or package that misbehaves, read where they act:
 ``AIR_MAGIC_STORE_TEMPLATE=0`` (MLflow makes every new sqlite store itself, no copy of the
 empty store in the user's cache) and ``AIR_MAGIC_LAZY_MLFLOW=0`` (a rank's ``import mlflow``

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The lab extension's browser tests (tests/lab/test_lab_browser.py) against the oldest
-# JupyterLab and Notebook it supports (README, "JupyterLab extension").
+# JupyterLab and Notebook it supports (docs/guides/panel.md, "JupyterLab extension").
 #
 # A throwaway virtual environment holds that JupyterLab and Notebook and air_magic installed
 # from this checkout as a user installs it (`pip install`: the prebuilt assets under

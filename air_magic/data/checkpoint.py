@@ -151,7 +151,7 @@ def _load_loader_state(url: str, dataloader: Any) -> None:
 
 
 class Checkpoint:
-    """A DCP checkpoint opened with no process group (:func:`open_checkpoint`).  Keys are DCP's
+    """A DCP checkpoint opened with no process group (:func:`~air_magic.data.open_checkpoint`).  Keys are DCP's
     flattened names (``model.0.weight``, ``optimizer.state.0.weight.exp_avg``...)."""
 
     def __init__(self, url: str) -> None:

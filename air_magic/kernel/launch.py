@@ -114,8 +114,26 @@ ObserverFactory = Callable[["Launch"], "LaunchObserver | None"]
 class Launch:
     """One launch of a function or cell on N ranks, running in the background.
 
-    ``result()`` waits for it (``.distributed()`` does exactly that), ``cancel()``
-    stops it, ``done()`` and ``status`` tell where it is.
+    What ``train.submit(...)`` and ``%%distributed --async`` return; shown in a cell, it is the
+    launch's live panel. ``result()`` waits for it (``.distributed()`` does exactly that),
+    ``cancel()`` stops it, ``done()`` and ``status`` tell where it is.
+
+    Attributes read by users:
+
+    - ``status``: ``"starting"``, ``"running"``, ``"stopping"``, then ``"finished"``,
+      ``"failed"``, ``"cancelled"`` or ``"timed out"``.
+    - ``ranks``: one entry per rank with ``rank``, ``state``, ``pid``, ``returncode`` and
+      ``log_path``.
+    - ``id``, ``label`` (the cell or the function), ``world_size``, ``log_dir``.
+    - ``run_id``, ``run_name``, ``run_url`` (on a tracking server) and ``run_command`` (the
+      ``mlflow ui`` command of a local store): the launch's MLflow run, once it exists.
+    - ``timings``: where the launch's time went, in seconds.
+
+    Example::
+
+        h = train.submit(lr=1e-3)
+        h.status, h.done()          # ('running', False)
+        h.result(timeout=600)       # the per-rank values, or the launch's exception
     """
 
     #: How a launch shows in a notebook: set by the panel's plug-in (``air_magic.plugins``).

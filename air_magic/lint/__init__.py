@@ -13,7 +13,7 @@ from air_magic import distributed
 @distributed(num_accelerators=8, accelerator_type='GPU_8xH100')
 def f(): ...
 
-The rules are in :mod:`air_magic.lint.rules` (and the README's table); ``# noqa: CODE`` at
+The rules are in :mod:`air_magic.lint.rules` (and the docs: guides/migrate.md, reference/lint-rules.rst); ``# noqa: CODE`` at
 the end of a line hides that finding there, as in ruff.  ``.py`` files and notebooks are
 linted the same way; the command line is ``air-magic lint [--fix] PATH...``
 and the notebook magic ``%air_lint``.  Importing this package does not import libcst:

@@ -43,7 +43,7 @@ class LintMagics(Magics):
         """Find code written for serverless_gpu, databricks.air or TorchDistributor.
 
         Prints one line per finding (``cell:line:col: CODE message``) and what to do.
-        The rules are listed in the README ("Migration linter").
+        The rules are listed in the documentation's "Lint rules" page (docs/reference/lint-rules.rst).
 
         Examples
         --------

@@ -7,7 +7,7 @@ name of its fixture under ``tests/lint/fixtures/``.  Codes are grouped by kind:
 ``AM3xx`` patterns, ``AM4xx`` portability (GPU-only code made to run on CPU ranks too).
 The tables after the rules say which legacy names move where.
 
-Nothing here imports libcst: the table is read by the CLI's help, the README test and
+Nothing here imports libcst: the table is read by the CLI's help, the docs (their lint rules page and its test) and
 the notebook panel without parsing any code.
 """
 

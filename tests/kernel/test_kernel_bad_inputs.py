@@ -1,4 +1,4 @@
-"""The catalogue of bad inputs (docs/bad-inputs.md), row by row in a real kernel; where warnings point.
+"""The catalogue of bad inputs (docs/reference/errors.md), row by row in a real kernel; where warnings point.
 
 The table is read from the document itself: a row whose message changes fails here until
 the document says what the notebook shows.
@@ -17,7 +17,7 @@ from harness import CellResult, Kernel
 
 pytestmark = pytest.mark.kernel
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reference" / "errors.md"
 
 #: What ``_physical_gpus`` answers on each machine of the table's Machine column.
 MACHINES = {
@@ -70,10 +70,10 @@ def _code_spans(text: str) -> list[str]:
 
 
 def read_catalogue() -> tuple[str, list[Row]]:
-    """The setup cell and the rows of docs/bad-inputs.md."""
+    """The setup cell and the rows of docs/reference/errors.md."""
     text = DOC.read_text()
     setup = re.search(r"The rows assume this cell ran first:\s*```python\n(.*?)```", text, re.S)
-    assert setup, "docs/bad-inputs.md: the setup cell is missing"
+    assert setup, "docs/reference/errors.md: the setup cell is missing"
     rows = []
     for line in text.splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]

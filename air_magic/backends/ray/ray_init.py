@@ -108,9 +108,12 @@ def ray_init(
         Passed to ``ray.init`` when this call connects (``runtime_env``, ``namespace``,
         ``num_cpus`` for a new head ...); given while connected already, an error.
 
-    Returns Ray's context object (what ``ray.init`` returns: ``.dashboard_url``,
-    ``.address_info``). Calling it again with the same cluster (or no address) returns the
-    same context; another address while connected is a :class:`RayClusterError`.
+    Returns
+    -------
+    object
+        Ray's context: what ``ray.init`` returns (``.dashboard_url``, ``.address_info``). Calling it again
+        with the same cluster (or no address) returns the same context; another address while
+        connected is a :class:`RayClusterError`.
     """
     asked = _check_address(address)
     if min_gpus is not None and (isinstance(min_gpus, bool) or not isinstance(min_gpus, int) or min_gpus < 0):
