@@ -76,17 +76,57 @@ class Pool:
         return self._engine.state
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn(*args, **kwargs)`` on every rank; the values in rank order (a rank's error is raised)."""
+        """Call ``fn(*args, **kwargs)`` on every rank and wait for it.
+
+        A function defined in the notebook runs in the ranks' namespace, so it reads what cells
+        and :meth:`push` left there.
+
+        Returns
+        -------
+        list
+            Each rank's return value, in rank order.
+
+        Raises
+        ------
+        Exception
+            The first failing rank's own exception (its traceback at your lines);
+            :class:`~air_magic.PoolBusyError` while a :meth:`submit` call runs;
+            :class:`~air_magic.PoolBrokenError` when a rank dies.
+
+        Examples
+        --------
+        ::
+
+            pool = air_magic.Pool(2)
+            pool.run(lambda: torch.distributed.get_rank())   # [0, 1]
+        """
         return self._engine.call(fn, *args, **kwargs)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> PoolCall:
-        """``fn(*args, **kwargs)`` on every rank in the background: a handle at once, with
-        ``result()``, ``done()``, ``exception()`` and ``cancel()``.  Other calls wait for it
-        to end (one that comes meanwhile raises ``PoolBusyError``)."""
+        """Call ``fn(*args, **kwargs)`` on every rank in the background.
+
+        Returns
+        -------
+        PoolCall
+            A handle, at once: ``result(timeout)``, ``exception()``, ``done()``, ``cancel()``.
+            Until it ends, another call on the pool raises :class:`~air_magic.PoolBusyError`.
+        """
         return self._engine.submit(fn, *args, **kwargs)
 
     def push(self, **values: Any) -> None:
-        """Set each ``name=value`` in every rank's namespace (what later cells read)."""
+        """Set each ``name=value`` in every rank's namespace (what later cells and calls read).
+
+        Raises
+        ------
+        air_magic.CaptureError
+            A value that cannot be sent (pickled) to the ranks, named with why.
+
+        Examples
+        --------
+        ::
+
+            pool.push(lr=1e-3, batch_size=64)
+        """
         self._engine.push(**values)
 
     @overload
@@ -97,9 +137,37 @@ class Pool:
     def pull(self, name: str, *, ranks: list[int]) -> list[Any]: ...
 
     def pull(self, name: str, rank: int | None = None, *, ranks: list[int] | None = None) -> Any:
-        """The value of ``name`` in every rank's namespace, in rank order; ``rank=0``: that rank's
-        value only (the others send nothing); ``ranks=[0, 2]``: theirs, in that order.  Large
-        tensors come through shared memory, as a launch's values do."""
+        """The value of ``name`` in the ranks' namespaces.
+
+        Large tensors come through shared memory, as a launch's values do.
+
+        Parameters
+        ----------
+        name:
+            A name the ranks' code (or :meth:`push`) assigned.
+        rank:
+            Only this rank's value (the others send nothing).
+        ranks:
+            Only these ranks' values, in this order.
+
+        Returns
+        -------
+        list or object
+            Every rank's value in rank order; with ``rank=``, that one value.
+
+        Raises
+        ------
+        air_magic.ResultError
+            A value that cannot come back (it holds the ranks' process group, as a DDP module
+            does: :meth:`state_dict` brings a module back).
+
+        Examples
+        --------
+        ::
+
+            losses = pool.pull("loss")          # [0.25, 0.25]
+            weights = pool.pull("w", rank=0)
+        """
         if rank is not None and ranks is not None:
             raise TypeError("pool.pull takes rank= or ranks=, not both")
         wanted = [rank] if rank is not None else ranks
@@ -109,20 +177,76 @@ class Pool:
         return values[0] if rank is not None else values
 
     def state_dict(self, name: str, *, dtype: Any = None) -> dict[str, Any]:
-        """The module bound to ``name`` in the ranks as one full state dict of CPU tensors here:
-        a DDP or plain module's from rank 0, an FSDP2 or tensor-parallel module's put together
-        from every rank's shards, a DeepSpeed ZeRO-3 module's from its partitions.  Keys as the
-        unwrapped module names them; ``dtype=torch.bfloat16`` converts floating-point tensors on
-        the way.  The ranks write straight into one shared-memory area the kernel maps: no
-        collective, no process group, one copy."""
+        """The module bound to ``name`` in the ranks, as one full state dict of CPU tensors here.
+
+        A DDP or plain module's comes from rank 0; an FSDP2 or tensor-parallel module's is put
+        together from every rank's shards; a DeepSpeed ZeRO-3 module's from its partitions. The
+        ranks write straight into one shared-memory area the kernel maps: no collective, no
+        process group, one copy.
+
+        Parameters
+        ----------
+        name:
+            The name of the module in the ranks' namespace (``model`` after ``model = ...``).
+        dtype:
+            Convert floating-point tensors on the way (``torch.bfloat16``); ``None`` keeps them.
+
+        Returns
+        -------
+        dict
+            Keys as the unwrapped module names them (``a.weight``, not ``module.a.weight``).
+
+        Raises
+        ------
+        air_magic.ModelBackError
+            ``name`` is missing or not a module, the state dict is larger than the kernel's free
+            memory (the message offers :meth:`save`), an FSDP1 module, a ``Partial`` DTensor, a
+            pool on Ray.
+
+        Examples
+        --------
+        ::
+
+            sd = air_magic.Pool.current().state_dict("model")
+            torch.save(sd, "model.pt")
+        """
         from air_magic.kernel import model_back
 
         return model_back.state_dict(self._engine, name, dtype)
 
     def model(self, name: str, factory: Callable[[], Any], *, dtype: Any = None) -> Any:
-        """An ``nn.Module`` on CPU: ``factory()`` built on the meta device (no memory), its keys
-        checked against the ranks' module first, then filled with the ranks' weights
-        (``load_state_dict(assign=True)``: no second copy).  In eval mode."""
+        """The module bound to ``name`` in the ranks, as an ``nn.Module`` on CPU here.
+
+        ``factory()`` is built on the meta device (no memory), its keys and shapes are checked
+        against the ranks' module before anything is copied, and it is filled with the ranks'
+        weights (``load_state_dict(assign=True)``: no second copy). Tied weights stay tied.
+
+        Parameters
+        ----------
+        name:
+            The module's name in the ranks' namespace.
+        factory:
+            A callable that builds the same architecture (a class, or ``lambda: Net(...)``).
+        dtype:
+            As for :meth:`state_dict`.
+
+        Returns
+        -------
+        torch.nn.Module
+            ``factory()``'s module with the ranks' weights, in eval mode.
+
+        Raises
+        ------
+        air_magic.ModelBackError
+            As :meth:`state_dict`, and a factory whose keys differ (the missing and unexpected
+            keys named).
+
+        Examples
+        --------
+        ::
+
+            model = pool.model("model", MyNet)
+        """
         from air_magic.kernel import model_back
 
         return model_back.model(self._engine, name, factory, dtype)
@@ -130,10 +254,34 @@ class Pool:
     def save(
         self, name: str, folder: str | os.PathLike[str], *, max_shard_size: int | str = "5GB", dtype: Any = None
     ) -> list[str]:
-        """The module bound to ``name`` as safetensors files in ``folder``, written by the ranks
-        (``model.safetensors``, or shards of at most ``max_shard_size`` and
-        ``model.safetensors.index.json``): for a model larger than the kernel's memory.  The
-        files' paths."""
+        """The module bound to ``name`` as safetensors files in ``folder``, written by the ranks.
+
+        For a model larger than the kernel's memory: nothing passes through the kernel. The files
+        load with ``safetensors.torch.load_file`` and Hugging Face's ``from_pretrained``.
+
+        Parameters
+        ----------
+        name:
+            The module's name in the ranks' namespace.
+        folder:
+            Where to write (created if missing).
+        max_shard_size:
+            Bytes per file (``"5GB"``, ``"500MB"`` or an int); a larger model is written as shards
+            with ``model.safetensors.index.json``.
+        dtype:
+            As for :meth:`state_dict`.
+
+        Returns
+        -------
+        list of str
+            The paths of the files written.
+
+        Examples
+        --------
+        ::
+
+            pool.save("model", "out/", max_shard_size="2GB")
+        """
         from air_magic.kernel import model_back
 
         return model_back.save(self._engine, name, folder, max_shard_size, dtype)

@@ -61,6 +61,9 @@ nitpick_ignore_regex = [
 ]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+# Types in the description for the parameters a docstring describes (a constructor users never
+# call keeps its internals out of the page).
+autodoc_typehints_description_target = "documented"
 autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True
 autodoc_default_options: dict[str, bool] = {}

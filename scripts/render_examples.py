@@ -49,6 +49,24 @@ def scrubbed(value: Any, replacements: list[tuple[str, str]]) -> Any:
     return value
 
 
+#: The line each example page starts with (after the notebook's title): how to run it.
+HOW_TO_RUN = (
+    "*How to run it:* open `notebooks/{name}` in Jupyter, or run it headless with "
+    "`.venv/bin/python scripts/run_notebook.py notebooks/{name}`. Shown here with the outputs of "
+    "its last run on 2 CPU ranks (`scripts/render_examples.py`)."
+)
+
+
+def say_how_to_run(notebook: Any, name: str) -> None:
+    """Put :data:`HOW_TO_RUN` after the notebook's first cell (its title), once."""
+    line = HOW_TO_RUN.format(name=name)
+    if not any(cell.cell_type == "markdown" and cell.source == line for cell in notebook.cells):
+        notebook.cells.insert(1, nbformat.v4.new_markdown_cell(line))
+    for cell in notebook.cells:
+        cell.pop("id", None)  # ids of nbformat 4.5 are not needed to render, and change every run
+    notebook.nbformat_minor = min(notebook.nbformat_minor, 4)
+
+
 def scrub_notebook(notebook: Any, replacements: list[tuple[str, str]]) -> None:
     for cell in notebook.cells:
         for output in cell.get("outputs", []):
@@ -82,6 +100,7 @@ def render(source: Path) -> int:
             os.chdir(here)
         notebook = nbformat.read(executed, as_version=4)
         scrub_notebook(notebook, machine_paths(work))
+        say_how_to_run(notebook, source.name)
         OUT.mkdir(parents=True, exist_ok=True)
         nbformat.write(notebook, OUT / source.name)
         print(f"wrote {OUT.relative_to(ROOT) / source.name} (exit {status})", flush=True)
@@ -91,12 +110,13 @@ def render(source: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", help="default: every notebooks/*.ipynb")
-    parser.add_argument("--scrub-only", action="store_true", help="only replace paths in docs/examples/ again")
+    parser.add_argument("--scrub-only", action="store_true", help="only redo the copies' paths and first line")
     args = parser.parse_args(argv)
     if args.scrub_only:
         for path in sorted(OUT.glob("*.ipynb")):
             notebook = nbformat.read(path, as_version=4)
             scrub_notebook(notebook, machine_paths())
+            say_how_to_run(notebook, path.name)
             nbformat.write(notebook, path)
         return 0
     paths = [Path(p) for p in args.notebooks] or sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -107,3 +107,4 @@ def test_each_example_is_its_notebook_as_last_run(name: str) -> None:
     for path in {str(Path.home()), str(ROOT), os.path.dirname(sys.executable)} - {"/"}:
         assert path not in text, f"docs/examples/{name} shows {path}"
     assert name[:-6] in (DOCS / "examples" / "index.md").read_text()
+    assert f"scripts/run_notebook.py notebooks/{name}" in shown.cells[1].source  # how to run it, under its title
