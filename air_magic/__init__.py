@@ -13,9 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from air_magic import plugins as _plugins
 from air_magic._version import __version__
-from air_magic.accelerators import AcceleratorType, GPUType
-from air_magic.backends.ray.ray_init import ray_init
-from air_magic.decorator import DistributedFunction, distributed
 from air_magic.errors import (
     AcceleratorMismatchError,
     AirMagicError,
@@ -35,7 +32,10 @@ from air_magic.errors import (
 )
 
 if TYPE_CHECKING:
+    from air_magic.accelerators import AcceleratorType, GPUType
+    from air_magic.backends.ray.ray_init import ray_init
     from air_magic.data.weights import save_safetensors
+    from air_magic.decorator import DistributedFunction, distributed
     from air_magic.kernel.claims import GPUsBusyError
     from air_magic.kernel.launcher import Launch
     from air_magic.kernel.model_back import ModelBackError
@@ -76,29 +76,44 @@ __all__ = [
 ]
 
 
+#: Public names imported when first used (PEP 562), and their modules: ``import air_magic``
+#: stays a few milliseconds (``air-magic ps`` and ``stop`` import the package first), and
+#: ``from air_magic import distributed`` imports the decorator then.
+_LAZY = {
+    "distributed": "air_magic.decorator",
+    "DistributedFunction": "air_magic.decorator",
+    "AcceleratorType": "air_magic.accelerators",
+    "GPUType": "air_magic.accelerators",
+    "ray_init": "air_magic.backends.ray.ray_init",
+    # what ``.submit()`` returns: the launcher's
+    "Launch": "air_magic.kernel.launcher",
+    # imports torch
+    "save_safetensors": "air_magic.data.weights",
+    # the pool's engine is the launcher's too
+    "Pool": "air_magic.pool",
+    "PoolCall": "air_magic.pool",
+    "PoolBrokenError": "air_magic.pool",
+    "PoolBusyError": "air_magic.pool",
+    # what pool.state_dict/model/save refuse
+    "ModelBackError": "air_magic.kernel.model_back",
+    # a launch told not to wait for GPUs another one holds
+    "GPUsBusyError": "air_magic.kernel.claims",
+}
+
+
 def __getattr__(name: str) -> Any:
-    # ``Launch`` (what ``.submit()`` returns) comes from the launcher, imported when first used.
-    if name == "Launch":
-        from air_magic.kernel.launcher import Launch
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
+    import importlib
 
-        return Launch
-    if name == "save_safetensors":  # imports torch: when first used
-        from air_magic.data.weights import save_safetensors
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
 
-        return save_safetensors
-    if name in ("Pool", "PoolCall", "PoolBrokenError", "PoolBusyError"):  # the pool's engine is the launcher's too
-        from air_magic import pool
 
-        return getattr(pool, name)
-    if name == "ModelBackError":  # what pool.state_dict/model/save refuse
-        from air_magic.kernel.model_back import ModelBackError
-
-        return ModelBackError
-    if name == "GPUsBusyError":  # a launch told not to wait for GPUs another one holds
-        from air_magic.kernel.claims import GPUsBusyError
-
-        return GPUsBusyError
-    raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -39,12 +39,14 @@ import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from air_magic._version import __version__
 from air_magic.errors import CaptureError, ConfigurationError, render_lines
 from air_magic.options import add_launch_arguments
-from air_magic.spec import LaunchSpec, make_spec, timeout_from_text
+
+if TYPE_CHECKING:  # what launches is imported by run only: ps and stop answer without it
+    from air_magic.spec import LaunchSpec
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED"]
 
@@ -271,11 +273,15 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name) is not None:
             given[name] = getattr(args, name)
     if args.timeout is not None:
+        from air_magic.spec import timeout_from_text
+
         given["timeout"] = timeout_from_text(args.timeout)
     if args.no_tracking:
         given["tracking"] = False
     if args.no_wait:
         given["wait"] = False
+    from air_magic.spec import make_spec
+
     spec = make_spec(**given)
     if args.address is not None and spec.backend != "ray":
         raise _Refused("--address is the address of a Ray cluster: use it with --backend ray.")
@@ -357,6 +363,8 @@ class _Target:
                 raise _Refused(f"{self.path} does not compile", _syntax_error(exc)) from None
             except OSError as exc:
                 raise _Refused(f"{self.path}: cannot read it ({exc.strerror or exc})") from None
+            from air_magic.spec import make_spec
+
             spec = _named(make_spec(**options), _stem(self.path))
             return spec, payload, os.path.dirname(os.path.abspath(self.path))
         if self.kind == "module":
@@ -480,6 +488,8 @@ def _function_launch(value: Any, text: str, options: dict[str, Any], script_args
         spec = value.with_overrides(**options).spec
         func: Callable[..., Any] = value.func
     else:
+        from air_magic.spec import make_spec
+
         spec = make_spec(**options)
         func = value
     try:
