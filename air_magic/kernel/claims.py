@@ -203,7 +203,7 @@ class ClaimObserver:
             with open(registry.stopped_path(launch.id)) as handle:
                 who = json.load(handle)
             launch.notify(
-                f"[air_magic] this launch was stopped from outside: air-magic stop by {who.get('user', '?')} "
+                f"[air_magic] this launch was stopped from outside: {who.get('via', 'air-magic stop')} by {who.get('user', '?')} "
                 f"(pid {who.get('pid', '?')} on {who.get('host', '?')}) at {who.get('at', '?')}.",
                 "stderr",
             )

@@ -177,8 +177,9 @@ def _running(pids: list[int], record: registry.Record) -> list[int]:
     return alive
 
 
-def stop(launch_id: str, grace: float = GRACE) -> str:
-    """Stop the launch or pool ``launch_id`` of this user's (root: anyone's); what was done."""
+def stop(launch_id: str, grace: float = GRACE, via: str = "air-magic stop") -> str:
+    """Stop the launch or pool ``launch_id`` of this user's (root: anyone's); what was done.
+    ``via`` is what its cell will name as the stopper (``air-magic stop``, the JupyterLab sidebar)."""
     records, _ = registry.records()
     record = next((r for r in records if r.id == launch_id), None)
     if record is None:
@@ -190,6 +191,7 @@ def stop(launch_id: str, grace: float = GRACE) -> str:
         owner = record.user if record.uid == 0 else f"{record.user} or root"
         raise StopError(f"{launch_id} is {record.user}'s (uid {record.uid}): only {owner} can stop it")
     who = {
+        "via": via,
         "user": registry.user_name(me),
         "uid": me,
         "pid": os.getpid(),

@@ -5,13 +5,16 @@
  *   their states, state, elapsed, outcome, MLflow run), with Stop, a button per rank's log
  *   and "cell" (jump to the cell that started it)
  *   a one-second clock only while a launch runs (the elapsed times; the kernel is not asked)
+ *   under them, MachineList (machine.ts): every launch and pool on this machine, Stop on yours
  */
+import { Message } from '@lumino/messaging';
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { NotebookPanel } from '@jupyterlab/notebook';
 import { Widget } from '@lumino/widgets';
 
 import { ILaunch, IReply, isRunning, KernelChannel, shownStatus } from './channel';
 import { el, formatElapsed, STATUS_ICON } from './dom';
+import { MachineList } from './machine';
 
 /** Where the sidebar finds the current notebook and its channel. */
 export interface ICurrent {
@@ -25,7 +28,30 @@ export class LaunchesPanel extends Widget {
     this.id = 'air-magic-launches';
     this.addClass('air-magic-Launches');
     this.title.caption = 'air_magic launches';
+    this._machine = new MachineList(() => this.isVisible);
     this.render();
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    this._machine.start();
+  }
+
+  protected onBeforeHide(msg: Message): void {
+    super.onBeforeHide(msg);
+    this._machine.stop();
+  }
+
+  protected onAfterAttach(msg: Message): void {
+    super.onAfterAttach(msg);
+    if (this.isVisible) {
+      this._machine.start();
+    }
+  }
+
+  protected onBeforeDetach(msg: Message): void {
+    this._machine.stop();
+    super.onBeforeDetach(msg);
   }
 
   /** Follow another channel (the current notebook changed) or redraw this one. */
@@ -46,6 +72,7 @@ export class LaunchesPanel extends Widget {
     if (!panel) {
       node.appendChild(el('p', { class: 'air-magic-muted' }, 'Open a notebook to see its launches.'));
       this._clock(false);
+      node.appendChild(this._machine.node);
       return;
     }
     node.appendChild(el('div', { class: 'air-magic-muted' }, panel.context.localPath));
@@ -58,6 +85,7 @@ export class LaunchesPanel extends Widget {
         )
       );
       this._clock(false);
+      node.appendChild(this._machine.node);
       return;
     }
     const launches = channel.launches;
@@ -71,6 +99,7 @@ export class LaunchesPanel extends Widget {
       list.appendChild(this._item(launch, channel, panel));
     }
     node.appendChild(list);
+    node.appendChild(this._machine.node);
     this._clock(launches.some(isRunning));
   }
 
@@ -217,10 +246,12 @@ export class LaunchesPanel extends Widget {
 
   dispose(): void {
     this._clock(false);
+    this._machine.stop();
     super.dispose();
   }
 
   private _channel: KernelChannel | null = null;
+  private _machine: MachineList;
   private _timer: number | null = null;
 }
 

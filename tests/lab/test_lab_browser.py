@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -511,6 +512,81 @@ DIALOG = (
     " return d ? JSON.stringify({title: (d.querySelector('.jp-Dialog-header') || {}).innerText || '',"
     " buttons: [...d.querySelectorAll('.jp-Dialog-footer button')].map(b => b.innerText)}) : 'null'; })()"
 )
+
+
+# The sidebar's list of the machine's launches and pools (labextension/src/machine.ts).
+MACHINE = r"""
+(() => {
+  const rows = [...document.querySelectorAll('[data-air-magic-machine-row]')].map(row => ({
+    id: row.dataset.airMagicMachineRow, mine: row.dataset.mine === 'true',
+    stop: !!row.querySelector('.air-magic-machine-stop'), text: row.innerText,
+  }));
+  const list = document.querySelector('.air-magic-Machine');
+  return JSON.stringify({rows, text: list ? list.innerText : null});
+})()
+"""
+
+
+def test_the_sidebar_lists_the_machine_s_launches_and_stops_yours(
+    lab: dict[str, Any], page: Page, tmp_path: Path
+) -> None:
+    """An ``air-magic run`` of this user's, started from a terminal, shows under "On this machine"
+    (from the server: no kernel asked) with Stop; Stop, once confirmed, ends it as ``air-magic stop``
+    does, and the run says it was stopped from the JupyterLab sidebar."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\nprint('training', flush=True)\ntime.sleep(300)\n")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "air_magic.cli", "run", str(script), "-n", "2", "--no-tracking"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        _machine_in_the_sidebar(lab, page, run)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.communicate(timeout=60)
+
+
+def _machine_in_the_sidebar(lab: dict[str, Any], tools: Page, run: subprocess.Popen[str]) -> None:
+    shots = _artifacts(lab["tmp"])
+    assert wait_until(lambda: len(rank_processes()) == 2, timeout=120), "the run's ranks did not start"
+    _open(tools, f"{lab['base']}/lab/tree/launch.ipynb?reset&token={lab['token']}")
+    assert tools.evaluate(OPEN_SIDEBAR)
+    deadline = time.monotonic() + 30
+    while True:
+        state = json.loads(tools.evaluate(MACHINE))
+        mine = [row for row in state["rows"] if row["mine"] and "run " in row["text"]]
+        if mine:
+            break
+        assert time.monotonic() < deadline, f"the run is not in the sidebar's machine list: {state}"
+        time.sleep(0.25)
+    (row,) = mine
+    assert row["stop"] and "2 ranks" in row["text"] and "CPU" in row["text"] and "train.py" in row["text"], row
+    for width, height in ((1280, 900), (1024, 768)):
+        tools.page.set_viewport_size({"width": width, "height": height})
+        tools.page.wait_for_timeout(300)
+        box = tools.evaluate(
+            f"(() => {{ const r = document.querySelector('[data-air-magic-machine-row=\"{row['id']}\"]')"
+            ".getBoundingClientRect(); return {right: r.right, width: window.innerWidth}; })()"
+        )
+        assert box["right"] <= box["width"], box
+        tools.shot("#air-magic-launches", shots / f"lab-machine-{width}.png")
+    tools.page.set_viewport_size({"width": 1280, "height": 1000})
+    tools.page.locator(f'[data-air-magic-machine-row="{row["id"]}"] .air-magic-machine-stop').click()
+    _poll_dialog(tools, f"Stop run {row['id']}?")
+    tools.page.locator(".jp-Dialog .jp-mod-warn").last.click()
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 1, (out, err)
+    assert "this launch was stopped from outside: the JupyterLab sidebar by" in err, err
+    deadline = time.monotonic() + 30
+    while row["id"] in tools.evaluate(MACHINE):
+        assert time.monotonic() < deadline, "the stopped run stayed in the list"
+        time.sleep(0.25)
+    assert wait_until(lambda: not rank_processes(), timeout=10)
+    assert not _our_errors(tools, notebook7=False), tools.errors
 
 
 def test_a_saved_summary_reopened_without_a_kernel_is_drawn_by_the_extension(

@@ -98,3 +98,41 @@ def test_a_migration_that_takes_too_long_is_stopped_with_a_408(monkeypatch: pyte
         "air_magic migrate: migrating slow.ipynb took longer than 0.5 s and was stopped; "
         "run `air-magic lint --fix slow.ipynb` in a terminal instead (it has no limit)"
     )
+
+
+def test_the_machine_list_is_what_air_magic_ps_json_prints(jupyter: dict[str, Any]) -> None:
+    """GET air-magic/machine: the rows of `air-magic ps --json` (from the same function), the
+    server's user, GPU memory no launch holds; POST .../stop refuses a bad request and an id that
+    is not running, in one line each (a real stop: tests/lab/test_lab_browser.py)."""
+    import os
+
+    from air_magic.kernel import machine
+    from air_magic.panel import _machine_server
+    from air_magic.protocol import registry
+
+    me = os.getpid()
+    start = registry.process_start(me)
+    holder = registry.publish(
+        registry.Record(
+            id="0042-sidebar", uid=os.getuid(), user=registry.user_name(os.getuid()), holder_pid=me,
+            holder_start=start, kind="pool", ranks=1, pids=[me], pid_starts=[start], notebook="side.ipynb",
+        )
+    )  # fmt: skip
+    try:
+        status, body = _call(jupyter, _machine_server.ROUTE)
+        assert status == 200, body
+        assert body["user"] == registry.user_name(os.getuid()) and body["skipped"] == []
+        (row,) = [r for r in body["rows"] if r["id"] == "0042-sidebar"]
+        expected = next(r for r in machine.rows()[0] if r["id"] == "0042-sidebar")
+        assert {k: v for k, v in row.items() if k not in ("age_s", "host_memory")} == {
+            k: v for k, v in expected.items() if k not in ("age_s", "host_memory")
+        }
+        assert row["notebook"] == "side.ipynb" and row["pids"] == [me] and row["kind"] == "pool"
+    finally:
+        holder.close()
+    status, body = _call(jupyter, f"{_machine_server.ROUTE}/stop", {"launch": "x"})
+    assert status == 400 and body["message"] == "air_magic stop: a bad request (KeyError: 'id')"
+    status, body = _call(jupyter, f"{_machine_server.ROUTE}/stop", {"id": "0042-nothere"})
+    assert status == 409 and body["message"] == (
+        "air_magic stop: no air_magic launch or pool '0042-nothere' is running on this machine (air-magic ps lists them)"
+    )
