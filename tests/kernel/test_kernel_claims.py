@@ -200,3 +200,18 @@ def _another_user(k: Any, machine_list: str) -> None:
     assert [r.id for r in found] == [row["id"]]
     assert skipped == ["0099-forged.json: forged (it names uid 0; the file is uid 65534's)"]
     k.ok("%distributed_pool --stop")
+
+
+def test_a_cuda_visible_devices_of_uuids_narrows_the_claim_in_its_order(kernel_factory: Any, machine_list: str) -> None:
+    """As a container runtime or a scheduler sets it (UUIDs): a launch claims those GPUs only, in
+    that order, and its default count is theirs."""
+    visible = f"{_uuid(3)},{_uuid(1)}"
+    env = {"AIR_MAGIC_TEST_FAKE_GPUS": "4", registry.REGISTRY_ENV: machine_list, "CUDA_VISIBLE_DEVICES": visible}
+    k = kernel_factory(env)
+    try:
+        k.ok("import air_magic, os\n@air_magic.distributed()\ndef where():\n    return os.environ['CUDA_VISIBLE_DEVICES']")
+        got = k.value("where.distributed()", timeout=120)
+        assert got == [f"{_uuid(3)},{_uuid(1)}"] * 2  # two ranks: the two GPUs it may use, in its order
+        assert registry.records()[0] == []  # the claim ended with the launch
+    finally:
+        k.shutdown()
