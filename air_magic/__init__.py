@@ -102,14 +102,19 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
     import importlib
+    import importlib.util
 
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is a plain one
-    return value
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # the next lookup is a plain one
+        return value
+    # A subpackage or module (``air_magic.tracking.flush()`` after ``import air_magic``): imported
+    # now, as ``import air_magic.tracking`` would.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
