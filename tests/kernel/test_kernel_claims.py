@@ -209,7 +209,9 @@ def test_a_cuda_visible_devices_of_uuids_narrows_the_claim_in_its_order(kernel_f
     env = {"AIR_MAGIC_TEST_FAKE_GPUS": "4", registry.REGISTRY_ENV: machine_list, "CUDA_VISIBLE_DEVICES": visible}
     k = kernel_factory(env)
     try:
-        k.ok("import air_magic, os\n@air_magic.distributed()\ndef where():\n    return os.environ['CUDA_VISIBLE_DEVICES']")
+        k.ok(
+            "import air_magic, os\n@air_magic.distributed()\ndef where():\n    return os.environ['CUDA_VISIBLE_DEVICES']"
+        )
         got = k.value("where.distributed()", timeout=120)
         assert got == [f"{_uuid(3)},{_uuid(1)}"] * 2  # two ranks: the two GPUs it may use, in its order
         assert registry.records()[0] == []  # the claim ended with the launch
