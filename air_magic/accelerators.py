@@ -63,18 +63,25 @@ class AcceleratorType:
 
     __slots__ = ("count", "model")
 
+    #: GPUs per node (0 for ``CPU``).
+    count: int
+    #: The chip (``"H100"``), or ``"CPU"``.
+    model: str
+
     def __init__(self, count: int, model: str) -> None:
         self.count = count
         self.model = model
 
     @property
     def value(self) -> str:
+        """The canonical spelling, ``"GPU_8xH100"`` or ``"CPU"`` (also ``name``)."""
         return "CPU" if self.is_cpu else f"GPU_{self.count}x{self.model}"
 
     name = value
 
     @property
     def is_cpu(self) -> bool:
+        """Whether this is the ``CPU`` shape (CPU ranks with gloo)."""
         return self.model == "CPU"
 
     @classmethod

@@ -90,6 +90,7 @@ class DistributedFunction(Generic[R]):
 
     @property
     def timeout(self) -> float | None:
+        """Seconds a launch may run (``None``: no limit)."""
         return self.spec.timeout
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:

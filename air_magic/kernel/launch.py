@@ -220,6 +220,8 @@ class Launch:
 
     @property
     def log_paths(self) -> list[str]:
+        """Each rank's log file (its stdout and stderr) in rank order, readable while it runs
+        and after the kernel has gone."""
         return [r.log_path for r in self.ranks]
 
     def result(self, timeout: float | None = None) -> list[Any]:

@@ -125,6 +125,7 @@ class PoolCall:
         self._future: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
 
     def done(self) -> bool:
+        """Whether the call has ended on every rank."""
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> list[Any]:
@@ -132,6 +133,7 @@ class PoolCall:
         return self._future.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The call's error once it has ended (waits at most ``timeout`` s), ``None`` if it succeeded."""
         return self._future.exception(timeout)
 
     def cancel(self) -> bool:
