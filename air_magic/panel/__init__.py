@@ -1,7 +1,6 @@
 """panel/: the live panel, as an observer of launches -- widgets, text, the HTML summary, the
 JupyterLab side (sidebar, lint endpoint).
-Imports kernel/ (types, and the machine's list for the server side), protocol/, settings, accelerators and lint/;
-nothing imports it but plugins.py, and the Jupyter server loads ``_machine_server`` (the sidebar's machine list).
+Imports kernel/ (types), protocol/, settings, accelerators and lint/; nothing imports it but plugins.py.
 
 The live panel of a launch: widgets in Jupyter, compact text elsewhere, a static summary at the end.
 
