@@ -166,8 +166,8 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
     """The Jupyter server extension: the lab extension's migration command (``air_magic.lint.server``)
-    and its list of the machine's launches and pools (``air_magic.machine_server``)."""
-    return [{"module": "air_magic.lint.server"}, {"module": "air_magic.machine_server"}]
+    and its list of the machine's launches and pools (``air_magic.kernel.machine_server``)."""
+    return [{"module": "air_magic.lint.server"}, {"module": "air_magic.kernel.machine_server"}]
 
 
 # In a kernel: the comm target the JupyterLab extension opens its comm to (the list of

@@ -50,7 +50,10 @@ def test_the_built_extension_is_complete_and_found_by_jupyter() -> None:
     assert (BUILT / load).is_file(), load
     assert built["jupyterlab"]["_build"]["mimeExtension"] and built["jupyterlab"]["_build"]["extension"]
     assert air_magic._jupyter_labextension_paths() == [{"src": "labextension", "dest": "air-magic-labextension"}]
-    assert air_magic._jupyter_server_extension_points() == [{"module": "air_magic.lint.server"}]
+    assert air_magic._jupyter_server_extension_points() == [
+        {"module": "air_magic.lint.server"},  # Migrate
+        {"module": "air_magic.kernel.machine_server"},  # the sidebar's list of the machine's launches
+    ]
     pyproject = (ROOT / "pyproject.toml").read_text()
     for path in ("share/jupyter/labextensions/air-magic-labextension", "etc/jupyter/jupyter_server_config.d"):
         assert f'"{path}' in pyproject, path

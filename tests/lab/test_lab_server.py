@@ -107,7 +107,7 @@ def test_the_machine_list_is_what_air_magic_ps_json_prints(jupyter: dict[str, An
     import os
 
     from air_magic.kernel import machine
-    from air_magic import machine_server as _machine_server
+    from air_magic.kernel import machine_server as _machine_server
     from air_magic.protocol import registry
 
     me = os.getpid()

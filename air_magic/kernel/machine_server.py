@@ -9,8 +9,9 @@ notebook whose kernel never loaded air_magic)::
         --POST <base>/air-magic/machine/stop {"id"}-->  kernel.machine.stop(id, via="the JupyterLab sidebar")
                                             --> 200 {"message"} | 400 / 409 {"message"}
 
-A module of its own at the package's top, not in ``panel/``: the Jupyter server imports it at
-start, and it needs only the machine's list (``kernel.machine``), none of the panel's widgets.
+Beside ``kernel/machine.py`` (the list ``air-magic ps`` and ``%distributed_ps`` read), not in
+``panel/``: the Jupyter server imports it at start, and it needs the machine's list only, none of
+the panel's modules.
 
 The server runs as its user, so "yours" is that user's launches (root's server: everyone's), and
 another user's rows carry what ``air-magic ps`` shows them: owner, kind, ranks, GPUs and age. Both
