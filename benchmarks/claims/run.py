@@ -2,7 +2,7 @@
 """One GPU box, many notebooks: what the machine's list and the GPU claims cost, and whether two
 launches ever get one GPU.  NVML's answer is replaced (8 GPUs this CPU machine does not have).
 
-    .venv/bin/python benchmarks/claims/run.py [--pairs 1000] [--crowd 100]
+    .venv/bin/python benchmarks/claims/run.py [--pairs 1000] [--crowd 100] [--only-ps]
 
 * ``ps``: ``air-magic ps`` (a fresh process, as a user types it) and ``machine.rows()`` in
   process, with 64 live records;
@@ -281,10 +281,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=1000)
     parser.add_argument("--crowd", type=int, default=100)
+    parser.add_argument("--only-ps", action="store_true", help="measure air-magic ps alone (results/claims-ps.json)")
     args = parser.parse_args()
     where = tempfile.mkdtemp(prefix="air-magic-claims-")
     os.environ["AIR_MAGIC_REGISTRY"] = os.path.join(where, "launches")
     fake_nvml()
+    if args.only_ps:
+        try:
+            found = {"machine": machine_text(), "ps": ps_time(64)}
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "claims-ps.json").write_text(json.dumps(found, indent=1))
+        return
     try:
         results = {
             "machine": machine_text(),
