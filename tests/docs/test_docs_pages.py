@@ -64,7 +64,7 @@ def test_the_readme_is_short_and_says_where_everything_is() -> None:
         "bash scripts/build_docs.sh",
         "%%distributed --pool",
         "@distributed(",
-        "docs/images/panel-1280.png",
+        "docs/images/lab-pool.png",
         "Apache License 2.0",
     ):
         assert needed in text, needed
