@@ -93,6 +93,6 @@ html_show_sourcelink = False
 html_last_updated_fmt = None
 # Light unless the reader switches (a page opened from a file starts from this, not from "").
 html_context = {"default_mode": "light"}
-# The pages of wide tables (every bad input, every rule) give the navigation's column to them:
+# The pages of wide tables (every bad input, every rule) and the drawing give the navigation's column to them:
 # the header and the breadcrumbs still lead everywhere.
-html_sidebars = {"reference/errors": [], "reference/lint-rules": []}
+html_sidebars = {"reference/errors": [], "reference/lint-rules": [], "how-it-works/architecture": []}
