@@ -18,6 +18,7 @@ device's utilisation and memory, and which device a rank's processes use::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import re
@@ -25,7 +26,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import ClassVar
+from typing import Any, ClassVar, Iterator
 
 from air_magic.errors import ConfigurationError
 
@@ -244,28 +245,36 @@ class Hardware:
         return f"{self.gpu_count} x {self.gpu_name} ({self.accelerator_type.value})"
 
 
-def _query_nvml() -> list[str] | None:
-    """Names of every GPU NVML sees, or ``None`` when NVML is not available."""
+@contextlib.contextmanager
+def _nvml() -> Iterator[Any]:
+    """One NVML session: ``pynvml``, initialised (shut down after), or ``None`` where there is no
+    NVML (no package, no driver)."""
     try:
         import pynvml  # type: ignore[import-untyped]
-    except ImportError:
-        return None
-    try:
+
         pynvml.nvmlInit()
-    except Exception:  # NVMLError, or whatever loading the driver's library raises: no NVML here
-        return None
+    except Exception:  # ImportError, NVMLError, or whatever loading the driver's library raises
+        yield None
+        return
     try:
-        names = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            names.append(name.decode() if isinstance(name, bytes) else str(name))
-        return names
+        yield pynvml
     finally:
         try:
             pynvml.nvmlShutdown()
         except Exception:  # pragma: no cover - shutdown failures change nothing
             pass
+
+
+def _query_nvml() -> list[str] | None:
+    """Names of every GPU NVML sees, or ``None`` when NVML is not available."""
+    with _nvml() as nvml:
+        if nvml is None:
+            return None
+        names = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            name = nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(index))
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
 
 
 def _query_nvidia_smi() -> list[str] | None:
@@ -317,30 +326,21 @@ def detect_hardware() -> Hardware:
 def gpu_processes() -> list[tuple[int, str, list[tuple[int, int]]]]:
     """Every GPU NVML sees, in one NVML session: ``(index, UUID, [(pid, bytes used), ...])``;
     ``[]`` without NVML (no driver, no package).  What the GPU claims and ``air-magic ps`` read."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # NVMLError, or whatever loading the driver's library raises: no NVML here
-        return []
-    try:
+    with _nvml() as nvml:
+        if nvml is None:
+            return []
         found = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = nvml.nvmlDeviceGetUUID(handle)
             try:
                 procs = [
-                    (int(p.pid), int(p.usedGpuMemory or 0)) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                    (int(p.pid), int(p.usedGpuMemory or 0)) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
                 ]
-            except pynvml.NVMLError:
+            except nvml.NVMLError:
                 procs = []
             found.append((index, uuid.decode() if isinstance(uuid, bytes) else str(uuid), procs))
         return found
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # pragma: no cover - shutdown failures change nothing
-            pass
 
 
 # -- live numbers (the launch panel) -------------------------------------------------------
