@@ -6,11 +6,13 @@ module, or as safetensors files, with no process group and no CUDA here (the ran
       1. ask every rank for its plan ("model", plan)  ->  per key: full shape, dtype, each
          rank's box; the kernel checks the boxes cover every element, and that the bytes fit
          the kernel's free memory (else: how large, and pool.save)
-      2. one area of the full size: a file of the launch's /dev/shm folder where it has room,
-         else a memfd of the kernel's (ranks open /proc/<kernel>/fd/<n>), else a file of the
-         launch's private folder; its space reserved first (never SIGBUS)
-      3. ("model", write, {key: (area, offset)})  ->  each rank copies its parts in place
-      4. the kernel maps the area: each key a view of it (one copy of the model, no second)
+      2. one area of the full size, in parts of >= 64 MiB (whole keys each): files of the
+         launch's /dev/shm folder where it has room, else memfds of the kernel's (ranks open
+         /proc/<kernel>/fd/<n>), else files of the launch's private folder
+      3. ("model", write, {key: (part, offset)})  ->  each rank writes its parts in place,
+         starting at a part of its own (a file takes one writer at a time); its bytes are
+         allocated as written (pwrite) or reserved first: a full folder is ENOSPC, never SIGBUS
+      4. the kernel maps the parts: each key a view of one (one copy of the model, no second)
 
     save(engine, "model", folder): the same, the area being the safetensors files themselves
     (headers written here, :mod:`air_magic.data.weights`): the kernel never holds the bytes.
@@ -33,10 +35,13 @@ from air_magic.rank.results import aligned
 if TYPE_CHECKING:
     from air_magic.kernel.pool import PoolEngine
 
-__all__ = ["ModelBackError", "state_dict", "model", "save", "Area"]
+__all__ = ["ModelBackError", "state_dict", "model", "save", "Area", "parts"]
 
 #: Free memory the kernel keeps besides the model (its own work, the front end's).
 HEADROOM = 256 << 20
+
+#: The least bytes of one part of the area (:func:`parts`).
+PART_BYTES = 64 << 20
 
 
 class ModelBackError(AirMagicError, ValueError):
@@ -143,67 +148,77 @@ def check_fits(nbytes: int, name: str) -> None:
 
 
 class Area:
-    """One file of ``size`` bytes the ranks write into and the kernel maps, of one ``kind``:
-    ``"shm"`` (a file of ``shm_dir``, where statvfs says it has room), ``"memfd"`` (not bounded
-    by /dev/shm's size) or ``"file"`` (in ``fallback_dir``).  The kernel only sizes it
-    (``ftruncate``); each rank reserves the bytes it writes (:func:`air_magic.rank.model_back.write`)."""
+    """The files the ranks write into and the kernel maps, one per part (``sizes``: each part's
+    bytes), of one ``kind``: ``"shm"`` (files of ``shm_dir``, where statvfs says it has room),
+    ``"memfd"`` (not bounded by /dev/shm's size) or ``"file"`` (in ``fallback_dir``).  The kernel
+    only sizes them (``ftruncate``); each rank reserves the bytes it writes
+    (:func:`air_magic.rank.model_back.write`).  Several parts rather than one file: a file takes
+    one writer at a time (its inode's lock), so ranks that write different parts at once write
+    in parallel."""
 
-    def __init__(self, size: int, kind: str, shm_dir: str | None, fallback_dir: str) -> None:
-        self.size = size
+    def __init__(self, sizes: list[int], kind: str, shm_dir: str | None, fallback_dir: str) -> None:
+        self.sizes = sizes
         self.kind = kind
-        self._fd: int | None = None
-        self._path: str | None = None
-        if kind == "memfd":
-            self._fd = os.memfd_create("air_magic-model", 0)
-            os.ftruncate(self._fd, size)
-        else:
-            folder = shm_dir if kind == "shm" else fallback_dir
-            assert folder is not None
-            fd, self._path = tempfile.mkstemp(prefix="model-", dir=folder)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
+        self._fds: list[int] = []
+        self._paths: list[str] = []
+        try:
+            for size in sizes:
+                if kind == "memfd":
+                    self._fds.append(os.memfd_create("air_magic-model", 0))
+                    os.ftruncate(self._fds[-1], size)
+                    continue
+                folder = shm_dir if kind == "shm" else fallback_dir
+                assert folder is not None
+                fd, path = tempfile.mkstemp(prefix="model-", dir=folder)
+                self._paths.append(path)
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+        except BaseException:  # nothing left behind; re-raised
+            self.close()
+            raise
 
     @classmethod
     def kinds(cls, size: int, shm_dir: str | None) -> list[str]:
-        """The kinds worth trying for ``size`` bytes, in order."""
+        """The kinds worth trying for ``size`` bytes in all, in order."""
         kinds = ["shm"] if shm_dir and _room(shm_dir) >= size else []
         if hasattr(os, "memfd_create"):
             kinds.append("memfd")
         return kinds + ["file"]
 
     @property
-    def path_for_ranks(self) -> str:
-        """The path a rank of this machine opens."""
-        if self._fd is not None:
-            return f"/proc/{os.getpid()}/fd/{self._fd}"
-        assert self._path is not None
-        return self._path
+    def paths_for_ranks(self) -> list[str]:
+        """The path of each part, as a rank of this machine opens it."""
+        if self.kind == "memfd":
+            return [f"/proc/{os.getpid()}/fd/{fd}" for fd in self._fds]
+        return list(self._paths)
 
-    def map(self) -> Any:
-        """The whole area as one uint8 tensor; the file is gone (unlinked, or its fd closed) after."""
+    def map(self) -> list[Any]:
+        """Each part as one uint8 tensor; the files are gone (unlinked, or their fds closed) after."""
         import torch
 
-        path = f"/proc/self/fd/{self._fd}" if self._fd is not None else self._path
-        assert path is not None
+        paths = [f"/proc/self/fd/{fd}" for fd in self._fds] if self.kind == "memfd" else self._paths
         try:
-            if self.size == 0:
-                return torch.empty(0, dtype=torch.uint8)
-            return torch.from_file(path, shared=True, size=self.size, dtype=torch.uint8)
+            return [
+                torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                if size
+                else torch.empty(0, dtype=torch.uint8)
+                for path, size in zip(paths, self.sizes)
+            ]
         finally:
             self.close()
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._path is not None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        for path in self._paths:
             try:
-                os.unlink(self._path)
+                os.unlink(path)
             except FileNotFoundError:
                 pass
-            self._path = None
+        self._paths = []
 
 
 def _no_room(exc: BaseException) -> bool:
@@ -243,39 +258,50 @@ def state_dict(engine: "PoolEngine", name: str, dtype: Any = None) -> dict[str, 
     return out
 
 
+def parts(lay: Layout) -> tuple[list[int], dict[str, tuple[int, int]]]:
+    """The area's parts: consecutive keys, each part :data:`PART_BYTES` or more (a larger key a
+    part of its own); each part's size, and each key's place (part, byte offset)."""
+    sizes = [0]
+    places: dict[str, tuple[int, int]] = {}
+    for key in lay.shapes:
+        if key in lay.aliases:
+            continue
+        if sizes[-1] >= PART_BYTES:
+            sizes.append(0)
+        at = aligned(sizes[-1])
+        places[key] = (len(sizes) - 1, at)
+        sizes[-1] = at + lay.nbytes(key)
+    return sizes, places
+
+
 def _fill(engine: "PoolEngine", name: str, lay: Layout, dtype: str | None) -> dict[str, Any]:
     import torch
 
     check_fits(lay.total, name)
-    offsets: dict[str, int] = {}
-    at = 0
-    for key in lay.shapes:
-        if key not in lay.aliases:
-            at = aligned(at)
-            offsets[key] = at
-            at += lay.nbytes(key)
+    sizes, where = parts(lay)
     launch = engine.launch
     assert launch is not None
-    kinds = Area.kinds(at, launch.shm_dir)
-    whole = None
+    kinds = Area.kinds(sum(sizes), launch.shm_dir)
+    mapped = None
     for kind in kinds:
-        area = Area(at, kind, launch.shm_dir, launch.work_dir)
+        area = Area(sizes, kind, launch.shm_dir, launch.work_dir)
         try:
-            places = {key: (area.path_for_ranks, offset) for key, offset in offsets.items()}
+            paths = area.paths_for_ranks
+            places = {key: (paths[part], offset) for key, (part, offset) in where.items()}
             message = {"op": "write", "name": name, "places": places, "dtype": dtype}
             engine.ask("model", message, f"pool.state_dict({name!r})")
-            whole = area.map()
+            mapped = area.map()
             break
         except OSError as exc:  # a rank found no room (ENOSPC, ENOMEM): the next kind of area
             if kind == kinds[-1] or not _no_room(exc):
                 raise
         finally:
             area.close()
-    assert whole is not None
+    assert mapped is not None
     tensors = {}
-    for key, offset in offsets.items():
+    for key, (part, offset) in where.items():
         dt = getattr(torch, lay.dtypes[key])
-        tensors[key] = whole[offset : offset + lay.nbytes(key)].view(dt).view(lay.shapes[key])
+        tensors[key] = mapped[part][offset : offset + lay.nbytes(key)].view(dt).view(lay.shapes[key])
     for key, first in lay.aliases.items():  # a tied weight: the same tensor, as torch's state_dict gives it
         tensors[key] = tensors[first]
     return tensors

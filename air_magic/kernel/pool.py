@@ -700,6 +700,9 @@ class PoolEngine:
         finally:
             if self._call_now is call:
                 self._call_now = None
+            # The call is kept (self._last_call: what its ranks did of it), its watch is not: the
+            # watch reads the replies, and the values they hold are the user's to drop.
+            call.hangs = None
             if view is not None:
                 view.finish(outcome, error)
             for watcher in watchers:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from air_magic.rank.results import pwrite_all
+
 __all__ = ["unwrap", "plan", "write", "handle", "ModelBackError"]
 
 #: Names that wrappers of submodules add inside keys (torch.compile, activation checkpointing);
@@ -185,17 +187,23 @@ def _exact_span(part: dict[str, Any]) -> bool:
     return part["kind"] == "zero3" or not shape or list(sizes[1:]) == list(shape[1:])
 
 
-def _pwrite_all(fd: int, data: Any, at: int) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        done = os.pwrite(fd, view, at)
-        view, at = view[done:], at + done
+def _in_turn(entries: dict[str, Any], places: dict[str, Any], rank: int) -> list[tuple[str, Any]]:
+    """The entries ``places`` has, grouped by file, the files in turn from one of this rank's
+    own (rank r of n starts at file r*files//n): a file takes one writer at a time (its inode's
+    lock), so ranks that start apart write at the same time."""
+    files = list(dict.fromkeys(places[key][0] for key in entries if key in places))
+    if not files:
+        return []
+    first = rank * len(files) // max(_world(), 1)
+    turn = {path: (index - first) % len(files) for index, path in enumerate(files)}
+    chosen = [(key, value) for key, value in entries.items() if key in places]
+    return sorted(chosen, key=lambda item: turn[places[item[0]][0]])
 
 
 def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: str | None) -> int:
     """Copy this rank's part of each key to its place: ``places[key] = (path, byte offset)`` of
     the key's full tensor (row-major, in ``dtype`` or its own), in a file the kernel made and
-    sized.  A part that is whole rows (a Shard(0), a ZeRO-3 partition, a plain tensor) is one
+    sized; each file in turn (:func:`_in_turn`).  A part that is whole rows (a Shard(0), a ZeRO-3 partition, a plain tensor) is one
     ``pwrite`` from the tensor's memory (the file's pages are allocated as they are written: a
     full /dev/shm is an ENOSPC error here, never a SIGBUS); another part (a column shard) is
     copied into a mapping of the file after its bytes are reserved (``posix_fallocate``).  The
@@ -209,8 +217,8 @@ def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: s
     fds: dict[str, int] = {}
     written = 0
     try:
-        for key, value in _entries(module).items():
-            if key not in places or not isinstance(value, torch.Tensor):
+        for key, value in _in_turn(_entries(module), places, rank):
+            if not isinstance(value, torch.Tensor):
                 continue
             held: Any = value  # a DTensor or a ZeRO-3 parameter, as _part found
             part = _part(value, rank)
@@ -231,7 +239,7 @@ def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: s
                 continue
             if _exact_span(part):
                 data = local.to(device="cpu", dtype=out_dtype).contiguous().reshape(-1)
-                _pwrite_all(fds[path], data.view(torch.uint8).numpy(), offset + start)
+                pwrite_all(fds[path], data.view(torch.uint8).numpy(), offset + start)
                 written += length
                 continue
             os.posix_fallocate(fds[path], offset + start, length)

@@ -15,9 +15,11 @@ are copied once into a file of their own (named ``r<rank>-<n>``) under ``/dev/sh
 and the pickle holds that name only.  The kernel finds the file among the launch's
 folders (:func:`read_record`), maps it (``torch.from_file(shared=True)``) and unlinks
 it at once, so the tensor arrives without a second copy and nothing stays behind in
-``/dev/shm``.  The file's space is reserved first (``posix_fallocate``): where
-``/dev/shm`` is too small (Docker's 64 MB), the tensor goes to a file in the launch's
-private folder instead, rather than the rank dying of SIGBUS while it writes.
+``/dev/shm``.  A CPU tensor's bytes are written with ``pwrite`` (pages allocated as they are
+written, none zeroed first), a CUDA tensor's copied into a mapping after its bytes are reserved
+(``posix_fallocate``): where ``/dev/shm`` is too small (Docker's 64 MB), the write fails with
+``ENOSPC`` and the tensor goes to a file in the launch's private folder instead, rather than the
+rank dying of SIGBUS while it writes.
 CUDA tensors arrive as CPU tensors: the kernel never touches CUDA.  A DTensor (FSDP2, tensor
 parallel) travels as the rank's shard and its place; the kernel puts the full tensor together
 from every rank's record, once (each rank's entry is that one tensor).
@@ -56,6 +58,8 @@ __all__ += [
     "loads_record",
     "assemble_piece",
     "aligned",
+    "pwrite_all",
+    "write_tensor_file",
 ]
 
 #: Tensors at least this large (bytes) go through shared memory.
@@ -123,27 +127,58 @@ def place_tensor_file(name: str, data: Any, folders: Iterable[str | None]) -> st
     return path
 
 
-def map_for_writing(path: str, size: int) -> Any:
-    """The file at ``path`` (its first ``size`` bytes, already reserved) as a writable uint8
-    tensor, its pages faulted in at once (``MAP_POPULATE``: one call instead of a fault per
-    page as the copy goes)."""
+def pwrite_all(fd: int, data: Any, at: int) -> None:
+    """Write the buffer ``data`` to ``fd`` at byte ``at``, all of it (``pwrite`` may write less).
+    A file's pages are allocated as they are written: no zeroing first, and a full filesystem is
+    an ``ENOSPC`` error here, never a SIGBUS later."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        done = os.pwrite(fd, view, at)
+        view, at = view[done:], at + done
+
+
+def write_tensor_file(name: str, size: int, places: list[tuple[Any, int]], folders: Iterable[str | None]) -> str:
+    """A new file ``name`` of ``size`` bytes holding each ``(tensor, offset)`` of ``places``, in
+    the first of ``folders`` with room (a later one where an earlier one fills up; an error in
+    the last one, a full disk, is raised as such); its path.  A contiguous CPU tensor is one
+    :func:`pwrite_all` from its memory; another (CUDA, strided) is copied into a mapping of the
+    file after its bytes are reserved (``posix_fallocate``)."""
+    candidates = [folder for folder in folders if folder is not None]
+    for index, folder in enumerate(candidates):
+        path = os.path.join(folder, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            _copy_places(fd, size, places)
+            return path
+        except OSError as exc:
+            os.unlink(path)
+            if exc.errno != errno.ENOSPC or index == len(candidates) - 1:
+                raise
+        finally:
+            os.close(fd)
+    raise OSError(errno.ENOSPC, f"no room for a {size}-byte result tensor")
+
+
+def _copy_places(fd: int, size: int, places: list[tuple[Any, int]]) -> None:
     import mmap
+    import warnings
 
     import torch
 
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    import warnings
-
-    with warnings.catch_warnings():  # "non-writable buffer": it is writable
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mapped, dtype=torch.uint8)
+    area = None
+    for source, offset in places:
+        nbytes = source.numel() * source.element_size()
+        if source.device.type == "cpu" and source.is_contiguous():
+            pwrite_all(fd, source.reshape(-1).view(torch.uint8).numpy(), offset)
+            continue
+        os.posix_fallocate(fd, offset, nbytes)
+        if area is None:
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with warnings.catch_warnings():  # "non-writable buffer": it is writable
+                warnings.simplefilter("ignore", UserWarning)
+                area = torch.frombuffer(mapped, dtype=torch.uint8)
+        area[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
 
 
 def aligned(offset: int) -> int:
@@ -154,7 +189,7 @@ def aligned(offset: int) -> int:
 class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
     """Pickles a record; each large CPU or CUDA tensor becomes a place in one file of the
     record's (its name, offset, dtype and shape), whose bytes :meth:`write_tensors` copies
-    once, after the pickle is made (so the file's size is known and reserved first)."""
+    once, after the pickle is made (so the file's size is known first)."""
 
     def __init__(self, file: IO[bytes], shm_dir: str | None, prefix: str, fallback_dir: str | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -205,12 +240,8 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
         private folder (CUDA tensors straight from the device)."""
         if not self._places:
             return
-        path = _reserve(self._name, self._size, (self._shm_dir, self._fallback_dir))
+        path = write_tensor_file(self._name, self._size, self._places, (self._shm_dir, self._fallback_dir))
         self.shm_paths.append(path)
-        area = map_for_writing(path, self._size)
-        for source, offset in self._places:
-            nbytes = source.numel() * source.element_size()
-            area[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
         self._places.clear()
 
 

@@ -145,6 +145,16 @@ def test_fsdp2_and_tensor_parallel_shards_are_put_together_without_a_collective(
     assert k.value("same('fsdp', %s)" % (full % "fsdp"))
     k.ok("sd = pool.state_dict('tp')")
     assert k.value("same('tp', %s)" % (full % "tp"))
+    # An area of many parts (a file each, a key each here): the ranks write them in turn.
+    k.ok(
+        "import air_magic.kernel.model_back as model_back\n"
+        "model_back.PART_BYTES, part_bytes = 1, model_back.PART_BYTES\n"
+        "try:\n"
+        "    sd = pool.state_dict('fsdp')\n"
+        "finally:\n"
+        "    model_back.PART_BYTES = part_bytes"
+    )
+    assert k.value("same('fsdp', %s)" % (full % "fsdp"))
     # The module: its outputs are the ranks'.
     k.ok("m = pool.model('fsdp', lambda: nn.Sequential(nn.Linear(10, 33), nn.ReLU(), nn.Linear(33, 7)))")
     k.ok("x = torch.randn(3, 10)")
@@ -234,6 +244,9 @@ def test_pull_takes_one_rank_s_value_through_shared_memory(k: Kernel) -> None:
     # Nothing stays behind in the launch's shared-memory folder.
     assert k.value("os.listdir(pool._engine.launch.shm_dir)") == []
     k.ok("del one")
+    # A value the user drops is gone (its memory back), not kept by the pool until its next call.
+    k.ok("import gc, weakref\nkept = weakref.ref(pool.pull('big', rank=1)['w0'])\ngc.collect()")
+    assert k.value("kept() is None")
 
 
 def test_save_safetensors_and_pool_save_write_what_hugging_face_loads(k: Kernel, tmp_path: Path) -> None:

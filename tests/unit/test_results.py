@@ -109,14 +109,22 @@ def test_tensors_go_to_the_private_folder_where_shared_memory_has_no_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shm, work = _folders(tmp_path, "shm", "work")
-    fallocate = os.posix_fallocate
+    fallocate, pwrite = os.posix_fallocate, os.pwrite
 
-    def full_shm(fd: int, offset: int, size: int) -> None:
+    def no_room_in_shm(fd: int) -> None:
         if os.readlink(f"/proc/self/fd/{fd}").startswith(shm):
             raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_shm(fd: int, offset: int, size: int) -> None:
+        no_room_in_shm(fd)
         fallocate(fd, offset, size)
 
+    def full_shm_write(fd: int, data: Any, offset: int) -> int:  # shared memory's pages run out as written
+        no_room_in_shm(fd)
+        return pwrite(fd, data, offset)
+
     monkeypatch.setattr(os, "posix_fallocate", full_shm)
+    monkeypatch.setattr(os, "pwrite", full_shm_write)
     path = os.path.join(work, "result-0.pkl")
     _results.write_record(path, ValueRecord(_value()), shm, "r0", fallback_dir=work)  # a rank
     assert _files(shm) == [] and _files(work) == ["r0-0", "result-0.pkl"]
