@@ -265,16 +265,57 @@ def _nvml() -> Iterator[Any]:
             pass
 
 
+def _cuda_devices(nvml: Any) -> list[tuple[int, Any]]:
+    """What CUDA can run on, in NVML's order: each GPU, or each MIG instance of a GPU in MIG mode
+    (a GPU of its own for air_magic; the index is its parent's): ``(index, handle)``."""
+    found = []
+    for index in range(nvml.nvmlDeviceGetCount()):
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        migs = _mig_devices(nvml, handle)
+        found += [(index, h) for h in (migs if migs is not None else [handle])]
+    return found
+
+
+def _mig_devices(nvml: Any, handle: Any) -> list[Any] | None:
+    """The MIG instances of a GPU in MIG mode (none where none was made: the GPU itself runs
+    nothing then); ``None`` for a GPU not in MIG mode."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except Exception:  # no MIG here (before Ampere, a GeForce) or an older nvidia-ml-py
+        return None
+    if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+        return None
+    found = []
+    for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            found.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))
+        except nvml.NVMLError:  # an empty slot
+            continue
+    return found
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def is_mig(uuid: str) -> bool:
+    """Whether ``uuid`` names a MIG instance (``MIG-...``) rather than a whole GPU (``GPU-...``)."""
+    return uuid.startswith("MIG-")
+
+
+def gpu_label(index: int, uuid: str) -> str:
+    """How a GPU is named to a user: its index (``3``), and for a MIG instance the start of its
+    UUID too (``0:MIG-5c3e8f1a``: several instances share their GPU's index)."""
+    return f"{index}:{uuid[:12]}" if is_mig(uuid) else str(index)
+
+
 def _query_nvml() -> list[str] | None:
-    """Names of every GPU NVML sees, or ``None`` when NVML is not available."""
+    """Names of every device CUDA can run on that NVML sees (a MIG instance's name says its
+    profile), or ``None`` when NVML is not available."""
     with _nvml() as nvml:
         if nvml is None:
             return None
-        names = []
-        for index in range(nvml.nvmlDeviceGetCount()):
-            name = nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(index))
-            names.append(name.decode() if isinstance(name, bytes) else str(name))
-        return names
+        return [_text(nvml.nvmlDeviceGetName(handle)) for _, handle in _cuda_devices(nvml)]
 
 
 def _query_nvidia_smi() -> list[str] | None:
@@ -324,22 +365,21 @@ def detect_hardware() -> Hardware:
 
 
 def gpu_processes() -> list[tuple[int, str, list[tuple[int, int]]]]:
-    """Every GPU NVML sees, in one NVML session: ``(index, UUID, [(pid, bytes used), ...])``;
-    ``[]`` without NVML (no driver, no package).  What the GPU claims and ``air-magic ps`` read."""
+    """Every device CUDA can run on that NVML sees (each GPU, or each MIG instance of a GPU in MIG
+    mode), in one NVML session: ``(index, UUID, [(pid, bytes used), ...])``; ``[]`` without NVML
+    (no driver, no package).  What the GPU claims and ``air-magic ps`` read."""
     with _nvml() as nvml:
         if nvml is None:
             return []
         found = []
-        for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = nvml.nvmlDeviceGetUUID(handle)
+        for index, handle in _cuda_devices(nvml):
             try:
                 procs = [
                     (int(p.pid), int(p.usedGpuMemory or 0)) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
                 ]
             except nvml.NVMLError:
                 procs = []
-            found.append((index, uuid.decode() if isinstance(uuid, bytes) else str(uuid), procs))
+            found.append((index, _text(nvml.nvmlDeviceGetUUID(handle)), procs))
         return found
 
 
@@ -354,7 +394,9 @@ class NvmlDevices:
 
         self.nv = pynvml
         pynvml.nvmlInit()
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        devices = _cuda_devices(pynvml)  # each GPU, or each MIG instance (which has no utilisation of its own)
+        self.handles = [handle for _, handle in devices]
+        self.indices = [index for index, _ in devices]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         entries = [e.strip() for e in visible.split(",") if e.strip()]
         self.visible = [int(e) for e in entries] if entries and all(e.isdigit() for e in entries) else None
@@ -390,7 +432,7 @@ class NvmlDevices:
             if index is None:
                 result[rank] = (None, None, None, None)
             else:
-                result[rank] = (index, devices[index][0], used, devices[index][2])
+                result[rank] = (self.indices[index], devices[index][0], used, devices[index][2])
         return result
 
     def close(self) -> None:

@@ -38,6 +38,12 @@ HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
         "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group().",
     ),
     (
+        ("invalid device ordinal",),
+        "hint: the rank asked for a GPU it cannot see. Its CUDA_VISIBLE_DEVICES holds the GPUs its launch "
+        "claimed (on MIG instances, one per rank, which it sees as cuda:0): pick the device with "
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) on whole GPUs, torch.cuda.set_device(0) on MIG.",
+    ),
+    (
         ("Address already in use",),
         "hint: a port is taken. Do not set MASTER_PORT yourself: each launch gets its own free port.",
     ),

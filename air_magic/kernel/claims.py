@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from air_magic.accelerators import gpu_processes
+from air_magic.accelerators import gpu_label, gpu_processes, is_mig
 from air_magic.errors import LaunchError
 from air_magic.protocol import registry
 from air_magic.settings import settings
@@ -85,20 +85,23 @@ def describe_holders(wanted: list[GPU], holders: list[registry.Record], busy: se
     parts = []
     uuids = {g.uuid for g in wanted}
     for record in holders:
-        mine = [g["index"] for g in record.gpus if g["uuid"] in uuids]
+        mine = [(g["index"], g["uuid"]) for g in record.gpus if g["uuid"] in uuids]
         if mine:
             where = " · ".join(x for x in (record.user, record.notebook or record.kernel, record.kind) if x)
             parts.append(
                 f"GPU{'s' * (len(mine) > 1)} {_span(mine)} {'are' if len(mine) > 1 else 'is'} held by {where} · {_age(record.age())}"
             )
-    outside = sorted(g.index for g in wanted if g.uuid in busy)
+    outside = [(g.index, g.uuid) for g in wanted if g.uuid in busy]
     if outside:
         parts.append(f"GPU{'s' * (len(outside) > 1)} {_span(outside)} used by processes outside air_magic")
     return "; ".join(parts) or "no GPU is free"
 
 
-def _span(indices: list[int]) -> str:
-    indices = sorted(indices)
+def _span(gpus: list[tuple[int, str]]) -> str:
+    """``0–3`` for GPUs 0, 1, 2, 3; each by its label where MIG instances are among them."""
+    if any(is_mig(uuid) for _, uuid in gpus):
+        return ", ".join(gpu_label(index, uuid) for index, uuid in sorted(gpus))
+    indices = sorted(index for index, _ in gpus)
     if len(indices) > 2 and indices == list(range(indices[0], indices[-1] + 1)):
         return f"{indices[0]}–{indices[-1]}"
     return ", ".join(map(str, indices))
@@ -188,7 +191,20 @@ class ClaimObserver:
                 said = True
             time.sleep(POLL)
             machine = gpu_processes()  # what outside processes use now
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in record.gpus)
+        uuids = [g["uuid"] for g in record.gpus]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
+        if any(is_mig(uuid) for uuid in uuids):
+            # A CUDA process sees one MIG instance only (the first it is given): each rank is given
+            # its own, which it sees as cuda:0.
+            for rank, uuid in enumerate(uuids):
+                launch.rank_env.setdefault(rank, {})["CUDA_VISIBLE_DEVICES"] = uuid
+            print(
+                f"[air_magic] {len(uuids)} MIG instance{'s' * (len(uuids) > 1)} claimed, one per rank: each rank sees its own "
+                "as cuda:0 (CUDA shows a process one MIG instance), so use torch.cuda.set_device(0) or "
+                "torch.device('cuda') rather than cuda:LOCAL_RANK.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def after_start(self, launch: "Launch") -> None:
         if self.holder is not None:

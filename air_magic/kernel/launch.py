@@ -198,6 +198,9 @@ class Launch:
         self._outcome: tuple[bool, Any] | None = None
         self._error_text: str | None = None
         self.observers: list[LaunchObserver] = []
+        #: Environment of one rank only, set before the ranks start (the GPU claims: on MIG
+        #: instances, each rank's own ``CUDA_VISIBLE_DEVICES``).
+        self.rank_env: dict[int, dict[str, str]] = {}
         self._notices: collections.deque[tuple[str | Callable[[], None], str]] = collections.deque()
         #: Where the time of the launch went, for ``benchmarks/launch`` and the curious:
         #: ``time.monotonic()`` (one clock for every process of the machine) at ``call``,

@@ -23,7 +23,7 @@ import socket
 import time
 from typing import Any
 
-from air_magic.accelerators import gpu_processes
+from air_magic.accelerators import gpu_label, gpu_processes
 from air_magic.protocol import registry
 from air_magic.protocol.processes import carriers
 
@@ -129,7 +129,7 @@ def table(found: list[dict[str, Any]], strays: list[dict[str, Any]], skipped: li
         header = ("ID", "OWNER", "KIND", "RANKS", "GPUS", "GPU MEM", "HOST MEM", "STATE", "AGE", "NOTEBOOK / KERNEL")
         body = []
         for row in found:
-            gpus = ",".join(str(g["index"]) for g in row["gpus"]) or "-"
+            gpus = ",".join(gpu_label(g["index"], g.get("uuid", "")) for g in row["gpus"]) or "-"
             gpu_mem = row.get("gpu_memory") or []
             host_mem = row.get("host_memory") or []
             body.append(

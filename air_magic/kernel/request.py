@@ -43,6 +43,7 @@ def request(launch: "Launch", payload: "Payload", env: dict[str, str], cwd: str,
         rlimits=soft_limits(),
         device=launch.placement.device,
         pool=payload.kind == "pool",
+        rank_env=dict(launch.rank_env) or None,
     )
 
 

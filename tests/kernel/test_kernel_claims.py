@@ -217,3 +217,39 @@ def test_a_cuda_visible_devices_of_uuids_narrows_the_claim_in_its_order(kernel_f
         assert registry.records()[0] == []  # the claim ended with the launch
     finally:
         k.shutdown()
+
+
+def _mig(slot: int) -> str:
+    return f"MIG-11111111-0000-0000-0000-{slot:012d}"
+
+
+def test_each_mig_instance_is_a_gpu_of_its_own_and_each_rank_gets_its_own(
+    kernel_factory: Any, machine_list: str
+) -> None:
+    """GPU 0 in MIG mode with 3 instances, GPU 1 whole (NVML's answer replaced): a 2-rank launch
+    claims two instances, each rank seeing only its own (CUDA shows a process one MIG instance),
+    and says so once; another notebook's launch gets what is left, disjoint; ``ps`` names them."""
+    env = {"AIR_MAGIC_TEST_FAKE_GPUS": "2", "AIR_MAGIC_TEST_FAKE_MIG": "3", registry.REGISTRY_ENV: machine_list}
+    first, second = kernel_factory(env), kernel_factory(env)
+    gate = os.path.join(tempfile.mkdtemp(prefix="air-magic-gate-"), "go")
+    try:
+        for k in (first, second):
+            k.ok(HOLD)
+        started = first.ok(f"held = hold.submit({gate!r})")
+        said = "2 MIG instances claimed, one per rank: each rank sees its own as cuda:0"
+        assert started.stderr.count(said) == 1, started.stderr
+        assert wait_until(lambda: any(r.gpus for r in registry.records()[0]), 60)
+        (record,) = registry.records()[0]
+        assert [g["uuid"] for g in record.gpus] == [_mig(0), _mig(1)]
+        listed = _cli("ps")
+        assert listed.returncode == 0 and "0:MIG-11111111,0:MIG-11111111" in listed.stdout, listed.stdout
+        # Another notebook: two GPUs asked for, two left (the third instance and GPU 1).
+        second.ok(f"other = hold.submit({gate!r})")
+        assert wait_until(lambda: len(registry.records()[0]) == 2 and all(r.gpus for r in registry.records()[0]), 60)
+        Path(gate).touch()
+        assert first.value("held.result()", timeout=120) == [_mig(0), _mig(1)]  # each rank its own instance
+        assert second.value("other.result()", timeout=120) == [_mig(2), _uuid(1)]
+    finally:
+        Path(gate).touch()
+        first.shutdown()
+        second.shutdown()

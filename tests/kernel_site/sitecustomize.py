@@ -73,4 +73,29 @@ if _fake:
     _nv.nvmlDeviceGetMemoryInfo = lambda h: _Memory(_busy.get(h, 0), 80 << 30)  # type: ignore[attr-defined]
     _nv.nvmlDeviceGetUtilizationRates = lambda h: _Rates()  # type: ignore[attr-defined]
     _nv.nvmlDeviceGetComputeRunningProcesses = _procs  # type: ignore[attr-defined]
+    # ``AIR_MAGIC_TEST_FAKE_MIG=K``: GPU 0 is in MIG mode with K instances (handles 1000 + slot).
+    _mig = int(os.environ.get("AIR_MAGIC_TEST_FAKE_MIG", "0"))
+    if _mig:
+        _nv.NVML_DEVICE_MIG_ENABLE = 1  # type: ignore[attr-defined]
+
+        def _mig_mode(handle: int) -> tuple[int, int]:
+            if handle >= 1000:
+                raise NVMLError("a MIG instance has no MIG mode")
+            return (1, 1) if handle == 0 else (0, 0)
+
+        def _mig_handle(handle: int, slot: int) -> int:
+            if handle != 0 or slot >= _mig:
+                raise NVMLError("Not Found")
+            return 1000 + slot
+
+        def _uuid_of(handle: int) -> str:
+            if handle >= 1000:
+                return f"MIG-11111111-0000-0000-0000-{handle - 1000:012d}"
+            return f"GPU-00000000-0000-0000-0000-{handle:012d}"
+
+        _nv.nvmlDeviceGetMigMode = _mig_mode  # type: ignore[attr-defined]
+        _nv.nvmlDeviceGetMaxMigDeviceCount = lambda h: 7  # type: ignore[attr-defined]
+        _nv.nvmlDeviceGetMigDeviceHandleByIndex = _mig_handle  # type: ignore[attr-defined]
+        _nv.nvmlDeviceGetUUID = _uuid_of  # type: ignore[attr-defined]
+        _nv.nvmlDeviceGetName = lambda h: "NVIDIA H100 80GB HBM3" + (" MIG 1g.10gb" if h >= 1000 else "")  # type: ignore[attr-defined]
     sys.modules["pynvml"] = _nv
