@@ -20,7 +20,12 @@ and what torch's Flight Recorder costs.
   each: under ``air-magic run``, and as two bare torch processes pinned to a core each; and
   ``benchmarks/training/train.py``'s DDP training (2,000 steps), on and off alternated, 5 each.
 
-``--only PART`` runs one part (detection, false-reports, recording, training) and keeps the
+* ``side-by-side``: the same two costs with the machine's drift taken out: two pools of 2 ranks
+  alive at once, recorder on in one and off in the other, blocks alternated (``--pairs``, 60):
+  1,000 all_reduces of 1,024 floats, and 200 steps of the quickstart's model (DDP); the median of
+  the pairs' on/off ratios, with a 95 % bootstrap interval.
+
+``--only PART`` runs one part (detection, false-reports, recording, training, side-by-side) and keeps the
 others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
 """
 
@@ -261,6 +266,146 @@ def recording(runs: int, workdir: str) -> dict[str, Any]:
     return out
 
 
+SIDE_SETUP = """
+global t, model, opt, batches, loss_fn
+import os, torch, torch.nn as nn
+if os.environ.get("PIN_RANKS"):  # every thread of rank r on core r: the scheduler's noise out
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {int(os.environ["RANK"]) % os.cpu_count()})
+from torch.nn.parallel import DistributedDataParallel as DDP
+t = torch.ones(1024)
+torch.manual_seed(0)
+# The quickstart's model (notebooks/quickstart.ipynb: SimpleMLP, DDP, Adam, MSE), batches of 32.
+model = DDP(nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Dropout(0.2), nn.Linear(64, 1)))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+batches = [(torch.randn(32, 10), torch.randn(32, 1)) for _ in range(16)]
+loss_fn = nn.MSELoss()
+"""
+
+
+def _all_reduces(n: int) -> float:
+    import time
+
+    import torch.distributed as dist
+
+    began = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(t)  # noqa: F821 - the pool's namespace (SIDE_SETUP)
+    return time.perf_counter() - began
+
+
+def _steps(n: int) -> float:
+    import time
+
+    began = time.perf_counter()
+    for step in range(n):
+        x, y = batches[step % len(batches)]  # noqa: F821 - the pool's namespace (SIDE_SETUP)
+        opt.zero_grad()  # noqa: F821
+        loss = loss_fn(model(x), y)  # noqa: F821
+        loss.backward()
+        opt.step()  # noqa: F821
+    return time.perf_counter() - began
+
+
+def _median_ci(ratios: list[float], rounds: int = 2000) -> tuple[float, float, float]:
+    """The median of ``ratios`` and a 95 % bootstrap interval of it (a fixed seed: the same
+    ratios give the same interval)."""
+    import random
+
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
+    return statistics.median(ratios), medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+
+
+def side_worker(mode: str) -> None:
+    """One of the two pools of :func:`side_by_side` (a process of its own: a kernel keeps one
+    pool): reads ``WORK N`` lines, runs that work on the pool, answers ``TOOK seconds``."""
+    import air_magic
+
+    os.environ["AIR_MAGIC_FLIGHT_RECORDER"] = "2000" if mode == "on" else "0"
+    pool = air_magic.Pool(2, tracking=False)
+    try:
+        pool.run(lambda: exec(SIDE_SETUP, globals()))
+        recorded = pool.run(lambda: os.environ.get("TORCH_FR_BUFFER_SIZE"))[0]
+        print(f"READY {recorded}", flush=True)
+        works = {"all_reduces": _all_reduces, "steps": _steps}
+        for line in sys.stdin:
+            what, n = line.split()
+            print(f"TOOK {pool.run(works[what], int(n))[0]}", flush=True)
+    finally:
+        pool.close()
+
+
+def side_by_side(pairs: int, pinned: bool = False) -> dict[str, Any]:
+    """Two pools of 2 CPU ranks alive at once (each driven by a process of its own), recorder on
+    in one and off in the other; blocks of work alternate between them (on, off, off, on, ...:
+    neither always first), so the machine's drift falls on both alike.  Each block's time is
+    rank 0's; the cost is the median of the pairs' on/off ratios, with a 95 % bootstrap interval."""
+    workers = {
+        mode: subprocess.Popen(
+            [sys.executable, __file__, "--side-worker", mode],
+            env=dict(os.environ, PIN_RANKS="1") if pinned else None,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for mode in ("on", "off")
+    }
+
+    def ask(mode: str, what: str, n: int) -> float:
+        worker = workers[mode]
+        assert worker.stdin is not None and worker.stdout is not None
+        worker.stdin.write(f"{what} {n}\n")
+        worker.stdin.flush()
+        return float(worker.stdout.readline().split()[1])
+
+    out: dict[str, Any] = {}
+    try:
+        for mode, worker in workers.items():
+            assert worker.stdout is not None
+            line = worker.stdout.readline()
+            if not line.startswith("READY"):
+                raise SystemExit(f"the {mode} pool did not start")
+            out.setdefault("TORCH_FR_BUFFER_SIZE", {})[mode] = line.split()[1]
+        for what, work, n in (
+            ("1,000 all_reduces of 1,024 floats", "all_reduces", 1000),
+            ("200 training steps", "steps", 200),
+        ):
+            for mode in workers:  # warm
+                ask(mode, work, n // 4)
+            took: dict[str, list[float]] = {"on": [], "off": []}
+            for i in range(pairs):
+                for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                    took[mode].append(ask(mode, work, n))
+            ratios = [on / off for on, off in zip(took["on"], took["off"])]
+            median, low, high = _median_ci(ratios)
+            out[what] = {
+                "on_s": took["on"],
+                "off_s": took["off"],
+                "median_on": statistics.median(took["on"]),
+                "median_off": statistics.median(took["off"]),
+                "median_pair_ratio": median,
+                "ci95": [low, high],
+            }
+            print(
+                f"  {what}: on {statistics.median(took['on']) * 1000:.0f} ms, off "
+                f"{statistics.median(took['off']) * 1000:.0f} ms (medians of {pairs}); pairs' on/off median "
+                f"{median:.4f}, 95 % interval {low:.4f}-{high:.4f}",
+                flush=True,
+            )
+    finally:
+        for worker in workers.values():
+            assert worker.stdin is not None
+            worker.stdin.close()
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    return out
+
+
 def training(runs: int, steps: int, workdir: str) -> dict[str, Any]:
     """``benchmarks/training/train.py`` (DDP on a small MLP, 2 CPU ranks) under ``air-magic run``,
     recorder on and off alternated: steps/s after the warm-up, the mean of the ranks."""
@@ -317,7 +462,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
 
 
-PARTS = ("detection", "false-reports", "recording", "training")
+PARTS = ("detection", "false-reports", "recording", "training", "side-by-side")
 
 
 def main() -> None:
@@ -326,9 +471,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--pause", type=float, default=60.0, help="seconds of each no-hang run (default 60)")
     parser.add_argument("--hang-seconds", default="5", help="AIR_MAGIC_HANG_SECONDS for the no-hang runs")
+    parser.add_argument("--side-worker", choices=("on", "off"), help=argparse.SUPPRESS)
+    parser.add_argument("--pairs", type=int, default=60, help="alternated blocks of the side-by-side part")
     parser.add_argument("--only", choices=PARTS, action="append", help="run this part only (repeatable)")
     parser.add_argument("--quick", action="store_true", help="3 samples, 9 runs of 3 s at a 1-s setting")
     args = parser.parse_args()
+    if args.side_worker:
+        side_worker(args.side_worker)
+        return
     if args.quick:
         args.samples, args.runs, args.pause, args.hang_seconds = 3, 9, 3.0, "1"
     workdir = tempfile.mkdtemp(prefix="air-magic-hang-")
@@ -356,6 +506,11 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
     if "training" in parts:
         print("training", flush=True)
         results["training"] = training(2 if args.quick else 5, 600 if args.quick else 2000, workdir)
+    if "side-by-side" in parts:
+        print("side by side", flush=True)
+        results["side_by_side"] = side_by_side(10 if args.quick else args.pairs)
+        print("side by side, each rank pinned to a core", flush=True)
+        results["side_by_side_pinned"] = side_by_side(10 if args.quick else args.pairs, pinned=True)
     RESULTS.mkdir(exist_ok=True)
     saved.write_text(json.dumps(results, indent=1))
     lines = [f"Machine: {results['machine']}"]
@@ -396,6 +551,20 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
             f"\nDDP training (benchmarks/training/train.py, 2 ranks): recorder on {tr['median_on']:.1f} steps/s, "
             f"off {tr['median_off']:.1f} steps/s (medians): cost {tr['cost']:+.1%}"
         )
+    for key, how in (("side_by_side", ""), ("side_by_side_pinned", ", each rank pinned to a core")):
+        if key not in results:
+            continue
+        lines += [
+            "",
+            f"| two pools at once, blocks alternated{how} | recorder on ms | off ms | median of pairs' on/off | 95 % interval |",
+            "|---|---|---|---|---|",
+        ]
+        for what, rec in results[key].items():
+            if isinstance(rec, dict) and "ci95" in rec:
+                lines.append(
+                    f"| {what} | {rec['median_on'] * 1000:.1f} | {rec['median_off'] * 1000:.1f} | "
+                    f"{rec['median_pair_ratio']:.4f} | {rec['ci95'][0]:.4f}-{rec['ci95'][1]:.4f} |"
+                )
     (RESULTS / "hang.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
