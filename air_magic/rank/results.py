@@ -43,7 +43,7 @@ import os
 import pickle
 import re
 import sys
-from typing import IO, Any, Iterable
+from typing import IO, Any, Callable, Iterable
 
 import cloudpickle
 
@@ -93,20 +93,21 @@ def tensor_files(folders: Iterable[str | None], prefix: str) -> dict[str, str]:
     return found
 
 
-def _reserve(name: str, size: int, folders: Iterable[str | None]) -> str:
-    """A new file ``name`` of ``size`` bytes whose space is really there: in the first of
-    ``folders`` that has room (an error in the last one, a full disk, is raised as such)."""
+def _new_file(name: str, size: int, folders: Iterable[str | None], fill: Callable[[int], None]) -> str:
+    """A new file ``name`` of ``size`` bytes, written by ``fill(fd)``, in the first of ``folders``
+    with room (a later one where ``fill`` finds an earlier one full; an error in the last one, a
+    full disk, is raised as such); its path.  A half-written file is not left behind."""
     candidates = [folder for folder in folders if folder is not None]
     for index, folder in enumerate(candidates):
         path = os.path.join(folder, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            if size:
-                os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
+            fill(fd)
             return path
-        except OSError as exc:
+        except BaseException as exc:  # re-raised, but where a later folder may have room
             os.unlink(path)
-            if exc.errno != errno.ENOSPC or index == len(candidates) - 1:
+            if getattr(exc, "errno", None) != errno.ENOSPC or index == len(candidates) - 1:
                 raise
         finally:
             os.close(fd)
@@ -115,16 +116,15 @@ def _reserve(name: str, size: int, folders: Iterable[str | None]) -> str:
 
 def place_tensor_file(name: str, data: Any, folders: Iterable[str | None]) -> str:
     """Write ``data`` (a buffer: a rank's tensor file as it came from another machine) to a
-    new file ``name`` in the first of ``folders`` with room; its path."""
+    new file ``name`` in the first of ``folders`` with room (its bytes reserved first); its path."""
     view = memoryview(data).cast("B")
-    path = _reserve(name, view.nbytes, folders)
-    try:
-        with open(path, "r+b") as handle:
-            handle.write(view)
-    except BaseException:  # a half-written tensor file is not left behind; re-raised
-        os.unlink(path)
-        raise
-    return path
+
+    def fill(fd: int) -> None:
+        if view.nbytes:
+            os.posix_fallocate(fd, 0, view.nbytes)
+        pwrite_all(fd, view, 0)
+
+    return _new_file(name, view.nbytes, folders, fill)
 
 
 def pwrite_all(fd: int, data: Any, at: int) -> None:
@@ -139,25 +139,10 @@ def pwrite_all(fd: int, data: Any, at: int) -> None:
 
 def write_tensor_file(name: str, size: int, places: list[tuple[Any, int]], folders: Iterable[str | None]) -> str:
     """A new file ``name`` of ``size`` bytes holding each ``(tensor, offset)`` of ``places``, in
-    the first of ``folders`` with room (a later one where an earlier one fills up; an error in
-    the last one, a full disk, is raised as such); its path.  A contiguous CPU tensor is one
+    the first of ``folders`` with room; its path.  A contiguous CPU tensor is one
     :func:`pwrite_all` from its memory; another (CUDA, strided) is copied into a mapping of the
     file after its bytes are reserved (``posix_fallocate``)."""
-    candidates = [folder for folder in folders if folder is not None]
-    for index, folder in enumerate(candidates):
-        path = os.path.join(folder, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            _copy_places(fd, size, places)
-            return path
-        except OSError as exc:
-            os.unlink(path)
-            if exc.errno != errno.ENOSPC or index == len(candidates) - 1:
-                raise
-        finally:
-            os.close(fd)
-    raise OSError(errno.ENOSPC, f"no room for a {size}-byte result tensor")
+    return _new_file(name, size, folders, lambda fd: _copy_places(fd, size, places))
 
 
 def _copy_places(fd: int, size: int, places: list[tuple[Any, int]]) -> None:
