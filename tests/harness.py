@@ -253,7 +253,11 @@ class CellResult:
 class Kernel:
     """A real IPython kernel in its own temp folder, driven like a notebook front end."""
 
-    def __init__(self, workdir: str, extra_env: dict[str, str] | None = None, kernel_name: str = "python3") -> None:
+    def __init__(
+        self, workdir: str, extra_env: dict[str, str] | None = None, kernel_name: str = "python3", ipc: str = ""
+    ) -> None:
+        """``ipc``: a path prefix for the kernel's sockets (ZeroMQ over Unix sockets, not TCP: a
+        kernel in a network namespace of its own is reached through the file system)."""
         from jupyter_client.manager import KernelManager
 
         self.workdir = workdir
@@ -270,7 +274,7 @@ class Kernel:
         self.stacks_path = os.path.join(workdir, "kernel-stacks.txt")
         env["AIR_MAGIC_TEST_KERNEL_STACKS"] = self.stacks_path
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_KERNEL_SITE, env.get("PYTHONPATH")) if p)
-        self.km = KernelManager(kernel_name=kernel_name)
+        self.km = KernelManager(kernel_name=kernel_name, **({"transport": "ipc", "ip": ipc} if ipc else {}))
         self.km.start_kernel(cwd=workdir, env=env)
         self.kc = self.km.client()
         self.kc.start_channels()

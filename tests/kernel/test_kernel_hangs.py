@@ -6,8 +6,8 @@ gloo connections, and its peers fail at once), shown in the cell while the hang 
 Ctrl-C prints; no report for a long compute pause or a rank paused in the debugger; and
 the pool's way out: Ctrl-C on ranks stuck in collectives keeps the pool and its names (a
 DDP model included), and the user's ``init_process_group(timeout=...)`` is the pool
-group's timeout.  (``every rank in one collective`` needs a broken network or device:
-its verdict is shown by ``tests/unit/test_hangs.py``.)  ``AIR_MAGIC_HANG_SECONDS=2``
+group's timeout.  (``every rank in one collective`` needs a stalled network or device:
+``test_kernel_hang_network.py`` stalls one, in a network namespace of its own.)  ``AIR_MAGIC_HANG_SECONDS=2``
 keeps each test short; the default's timing is ``benchmarks/hang``'s."""
 
 from __future__ import annotations
