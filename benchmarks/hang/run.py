@@ -23,7 +23,9 @@ and what torch's Flight Recorder costs.
 * ``side-by-side``: the same two costs with the machine's drift taken out: two pools of 2 ranks
   alive at once, recorder on in one and off in the other, blocks alternated (``--pairs``, 60):
   1,000 all_reduces of 1,024 floats, and 200 steps of the quickstart's model (DDP); the median of
-  the pairs' on/off ratios, with a 95 % bootstrap interval.
+  the pairs' on/off ratios, with a 95 % bootstrap interval; as the scheduler places the ranks,
+  pinned to a core each, and (pinned) as two bare torch worlds without air_magic: torch's
+  recorder alone.
 
 ``--only PART`` runs one part (detection, false-reports, recording, training, side-by-side) and keeps the
 others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
@@ -337,38 +339,75 @@ def side_worker(mode: str) -> None:
         pool.close()
 
 
-def side_by_side(pairs: int, pinned: bool = False) -> dict[str, Any]:
+def bare_rank(mode: str, rank: int, port: int) -> None:
+    """A rank of a bare torch world (no air_magic) for :func:`side_by_side`'s torch-alone rows:
+    the recorder alone on or off; reads ``WORK N`` lines, answers ``TOOK seconds``."""
+    # One thread each, as air_magic gives 2 CPU ranks on 2 cores.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1"
+    )
+    os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
+    if mode == "on":
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    exec(SIDE_SETUP, globals())
+    print(f"READY {os.environ.get('TORCH_FR_BUFFER_SIZE')}", flush=True)
+    works = {"all_reduces": _all_reduces, "steps": _steps}
+    for line in sys.stdin:
+        what, n = line.split()
+        print(f"TOOK {works[what](int(n))}", flush=True)
+    dist.destroy_process_group()
+
+
+def side_by_side(pairs: int, pinned: bool = False, bare: bool = False) -> dict[str, Any]:
     """Two pools of 2 CPU ranks alive at once (each driven by a process of its own), recorder on
     in one and off in the other; blocks of work alternate between them (on, off, off, on, ...:
     neither always first), so the machine's drift falls on both alike.  Each block's time is
     rank 0's; the cost is the median of the pairs' on/off ratios, with a 95 % bootstrap interval."""
-    workers = {
-        mode: subprocess.Popen(
-            [sys.executable, __file__, "--side-worker", mode],
-            env=dict(os.environ, PIN_RANKS="1") if pinned else None,
+    env = dict(os.environ, PIN_RANKS="1") if pinned else None
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, __file__, *args],
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        for mode in ("on", "off")
-    }
+
+    if bare:  # each world two processes; rank 0's answer is the block's time
+        workers = {
+            mode: [start("--bare-rank", mode, str(rank), str(29700 + 10 * index)) for rank in (0, 1)]
+            for index, mode in enumerate(("on", "off"))
+        }
+    else:
+        workers = {mode: [start("--side-worker", mode)] for mode in ("on", "off")}
 
     def ask(mode: str, what: str, n: int) -> float:
-        worker = workers[mode]
-        assert worker.stdin is not None and worker.stdout is not None
-        worker.stdin.write(f"{what} {n}\n")
-        worker.stdin.flush()
-        return float(worker.stdout.readline().split()[1])
+        for worker in workers[mode]:
+            assert worker.stdin is not None
+            worker.stdin.write(f"{what} {n}\n")
+            worker.stdin.flush()
+        answers = []
+        for worker in workers[mode]:
+            assert worker.stdout is not None
+            answers.append(float(worker.stdout.readline().split()[1]))
+        return answers[0]
 
     out: dict[str, Any] = {}
     try:
-        for mode, worker in workers.items():
-            assert worker.stdout is not None
-            line = worker.stdout.readline()
-            if not line.startswith("READY"):
-                raise SystemExit(f"the {mode} pool did not start")
-            out.setdefault("TORCH_FR_BUFFER_SIZE", {})[mode] = line.split()[1]
+        for mode, started in workers.items():
+            for worker in started:
+                assert worker.stdout is not None
+                line = worker.stdout.readline()
+                if not line.startswith("READY"):
+                    raise SystemExit(f"the {mode} world did not start")
+                out.setdefault("TORCH_FR_BUFFER_SIZE", {})[mode] = line.split()[1]
         for what, work, n in (
             ("1,000 all_reduces of 1,024 floats", "all_reduces", 1000),
             ("200 training steps", "steps", 200),
@@ -396,13 +435,16 @@ def side_by_side(pairs: int, pinned: bool = False) -> dict[str, Any]:
                 flush=True,
             )
     finally:
-        for worker in workers.values():
-            assert worker.stdin is not None
-            worker.stdin.close()
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+        for started in workers.values():
+            for worker in started:
+                assert worker.stdin is not None
+                worker.stdin.close()
+        for started in workers.values():
+            for worker in started:
+                try:
+                    worker.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
     return out
 
 
@@ -472,12 +514,16 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=60.0, help="seconds of each no-hang run (default 60)")
     parser.add_argument("--hang-seconds", default="5", help="AIR_MAGIC_HANG_SECONDS for the no-hang runs")
     parser.add_argument("--side-worker", choices=("on", "off"), help=argparse.SUPPRESS)
+    parser.add_argument("--bare-rank", nargs=3, metavar=("MODE", "RANK", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=60, help="alternated blocks of the side-by-side part")
     parser.add_argument("--only", choices=PARTS, action="append", help="run this part only (repeatable)")
     parser.add_argument("--quick", action="store_true", help="3 samples, 9 runs of 3 s at a 1-s setting")
     args = parser.parse_args()
     if args.side_worker:
         side_worker(args.side_worker)
+        return
+    if args.bare_rank:
+        bare_rank(args.bare_rank[0], int(args.bare_rank[1]), int(args.bare_rank[2]))
         return
     if args.quick:
         args.samples, args.runs, args.pause, args.hang_seconds = 3, 9, 3.0, "1"
@@ -511,6 +557,8 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
         results["side_by_side"] = side_by_side(10 if args.quick else args.pairs)
         print("side by side, each rank pinned to a core", flush=True)
         results["side_by_side_pinned"] = side_by_side(10 if args.quick else args.pairs, pinned=True)
+        print("side by side, torch alone (no air_magic), each rank pinned to a core", flush=True)
+        results["side_by_side_torch_pinned"] = side_by_side(10 if args.quick else args.pairs, pinned=True, bare=True)
     RESULTS.mkdir(exist_ok=True)
     saved.write_text(json.dumps(results, indent=1))
     lines = [f"Machine: {results['machine']}"]
@@ -551,7 +599,11 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
             f"\nDDP training (benchmarks/training/train.py, 2 ranks): recorder on {tr['median_on']:.1f} steps/s, "
             f"off {tr['median_off']:.1f} steps/s (medians): cost {tr['cost']:+.1%}"
         )
-    for key, how in (("side_by_side", ""), ("side_by_side_pinned", ", each rank pinned to a core")):
+    for key, how in (
+        ("side_by_side", ""),
+        ("side_by_side_pinned", ", each rank pinned to a core"),
+        ("side_by_side_torch_pinned", ": torch alone (no air_magic), each rank pinned to a core"),
+    ):
         if key not in results:
             continue
         lines += [
