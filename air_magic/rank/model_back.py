@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from air_magic.rank.results import pwrite_all
+from air_magic.rank.writing import pwrite_all
 
 __all__ = ["unwrap", "plan", "write", "handle", "ModelBackError"]
 

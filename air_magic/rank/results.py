@@ -48,6 +48,7 @@ from typing import IO, Any, Callable, Iterable
 import cloudpickle
 
 from air_magic.protocol import Record, result_path
+from air_magic.rank.writing import pwrite_all
 
 __all__ = ["SHM_THRESHOLD", "result_path", "write_record", "read_record", "rebuild_shared_tensor"]
 __all__ += [
@@ -58,7 +59,6 @@ __all__ += [
     "loads_record",
     "assemble_piece",
     "aligned",
-    "pwrite_all",
     "write_tensor_file",
 ]
 
@@ -127,20 +127,10 @@ def place_tensor_file(name: str, data: Any, folders: Iterable[str | None]) -> st
     return _new_file(name, view.nbytes, folders, fill)
 
 
-def pwrite_all(fd: int, data: Any, at: int) -> None:
-    """Write the buffer ``data`` to ``fd`` at byte ``at``, all of it (``pwrite`` may write less).
-    A file's pages are allocated as they are written: no zeroing first, and a full filesystem is
-    an ``ENOSPC`` error here, never a SIGBUS later."""
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        done = os.pwrite(fd, view, at)
-        view, at = view[done:], at + done
-
-
 def write_tensor_file(name: str, size: int, places: list[tuple[Any, int]], folders: Iterable[str | None]) -> str:
     """A new file ``name`` of ``size`` bytes holding each ``(tensor, offset)`` of ``places``, in
     the first of ``folders`` with room; its path.  A contiguous CPU tensor is one
-    :func:`pwrite_all` from its memory; another (CUDA, strided) is copied into a mapping of the
+    :func:`~air_magic.rank.writing.pwrite_all` from its memory; another (CUDA, strided) is copied into a mapping of the
     file after its bytes are reserved (``posix_fallocate``)."""
     return _new_file(name, size, folders, lambda fd: _copy_places(fd, size, places))
 
