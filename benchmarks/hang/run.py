@@ -27,8 +27,11 @@ and what torch's Flight Recorder costs.
   pinned to a core each, and (pinned) as two bare torch worlds without air_magic: torch's
   recorder alone.
 
-``--only PART`` runs one part (detection, false-reports, recording, training, side-by-side) and keeps the
-others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
+* ``side-by-side-control``: the pinned pools again with the recorder off in both: what the method
+  says of two equal pools (the first one started takes the "on" place).
+
+``--only PART`` runs one part (detection, false-reports, recording, training, side-by-side,
+side-by-side-control) and keeps the others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
 """
 
 from __future__ import annotations
@@ -363,12 +366,15 @@ def bare_rank(mode: str, rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def side_by_side(pairs: int, pinned: bool = False, bare: bool = False) -> dict[str, Any]:
+def side_by_side(pairs: int, pinned: bool = False, bare: bool = False, control: bool = False) -> dict[str, Any]:
     """Two pools of 2 CPU ranks alive at once (each driven by a process of its own), recorder on
     in one and off in the other; blocks of work alternate between them (on, off, off, on, ...:
     neither always first), so the machine's drift falls on both alike.  Each block's time is
-    rank 0's; the cost is the median of the pairs' on/off ratios, with a 95 % bootstrap interval."""
+    rank 0's; the cost is the median of the pairs' on/off ratios, with a 95 % bootstrap interval.
+    ``control``: the recorder off in both (what the method says of two equal pools: the first
+    one started is "on")."""
     env = dict(os.environ, PIN_RANKS="1") if pinned else None
+    real = {"on": "off" if control else "on", "off": "off"}
 
     def start(*args: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
@@ -382,11 +388,11 @@ def side_by_side(pairs: int, pinned: bool = False, bare: bool = False) -> dict[s
 
     if bare:  # each world two processes; rank 0's answer is the block's time
         workers = {
-            mode: [start("--bare-rank", mode, str(rank), str(29700 + 10 * index)) for rank in (0, 1)]
+            mode: [start("--bare-rank", real[mode], str(rank), str(29700 + 10 * index)) for rank in (0, 1)]
             for index, mode in enumerate(("on", "off"))
         }
     else:
-        workers = {mode: [start("--side-worker", mode)] for mode in ("on", "off")}
+        workers = {mode: [start("--side-worker", real[mode])] for mode in ("on", "off")}
 
     def ask(mode: str, what: str, n: int) -> float:
         for worker in workers[mode]:
@@ -504,7 +510,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
 
 
-PARTS = ("detection", "false-reports", "recording", "training", "side-by-side")
+PARTS = ("detection", "false-reports", "recording", "training", "side-by-side", "side-by-side-control")
 
 
 def main() -> None:
@@ -559,6 +565,11 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
         results["side_by_side_pinned"] = side_by_side(10 if args.quick else args.pairs, pinned=True)
         print("side by side, torch alone (no air_magic), each rank pinned to a core", flush=True)
         results["side_by_side_torch_pinned"] = side_by_side(10 if args.quick else args.pairs, pinned=True, bare=True)
+    if "side-by-side-control" in parts:
+        print("side by side, the recorder off in both pools (a control), each rank pinned to a core", flush=True)
+        results["side_by_side_control_pinned"] = side_by_side(
+            10 if args.quick else args.pairs, pinned=True, control=True
+        )
     RESULTS.mkdir(exist_ok=True)
     saved.write_text(json.dumps(results, indent=1))
     lines = [f"Machine: {results['machine']}"]
@@ -603,6 +614,7 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
         ("side_by_side", ""),
         ("side_by_side_pinned", ", each rank pinned to a core"),
         ("side_by_side_torch_pinned", ": torch alone (no air_magic), each rank pinned to a core"),
+        ("side_by_side_control_pinned", ": the recorder off in both (a control), each rank pinned to a core"),
     ):
         if key not in results:
             continue
