@@ -437,15 +437,18 @@ class Launch:
 
     def wait_streaming(self) -> list[Any]:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
-        try:
-            pump = OutputPump(self.ranks[0].log_path, self.limits.output, terminal=_is_terminal(sys.stdout))
-            stall = StallWatch(self, self.limits.stall_seconds)
-        except Exception as exc:  # never a launch that runs on with nobody waiting for it
-            return self._failed_wait(exc)
-        self._pump = pump  # finish() has it read the rest before the logs are rewritten
-        self._waiter = True
-        sys.stdout.flush()  # what the observers printed at the start comes before the ranks' output
+        # Ctrl-C is a flag from here on: one that comes while the wait gets ready (the flush
+        # below waits for the kernel's output thread, seconds on a loaded machine) is the
+        # loop's first look, and stops the ranks, rather than leaving them running.
         with _interrupt_flag() as interrupt:
+            try:
+                pump = OutputPump(self.ranks[0].log_path, self.limits.output, terminal=_is_terminal(sys.stdout))
+                stall = StallWatch(self, self.limits.stall_seconds)
+            except Exception as exc:  # never a launch that runs on with nobody waiting for it
+                return self._failed_wait(exc)
+            self._pump = pump  # finish() has it read the rest before the logs are rewritten
+            self._waiter = True
+            sys.stdout.flush()  # what the observers printed at the start comes before the ranks' output
             try:
                 return self._wait_streaming(pump, stall, interrupt)
             except Exception as exc:
