@@ -250,6 +250,15 @@ class CellResult:
         return kind == "status" and content["execution_state"] == "idle"
 
 
+def reports(res: CellResult) -> list[str]:
+    """The hang reports the cell showed (each state of its display)."""
+    return [
+        str(data.get("text/plain", ""))
+        for _, data, _ in res.displays
+        if str(data.get("text/plain", "")).startswith("[air_magic] hang report:")
+    ]
+
+
 class Kernel:
     """A real IPython kernel in its own temp folder, driven like a notebook front end."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from harness import CellResult, Kernel
+from harness import Kernel, reports
 
 pytestmark = pytest.mark.kernel
 
@@ -79,14 +79,6 @@ def _unshare_net() -> tuple[list[str] | None, str]:
         if probe.returncode == 0:
             return prefix, ""
     return None, "no network namespace whose loopback tc can throttle with a token bucket (tbf) here"
-
-
-def reports(res: CellResult) -> list[str]:
-    return [
-        str(data.get("text/plain", ""))
-        for _, data, _ in res.displays
-        if str(data.get("text/plain", "")).startswith("[air_magic] hang report:")
-    ]
 
 
 @pytest.fixture

@@ -17,20 +17,11 @@ import time
 from typing import Any, Iterator
 
 import pytest
-from harness import CellResult, Kernel, kernel_with_a_pool, rank_processes, the_pool_stays, wait_until
+from harness import CellResult, Kernel, kernel_with_a_pool, rank_processes, reports, the_pool_stays, wait_until
 
 pytestmark = pytest.mark.kernel
 
 FAST = {"AIR_MAGIC_HANG_SECONDS": "2"}
-
-
-def reports(res: CellResult) -> list[str]:
-    """The hang reports the cell showed (each state of its display)."""
-    return [
-        str(data.get("text/plain", ""))
-        for _, data, _ in res.displays
-        if str(data.get("text/plain", "")).startswith("[air_magic] hang report:")
-    ]
 
 
 def until_reported(res: CellResult) -> bool:
