@@ -224,14 +224,14 @@ def _mig(slot: int) -> str:
 
 
 def test_each_mig_instance_is_a_gpu_of_its_own_and_each_rank_gets_its_own(
-    kernel_factory: Any, machine_list: str
+    kernel_factory: Any, machine_list: str, tmp_path: Path
 ) -> None:
     """GPU 0 in MIG mode with 3 instances, GPU 1 whole (NVML's answer replaced): a 2-rank launch
     claims two instances, each rank seeing only its own (CUDA shows a process one MIG instance),
     and says so once; another notebook's launch gets what is left, disjoint; ``ps`` names them."""
     env = {"AIR_MAGIC_TEST_FAKE_GPUS": "2", "AIR_MAGIC_TEST_FAKE_MIG": "3", registry.REGISTRY_ENV: machine_list}
     first, second = kernel_factory(env), kernel_factory(env)
-    gate = os.path.join(tempfile.mkdtemp(prefix="air-magic-gate-"), "go")
+    gate = str(tmp_path / "go")
     try:
         for k in (first, second):
             k.ok(HOLD)
