@@ -30,8 +30,12 @@ and what torch's Flight Recorder costs.
 * ``side-by-side-control``: the pinned pools again with the recorder off in both: what the method
   says of two equal pools (the first one started takes the "on" place).
 
+* ``crossover``: the pinned side by side twice, with fresh pools each time: the recorder-on pool
+  started first, then second, so that whatever the order costs falls on each side once; the
+  cost is the median of both halves' pairs.
+
 ``--only PART`` runs one part (detection, false-reports, recording, training, side-by-side,
-side-by-side-control) and keeps the others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
+side-by-side-control, crossover) and keeps the others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
 """
 
 from __future__ import annotations
@@ -366,15 +370,19 @@ def bare_rank(mode: str, rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def side_by_side(pairs: int, pinned: bool = False, bare: bool = False, control: bool = False) -> dict[str, Any]:
+def side_by_side(
+    pairs: int, pinned: bool = False, bare: bool = False, control: bool = False, first: str = "on"
+) -> dict[str, Any]:
     """Two pools of 2 CPU ranks alive at once (each driven by a process of its own), recorder on
     in one and off in the other; blocks of work alternate between them (on, off, off, on, ...:
     neither always first), so the machine's drift falls on both alike.  Each block's time is
     rank 0's; the cost is the median of the pairs' on/off ratios, with a 95 % bootstrap interval.
     ``control``: the recorder off in both (what the method says of two equal pools: the first
-    one started is "on")."""
+    one started is "on").  ``first``: which pool is started first (and answers first when both
+    are asked at once)."""
     env = dict(os.environ, PIN_RANKS="1") if pinned else None
     real = {"on": "off" if control else "on", "off": "off"}
+    order = ("on", "off") if first == "on" else ("off", "on")
 
     def start(*args: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
@@ -389,10 +397,10 @@ def side_by_side(pairs: int, pinned: bool = False, bare: bool = False, control: 
     if bare:  # each world two processes; rank 0's answer is the block's time
         workers = {
             mode: [start("--bare-rank", real[mode], str(rank), str(29700 + 10 * index)) for rank in (0, 1)]
-            for index, mode in enumerate(("on", "off"))
+            for index, mode in enumerate(order)
         }
     else:
-        workers = {mode: [start("--side-worker", real[mode])] for mode in ("on", "off")}
+        workers = {mode: [start("--side-worker", real[mode])] for mode in order}
 
     def ask(mode: str, what: str, n: int) -> float:
         for worker in workers[mode]:
@@ -454,6 +462,37 @@ def side_by_side(pairs: int, pinned: bool = False, bare: bool = False, control: 
     return out
 
 
+def crossover(pairs: int) -> dict[str, Any]:
+    """:func:`side_by_side` (pinned) twice, with fresh pools: the recorder-on pool started first,
+    then second.  A cost that follows the order the pools started in (the method's own) falls on
+    "on" in one half and on "off" in the other; the pairs of both halves together give the cost."""
+    halves = {first: side_by_side(pairs, pinned=True, first=first) for first in ("on", "off")}
+    out: dict[str, Any] = {"halves": halves}
+    for what in halves["on"]:
+        if not isinstance(halves["on"][what], dict) or "on_s" not in halves["on"][what]:
+            continue
+        on = halves["on"][what]["on_s"] + halves["off"][what]["on_s"]
+        off = halves["on"][what]["off_s"] + halves["off"][what]["off_s"]
+        ratios = [a / b for a, b in zip(on, off)]
+        median, low, high = _median_ci(ratios)
+        out[what] = {
+            "on_s": on,
+            "off_s": off,
+            "median_on": statistics.median(on),
+            "median_off": statistics.median(off),
+            "median_pair_ratio": median,
+            "ci95": [low, high],
+            "halves": {first: halves[first][what]["median_pair_ratio"] for first in halves},
+        }
+        print(
+            f"  {what}, both halves: pairs' on/off median {median:.4f}, 95 % interval {low:.4f}-{high:.4f} "
+            f"(on started first {halves['on'][what]['median_pair_ratio']:.4f}, second "
+            f"{halves['off'][what]['median_pair_ratio']:.4f})",
+            flush=True,
+        )
+    return out
+
+
 def training(runs: int, steps: int, workdir: str) -> dict[str, Any]:
     """``benchmarks/training/train.py`` (DDP on a small MLP, 2 CPU ranks) under ``air-magic run``,
     recorder on and off alternated: steps/s after the warm-up, the mean of the ranks."""
@@ -510,7 +549,15 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
 
 
-PARTS = ("detection", "false-reports", "recording", "training", "side-by-side", "side-by-side-control")
+PARTS = (
+    "detection",
+    "false-reports",
+    "recording",
+    "training",
+    "side-by-side",
+    "side-by-side-control",
+    "crossover",
+)
 
 
 def main() -> None:
@@ -570,6 +617,9 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
         results["side_by_side_control_pinned"] = side_by_side(
             10 if args.quick else args.pairs, pinned=True, control=True
         )
+    if "crossover" in parts:
+        print("side by side in two halves, the recorder-on pool started first then second, pinned", flush=True)
+        results["crossover_pinned"] = crossover(10 if args.quick else args.pairs)
     RESULTS.mkdir(exist_ok=True)
     saved.write_text(json.dumps(results, indent=1))
     lines = [f"Machine: {results['machine']}"]
@@ -615,6 +665,7 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
         ("side_by_side_pinned", ", each rank pinned to a core"),
         ("side_by_side_torch_pinned", ": torch alone (no air_magic), each rank pinned to a core"),
         ("side_by_side_control_pinned", ": the recorder off in both (a control), each rank pinned to a core"),
+        ("crossover_pinned", ", in two halves (the recorder-on pool started first, then second), pinned"),
     ):
         if key not in results:
             continue
