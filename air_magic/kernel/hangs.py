@@ -348,7 +348,8 @@ class HangWatch:
                 done[rank] = tuple(sorted((str(pg), i.get("completed")) for pg, i in groups.items()))
         progress = (tuple(sorted(ended)), tuple(sorted(done.items())))
         pending = any(d and d.get("pending") for d in seen.values())
-        if self.progress is None and pending and not paused:
+        first = self.progress is None
+        if first and pending and not paused:
             self.progress = progress  # the first look: stuck since the watch began
         if progress != self.progress or not pending or paused:
             lasted = now - self.since
@@ -357,9 +358,12 @@ class HangWatch:
             return
         stuck = now - self.since
         if stuck < self.seconds:
-            if not self.warmed and stuck >= min(1.0, self.seconds / 2):
+            if not self.warmed and not first and stuck >= min(1.0, self.seconds / 2):
                 # torch reads the stack traces' symbols once, in a second of CPU: now, not
-                # when the report is due (the answer is not waited for).
+                # when the report is due (the answer is not waited for).  Not on the call's
+                # first look: that one cannot tell a stall from a collective that is merely
+                # in flight (most looks at a busy rank find one), and the read copies every
+                # entry the recorder keeps (60 ms of the rank's time for 2,000).
                 self.warmed = True
                 if self.local:
                     for rank in live:

@@ -176,3 +176,57 @@ def test_a_rank_that_answered_before_keeps_its_answer_when_a_look_goes_unanswere
     assert second.rows[1].state == COMPUTING
     assert second.rows[1].read.startswith("Flight Recorder, ") and second.rows[1].read.endswith(" s ago")
     assert second.rows[0].read == "Flight Recorder"
+
+
+def _watch_looks(tmp_path: Any, monkeypatch: Any, completed: list[int]) -> tuple[list[str], list[Any]]:
+    """A local watch (the ranks' pipes), 5 s to a report, looked at once a second on a fake
+    clock; each look finds both ranks in a collective, having completed ``completed[i]``.
+    Returns what the ranks were asked, in order, and the reports shown."""
+    from air_magic.kernel import hangs
+
+    clock = [1000.0]
+    asked: list[str] = []
+    looks = iter(completed)
+
+    def ask(work_dir: str, ranks: list[int], **kwargs: Any) -> dict[int, Any]:
+        asked.append(kwargs.get("how", "c"))
+        if kwargs.get("how") == "q":
+            done = next(looks)
+            return {r: seen(done + 1, done, {"pg": "0", "seq": done + 1, "quick": True}) for r in ranks}
+        return {r: seen(completed[-1] + 1, completed[-1], entry(completed[-1] + 1)) for r in ranks}
+
+    def ask_for_collectives(work_dir: str, rank: int, how: str = "c") -> str:
+        asked.append(f"{how} (not waited for)")
+        return "token"
+
+    monkeypatch.setattr(hangs.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hangs._collectives, "ask", ask)
+    monkeypatch.setattr(hangs, "ask_for_collectives", ask_for_collectives)
+    shown: list[Any] = []
+    watch = hangs.HangWatch(str(tmp_path), 2, 5.0, ended=dict, show=shown.append)
+    for _ in completed:
+        clock[0] += 1.0
+        watch.check()
+    return asked, shown
+
+
+def test_collectives_that_complete_between_looks_cost_the_ranks_a_quick_look_only(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """A busy rank is nearly always inside a collective when looked at.  While the ranks
+    complete collectives between looks, each look is the quick one (the groups' numbers):
+    never the full read, which copies every entry the recorder keeps (60 ms of a rank's time
+    for 2,000), and no report."""
+    asked, shown = _watch_looks(tmp_path, monkeypatch, [100, 700, 1300, 1900, 2500, 3100, 3700, 4300])
+    assert asked == ["q"] * 8
+    assert shown == []
+
+
+def test_collectives_that_stop_completing_are_read_in_full_ahead_of_the_report(tmp_path: Any, monkeypatch: Any) -> None:
+    """No collective completed from the call's first look on: the second look (no progress
+    for a second) has each rank read its recorder in full without waiting for it, and the
+    report comes 5 s after the watch began."""
+    asked, shown = _watch_looks(tmp_path, monkeypatch, [41] * 5)
+    assert asked[:4] == ["q", "q", "r (not waited for)", "r (not waited for)"]
+    assert asked[4:] == ["q", "q", "q", "r"]
+    assert len(shown) == 1 and shown[0].verdict.startswith("every rank is in all_reduce #42")
