@@ -34,8 +34,14 @@ and what torch's Flight Recorder costs.
   started first, then second, so that whatever the order costs falls on each side once; the
   cost is the median of both halves' pairs.
 
+* ``components``: the recording's two parts, each where it is large enough to see: what the
+  recorder adds to one collective (two 1-rank pools side by side, blocks of 5,000 all_reduces),
+  what a rank spends on the hang watch's look (once a second), and the collectives and seconds of
+  one training step: the training's cost from them.  ``--steps N --work steps`` gives the
+  crossover longer training blocks.
+
 ``--only PART`` runs one part (detection, false-reports, recording, training, side-by-side,
-side-by-side-control, crossover) and keeps the others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
+side-by-side-control, crossover, components) and keeps the others' last results.  Writes ``results/hang.json`` and ``results/hang.md``.
 """
 
 from __future__ import annotations
@@ -333,7 +339,7 @@ def side_worker(mode: str) -> None:
     import air_magic
 
     os.environ["AIR_MAGIC_FLIGHT_RECORDER"] = "2000" if mode == "on" else "0"
-    pool = air_magic.Pool(2, tracking=False)
+    pool = air_magic.Pool(int(os.environ.get("SIDE_RANKS", "2")), tracking=False)
     try:
         pool.run(lambda: exec(SIDE_SETUP, globals()))
         recorded = pool.run(lambda: os.environ.get("TORCH_FR_BUFFER_SIZE"))[0]
@@ -371,7 +377,15 @@ def bare_rank(mode: str, rank: int, port: int) -> None:
 
 
 def side_by_side(
-    pairs: int, pinned: bool = False, bare: bool = False, control: bool = False, first: str = "on"
+    pairs: int,
+    pinned: bool = False,
+    bare: bool = False,
+    control: bool = False,
+    first: str = "on",
+    steps: int = 200,
+    works: tuple[str, ...] = (),
+    ranks: int = 2,
+    reduces: int = 1000,
 ) -> dict[str, Any]:
     """Two pools of 2 CPU ranks alive at once (each driven by a process of its own), recorder on
     in one and off in the other; blocks of work alternate between them (on, off, off, on, ...:
@@ -379,8 +393,12 @@ def side_by_side(
     rank 0's; the cost is the median of the pairs' on/off ratios, with a 95 % bootstrap interval.
     ``control``: the recorder off in both (what the method says of two equal pools: the first
     one started is "on").  ``first``: which pool is started first (and answers first when both
-    are asked at once)."""
-    env = dict(os.environ, PIN_RANKS="1") if pinned else None
+    are asked at once).  ``steps``: training steps a block; ``works``: only these
+    (``all_reduces``, ``steps``); ``ranks``: each pool's (1: the recorder's own cost per
+    collective, no peer to wait for); ``reduces``: all_reduces a block."""
+    env = dict(os.environ, SIDE_RANKS=str(ranks))
+    if pinned:
+        env["PIN_RANKS"] = "1"
     real = {"on": "off" if control else "on", "off": "off"}
     order = ("on", "off") if first == "on" else ("off", "on")
 
@@ -423,9 +441,11 @@ def side_by_side(
                     raise SystemExit(f"the {mode} world did not start")
                 out.setdefault("TORCH_FR_BUFFER_SIZE", {})[mode] = line.split()[1]
         for what, work, n in (
-            ("1,000 all_reduces of 1,024 floats", "all_reduces", 1000),
-            ("200 training steps", "steps", 200),
+            (f"{reduces:,} all_reduces of 1,024 floats", "all_reduces", reduces),
+            (f"{steps:,} training steps", "steps", steps),
         ):
+            if works and work not in works:
+                continue
             for mode in workers:  # warm
                 ask(mode, work, n // 4)
             took: dict[str, list[float]] = {"on": [], "off": []}
@@ -462,11 +482,11 @@ def side_by_side(
     return out
 
 
-def crossover(pairs: int) -> dict[str, Any]:
+def crossover(pairs: int, steps: int = 200, works: tuple[str, ...] = ()) -> dict[str, Any]:
     """:func:`side_by_side` (pinned) twice, with fresh pools: the recorder-on pool started first,
     then second.  A cost that follows the order the pools started in (the method's own) falls on
     "on" in one half and on "off" in the other; the pairs of both halves together give the cost."""
-    halves = {first: side_by_side(pairs, pinned=True, first=first) for first in ("on", "off")}
+    halves = {first: side_by_side(pairs, pinned=True, first=first, steps=steps, works=works) for first in ("on", "off")}
     out: dict[str, Any] = {"halves": halves}
     for what in halves["on"]:
         if not isinstance(halves["on"][what], dict) or "on_s" not in halves["on"][what]:
@@ -490,6 +510,79 @@ def crossover(pairs: int) -> dict[str, Any]:
             f"{halves['off'][what]['median_pair_ratio']:.4f})",
             flush=True,
         )
+    return out
+
+
+def _look(looks: int) -> float:
+    """On a rank: the seconds of one answer to the hang watch's look (what the rank's thread
+    does)."""
+    import tempfile
+    import time
+
+    from air_magic.rank import collectives
+
+    folder = tempfile.mkdtemp()
+    began = time.perf_counter()
+    for _ in range(looks):
+        collectives.answer(folder, 0, "t", "q")
+    shutil.rmtree(folder, ignore_errors=True)
+    return (time.perf_counter() - began) / looks
+
+
+def _enqueued() -> int:
+    """On a rank: the collectives its recorder has seen enqueued, every group together."""
+    from air_magic.rank import collectives
+
+    found = collectives.dump("q") or {"groups": {}}
+    return sum(group["enqueued"] for group in found["groups"].values())
+
+
+def components(pairs: int) -> dict[str, Any]:
+    """The recording's cost in its two parts, each measured where it is large enough to see:
+    (1) what torch's recorder adds to one collective: two 1-rank pools (no peer to wait for:
+    an all_reduce is the recorder's and gloo's own work, 29 µs), recorder on in one, off in the
+    other, blocks of 5,000 alternated; (2) what a rank spends on the hang watch's look (once a
+    second), and how many collectives a training step of the quickstart's model makes, in a
+    2-rank pool, recorder on.  The cost for training is then
+    extra per collective x collectives per step / step time + a look's seconds / 1 s."""
+    out: dict[str, Any] = {
+        "per_collective": side_by_side(pairs, pinned=True, ranks=1, reduces=5000, works=("all_reduces",))
+    }
+    import air_magic
+
+    os.environ["AIR_MAGIC_FLIGHT_RECORDER"] = "2000"
+    os.environ["PIN_RANKS"] = "1"
+    pool = air_magic.Pool(2, tracking=False)
+    try:
+        pool.run(lambda: exec(SIDE_SETUP, globals()))
+        look_s = pool.run(_look, 1000)[0]
+        marks = [pool.run(_enqueued)[0], pool.run(_enqueued)[0]]  # (what a call itself makes, if any)
+        pool.run(_steps, 200)
+        marks.append(pool.run(_enqueued)[0])
+        per_step = (marks[2] - marks[1] - 2 * (marks[1] - marks[0])) / 200
+        step_s = statistics.median(pool.run(_steps, 200)[0] / 200 for _ in range(5))
+    finally:
+        pool.close()
+        del os.environ["PIN_RANKS"]
+    rec = next(v for v in out["per_collective"].values() if isinstance(v, dict) and "on_s" in v)
+    extra = (rec["median_on"] - rec["median_off"]) / 5000
+    high = (rec["ci95"][1] - 1) * rec["median_off"] / 5000
+    out.update(
+        look_s=look_s,
+        collectives_per_step=per_step,
+        step_s=step_s,
+        extra_per_collective_s=extra,
+        extra_per_collective_high_s=high,
+        # a look each second (hangs.HangWatch's ``every``): look_s of each second is the rank's
+        training_cost=max(extra, 0) * per_step / step_s + look_s / 1.0,
+        training_cost_high=max(high, 0) * per_step / step_s + look_s / 1.0,
+    )
+    print(
+        f"  per collective: {extra * 1e6:+.2f} µs (95 % interval's top {high * 1e6:+.2f} µs); a look "
+        f"{look_s * 1e3:.3f} ms; {per_step:g} collectives a step of {step_s * 1e3:.2f} ms: training "
+        f"{out['training_cost']:+.3%} (at most {out['training_cost_high']:+.3%})",
+        flush=True,
+    )
     return out
 
 
@@ -557,6 +650,7 @@ PARTS = (
     "side-by-side",
     "side-by-side-control",
     "crossover",
+    "components",
 )
 
 
@@ -569,6 +663,10 @@ def main() -> None:
     parser.add_argument("--side-worker", choices=("on", "off"), help=argparse.SUPPRESS)
     parser.add_argument("--bare-rank", nargs=3, metavar=("MODE", "RANK", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=60, help="alternated blocks of the side-by-side part")
+    parser.add_argument("--steps", type=int, default=200, help="training steps a block of the crossover part")
+    parser.add_argument(
+        "--work", choices=("all_reduces", "steps"), action="append", help="the crossover part's work (repeatable)"
+    )
     parser.add_argument("--only", choices=PARTS, action="append", help="run this part only (repeatable)")
     parser.add_argument("--quick", action="store_true", help="3 samples, 9 runs of 3 s at a 1-s setting")
     args = parser.parse_args()
@@ -619,7 +717,11 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
         )
     if "crossover" in parts:
         print("side by side in two halves, the recorder-on pool started first then second, pinned", flush=True)
-        results["crossover_pinned"] = crossover(10 if args.quick else args.pairs)
+        key = "crossover_pinned" if args.steps == 200 and not args.work else f"crossover_pinned_{args.steps}_steps"
+        results[key] = crossover(10 if args.quick else args.pairs, args.steps, tuple(args.work or ()))
+    if "components" in parts:
+        print("the recording's parts: per collective (1-rank pools side by side), a look, a step", flush=True)
+        results["components"] = components(10 if args.quick else args.pairs)
     RESULTS.mkdir(exist_ok=True)
     saved.write_text(json.dumps(results, indent=1))
     lines = [f"Machine: {results['machine']}"]
@@ -666,6 +768,11 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
         ("side_by_side_torch_pinned", ": torch alone (no air_magic), each rank pinned to a core"),
         ("side_by_side_control_pinned", ": the recorder off in both (a control), each rank pinned to a core"),
         ("crossover_pinned", ", in two halves (the recorder-on pool started first, then second), pinned"),
+        *(
+            (key, f", in two halves, pinned, {key.split('_')[2]}-step blocks")
+            for key in results
+            if key.startswith("crossover_pinned_")
+        ),
     ):
         if key not in results:
             continue
@@ -680,6 +787,15 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
                     f"| {what} | {rec['median_on'] * 1000:.1f} | {rec['median_off'] * 1000:.1f} | "
                     f"{rec['median_pair_ratio']:.4f} | {rec['ci95'][0]:.4f}-{rec['ci95'][1]:.4f} |"
                 )
+    if "components" in results:
+        c = results["components"]
+        lines.append(
+            f"\nThe recording's parts: {c['extra_per_collective_s'] * 1e6:+.2f} µs a collective (1-rank pools side by "
+            f"side; the 95 % interval's top {c['extra_per_collective_high_s'] * 1e6:+.2f} µs), a look "
+            f"{c['look_s'] * 1e3:.3f} ms of the rank's time each second, {c['collectives_per_step']:g} collectives a "
+            f"training step of {c['step_s'] * 1e3:.2f} ms: training {c['training_cost']:+.3%} "
+            f"(at most {c['training_cost_high']:+.3%})"
+        )
     (RESULTS / "hang.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
