@@ -329,6 +329,7 @@ class HangWatch:
         self._read: dict[int, tuple[str, bool, str, float]] = {}  # rank -> the last stack read of it
         self._seen: Mapping[int, dict[str, Any] | None] = {}  # what the last report's read said
         self._said: dict[int, tuple[dict[str, Any], float]] = {}  # rank -> its last report read, when
+        self._quick: dict[int, dict[str, Any] | None] = {}  # rank -> what it answered its last quick look
 
     def check(self) -> None:
         now = time.monotonic()
@@ -339,7 +340,15 @@ class HangWatch:
         live = [r for r in range(self.world_size) if r not in ended]
         if not live:
             return
-        seen = self.ask(live, timeout=0.3, how="q")
+        missing: set[int] = set()
+        seen = dict(self.ask(live, timeout=0.3, unanswered=missing, how="q"))
+        if missing and missing.issuperset(live):
+            return  # no rank answered in time (their threads busy: a full read, a loaded machine): nothing seen
+        for rank in live:  # a rank that did not answer this time is as it said last (not "nothing pending")
+            if rank in missing:
+                seen[rank] = self._quick.get(rank)
+            else:
+                self._quick[rank] = seen.get(rank)
         paused = {r for r in live if paused_at(self.work_dir, r) is not None}
         done = dict(self.progress[1]) if self.progress else {}
         for rank, data in seen.items():

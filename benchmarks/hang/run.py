@@ -8,8 +8,9 @@ and what torch's Flight Recorder costs.
   of 4 CPU ranks and the default ``AIR_MAGIC_HANG_SECONDS`` (5); each cell makes two
   all_reduces on every rank, then rank 1 writes ``time.time()`` and skips the third, which
   the others make.  Seconds from that line (the last collective completed) to the front end's
-  display of the report (``--samples`` cells each), then Ctrl-C (the pool stays); and ranks
-  that disagree (all_reduce against broadcast), the same way.
+  display of the report (``--samples`` cells each), then Ctrl-C (the pool stays); ranks that
+  disagree (all_reduce against broadcast), the same way; and rank 1 ending the call where the
+  others make a third all_reduce (``--samples`` cells).
 * ``false reports``: ``--runs`` pool cells of ``--pause`` seconds (60) at the default
   ``AIR_MAGIC_HANG_SECONDS`` (5), a third each: every rank computing (matmuls) between two
   all_reduces; a rank paused in the debugger while its peer waits in an all_reduce (answered
@@ -104,6 +105,16 @@ else:
     dist.all_reduce(t)"""
 
 
+ENDED = """%%distributed --pool
+t = torch.ones(1024)
+dist.all_reduce(t)
+dist.all_reduce(t)
+if dist.get_rank() == 1:
+    open({mark!r}, "w").write(repr(time.time()))
+else:
+    dist.all_reduce(t)"""
+
+
 def detection(n: int, samples: int, workdir: str) -> dict[str, Any]:
     kernel = Kernel(tempfile.mkdtemp(dir=workdir))
     mark = os.path.join(kernel.workdir, "mark")
@@ -112,7 +123,11 @@ def detection(n: int, samples: int, workdir: str) -> dict[str, Any]:
         kernel.ok("%load_ext air_magic\n%config DistributedMagics.tracking = False")
         kernel.ok(f"%distributed_pool -n {n} --no-tracking", timeout=300)
         kernel.ok("%%distributed --pool\nimport time, torch, torch.distributed as dist", timeout=120)
-        for name, cell, count in (("skip", SKIP, samples), ("disagree", DISAGREE, max(3, samples // 2))):
+        for name, cell, count in (
+            ("skip", SKIP, samples),
+            ("disagree", DISAGREE, max(3, samples // 2)),
+            ("ended", ENDED, samples),
+        ):
             seconds, verdicts, outcomes = [], [], []
             for _ in range(count):
                 if os.path.exists(mark):

@@ -178,9 +178,12 @@ def test_a_rank_that_answered_before_keeps_its_answer_when_a_look_goes_unanswere
     assert second.rows[0].read == "Flight Recorder"
 
 
-def _watch_looks(tmp_path: Any, monkeypatch: Any, completed: list[int]) -> tuple[list[str], list[Any]]:
+def _watch_looks(
+    tmp_path: Any, monkeypatch: Any, completed: list[int | None], quiet: tuple[int, ...] = (0, 1)
+) -> tuple[list[str], list[Any]]:
     """A local watch (the ranks' pipes), 5 s to a report, looked at once a second on a fake
-    clock; each look finds both ranks in a collective, having completed ``completed[i]``.
+    clock; each look finds both ranks in a collective, having completed ``completed[i]``
+    (None: the ranks in ``quiet`` do not answer that look in time).
     Returns what the ranks were asked, in order, and the reports shown."""
     from air_magic.kernel import hangs
 
@@ -190,10 +193,14 @@ def _watch_looks(tmp_path: Any, monkeypatch: Any, completed: list[int]) -> tuple
 
     def ask(work_dir: str, ranks: list[int], **kwargs: Any) -> dict[int, Any]:
         asked.append(kwargs.get("how", "c"))
+        last = max(c for c in completed if c is not None)
         if kwargs.get("how") == "q":
             done = next(looks)
+            if done is None:
+                kwargs["unanswered"].update(r for r in ranks if r in quiet)
+                return {r: None if r in quiet else seen(last, last) for r in ranks}
             return {r: seen(done + 1, done, {"pg": "0", "seq": done + 1, "quick": True}) for r in ranks}
-        return {r: seen(completed[-1] + 1, completed[-1], entry(completed[-1] + 1)) for r in ranks}
+        return {r: seen(last + 1, last, entry(last + 1)) for r in ranks}
 
     def ask_for_collectives(work_dir: str, rank: int, how: str = "c") -> str:
         asked.append(f"{how} (not waited for)")
@@ -229,4 +236,21 @@ def test_collectives_that_stop_completing_are_read_in_full_ahead_of_the_report(t
     asked, shown = _watch_looks(tmp_path, monkeypatch, [41] * 5)
     assert asked[:4] == ["q", "q", "r (not waited for)", "r (not waited for)"]
     assert asked[4:] == ["q", "q", "q", "r"]
+    assert len(shown) == 1 and shown[0].verdict.startswith("every rank is in all_reduce #42")
+
+
+def test_a_look_the_ranks_do_not_answer_in_time_does_not_restart_the_hang_s_clock(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """A rank's thread busy with its first full read (a second of CPU) misses the 0.3 s of the
+    next quick look: that look says nothing, it does not mean "nothing pending" (which started
+    the 5 s again: a report at 8-10 s instead of 5)."""
+    asked, shown = _watch_looks(tmp_path, monkeypatch, [41, 41, None, 41, 41])
+    assert len(shown) == 1 and shown[0].verdict.startswith("every rank is in all_reduce #42")
+
+
+def test_a_rank_that_misses_a_look_is_as_it_said_last_while_its_peer_answers(tmp_path: Any, monkeypatch: Any) -> None:
+    """Rank 0 misses the third look and rank 1 answers (it has completed the same, nothing
+    pending): rank 0 is still in its collective, so the hang is still due at 5 s."""
+    asked, shown = _watch_looks(tmp_path, monkeypatch, [41, 41, None, 41, 41], quiet=(0,))
     assert len(shown) == 1 and shown[0].verdict.startswith("every rank is in all_reduce #42")
