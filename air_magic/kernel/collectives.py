@@ -30,7 +30,9 @@ def ask(
     work_dir: str, ranks: list[int], timeout: float = 1.0, unanswered: set[int] | None = None, how: str = "c"
 ) -> dict[int, dict[str, Any] | None]:
     """Each rank's collectives (None for a rank that did not answer within ``timeout`` s, or
-    whose torch records none); the ranks that did not answer are added to ``unanswered``.
+    whose torch records none); the ranks that did not answer are added to ``unanswered``, and
+    so are the ranks that could not be asked (their thread busy with an earlier request is not
+    listening: not the same as "nothing recorded").
     ``how``: what each rank reads (:func:`air_magic.protocol.ask_for_collectives`)."""
     tokens = {rank: ask_for_collectives(work_dir, rank, how) for rank in ranks}
     found: dict[int, dict[str, Any] | None] = {rank: None for rank in ranks}
@@ -46,6 +48,7 @@ def ask(
             time.sleep(0.01)
     if unanswered is not None:
         unanswered.update(waiting)
+        unanswered.update(rank for rank, token in tokens.items() if not token)
     return found
 
 
