@@ -190,7 +190,7 @@ def interrupted(message: str) -> KeyboardInterrupt:
     shows as its one line, without the launcher's frames."""
     exc = KeyboardInterrupt(message)
     line = f"KeyboardInterrupt: {message}"
-    exc._render_traceback_ = lambda: [line]  # type: ignore[attr-defined]
+    exc._render_traceback_ = lambda: [line, *getattr(exc, "__notes__", [])]  # type: ignore[attr-defined]
     return exc
 
 

@@ -1,18 +1,18 @@
 """The ranks' collectives, kernel side: ask each rank what torch's Flight Recorder saw (the
-rank side is :mod:`air_magic.rank.collectives`), and find what the ranks that came back from
-an interrupt must make so that a rank left inside a collective they abandoned can stop::
+rank side is :mod:`air_magic.rank.collectives`), and judge what an interrupt left::
 
     ask(work_dir, ranks) --"c<token>" on each rank's stack pipe--> collectives-<rank>.json
         -> {rank: {"groups": {pg: {name, enqueued, completed, ranks}}, "pending": [entry...]}}
 
-    plan_even(seen, able): for each group, the most advanced member's last enqueued
-        collective #t; each member of ``able`` (ranks back from the interrupt) whose last
-        enqueued is #s < #t makes #s+1..#t as a member that waits in them recorded them
-        -> {rank: [entry + the group's name, ...]}   (one round; the caller asks again)
+    stuck(seen, back): the ranks still in the call that wait in a collective a rank back
+        from it never started (it cannot complete: the kernel cuts the group's connections,
+        and the collective raises on them); none while a collective every rank started is
+        still in flight
+    uneven(seen): groups whose members started different collectives (a rank back with an
+        async one started, FSDP's all-gathers, that a peer never started): the group is
+        rebuilt before the next call, or its next collective would pair with the wrong one
 
-    A rank left waiting inside #t (a collective its peers abandoned), and a rank that came
-    back with #t started but not waited for (an async op: FSDP's all-gathers) are the same
-    case: the group is uneven, and the next collective would pair with the wrong one.
+A collective is never completed for a rank with data no rank sent.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from air_magic.protocol import ask_for_collectives, collectives_path
 
-__all__ = ["ask", "plan_even", "uneven", "describe_op", "user_where", "group_label", "dtype_name"]
+__all__ = ["ask", "stuck", "uneven", "describe_op", "user_where", "group_label", "dtype_name"]
 
 
 def ask(
@@ -61,49 +61,49 @@ def _read(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def plan_even(seen: dict[int, dict[str, Any] | None], able: set[int]) -> dict[int, list[dict[str, Any]]]:
-    """What each rank of ``able`` makes so that every group's members are at the same
-    collective again: a member whose last enqueued collective is behind the group's most
-    advanced one makes the ones it lacks, in order, as a member that waits in them recorded
-    them (see the module's docstring); ``{}`` when every group is even, or when what is
-    lacking is not known."""
-    members: dict[str, dict[int, int]] = {}  # group name -> {rank: its last enqueued sequence number}
-    entries: dict[str, dict[int, dict[str, Any]]] = {}  # group name -> {seq: a pending entry}
+def _numbers(seen: dict[int, dict[str, Any] | None]) -> dict[str, dict[int, tuple[int, int]]]:
+    """Group name -> {rank: (its last enqueued, its last completed collective)}."""
+    found: dict[str, dict[int, tuple[int, int]]] = {}
     for rank, data in seen.items():
-        if not data:
-            continue
-        groups = data.get("groups") or {}
-        for pg, info in groups.items():
+        for pg, info in ((data or {}).get("groups") or {}).items():
             name = str(info.get("name", pg))
-            members.setdefault(name, {})[rank] = int(info.get("enqueued", -1))
-        for entry in data.get("pending") or []:
-            name = str((groups.get(entry["pg"]) or {}).get("name", entry["pg"]))
-            entries.setdefault(name, {}).setdefault(int(entry["seq"]), {**entry, "name": name, "of": rank})
-    plan: dict[int, list[dict[str, Any]]] = {}
-    for name in sorted(members):
-        top = max(members[name].values())
-        known = entries.get(name, {})
-        for rank, enqueued in members[name].items():
-            if rank not in able or enqueued >= top:
-                continue
-            lacking = [known.get(seq) for seq in range(enqueued + 1, top + 1)]
-            if all(lacking):
-                plan.setdefault(rank, []).extend(op for op in lacking if op)
-    return plan
+            found.setdefault(name, {})[rank] = (int(info.get("enqueued", -1)), int(info.get("completed", -1)))
+    return found
+
+
+def stuck(seen: dict[int, dict[str, Any] | None], back: set[int]) -> list[int]:
+    """The ranks not in ``back`` (still in the call) that wait in a collective a rank of
+    ``back`` (idle: back from the call) never started: it cannot complete, so only cutting the
+    group's connections frees them.  Empty when a rank did not answer, or when a collective
+    every rank started is still in flight somewhere (cutting then could complete it on some
+    ranks and fail it on others)."""
+    if not back or any(seen.get(rank) is None for rank in seen):
+        return []
+    groups = _numbers(seen)
+    found: set[int] = set()
+    for at in groups.values():
+        if len(at) < len(seen):
+            continue  # a group not every rank is in (a subgroup): not judged here
+        everyone = min(e for e, _ in at.values())
+        if any(c < everyone for _, c in at.values()):
+            return []  # a collective every rank started has not completed everywhere yet
+        idle = min((at[r][0] for r in back if r in at), default=None)
+        if idle is None:
+            continue
+        for rank, (enqueued, completed) in at.items():
+            if rank not in back and enqueued > completed and completed + 1 > idle:
+                found.add(rank)
+    return sorted(found)
 
 
 def uneven(seen: dict[int, dict[str, Any] | None]) -> list[str]:
-    """The groups whose members are not at the same collective, each as
-    ``the default group: rank 0 at #12, rank 1 at #11``."""
+    """The groups whose members have not started the same collectives (a rank that came back
+    with one started that a peer never started: the next collective would pair with the
+    wrong one), each as ``the default group: rank 0 at #12, rank 1 at #11``."""
     found = []
-    by_group: dict[str, dict[int, int]] = {}
-    for rank, data in seen.items():
-        for pg, info in ((data or {}).get("groups") or {}).items():
-            by_group.setdefault(str(info.get("name", pg)), {})[rank] = int(info.get("enqueued", -1))
-    for name in sorted(by_group):
-        at = by_group[name]
-        if len(set(at.values())) > 1:
-            where = ", ".join(f"rank {r} at #{s}" for r, s in sorted(at.items()))
+    for name, at in sorted(_numbers(seen).items()):
+        if len({e for e, _ in at.values()}) > 1:
+            where = ", ".join(f"rank {r} at #{e}" for r, (e, _) in sorted(at.items()))
             found.append(f"{_group_name(name)}: {where}")
     return found
 

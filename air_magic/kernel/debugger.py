@@ -224,6 +224,14 @@ class BreakpointDesk:
         _show(f"[air_magic] {why} on rank {rank}: every rank stops\n")
         raise KeyboardInterrupt(f"{why} on rank {rank}")
 
+    def release(self) -> None:
+        """The call is being interrupted: every rank stopped at a breakpoint now is answered as
+        ``q`` answers it (its prompt, if shown, is not served)."""
+        self._read()
+        for rank in sorted(self.stopped):
+            self._answer(rank, ANSWER_QUIT)
+        self.stopped.clear()
+
     def _answer(self, rank: int, line: str) -> None:
         path = answers_path(self.work_dir, rank)
         try:

@@ -43,7 +43,6 @@ import cloudpickle
 
 from air_magic import capture
 from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, ResultError, interrupted
-from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_status as _status
@@ -51,6 +50,7 @@ from air_magic.kernel.debugger import BreakpointDesk, post_mortem_on
 from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
+from air_magic.kernel.pool_interrupt import GRACE, Interrupt
 from air_magic.kernel.pool_listener import greet as _greet
 from air_magic.kernel.pool_listener import listener as _listener
 from air_magic.kernel.pool_view import PoolCallView
@@ -81,17 +81,6 @@ __all__ = [
 
 #: Seconds a pool waits for its ranks to connect (the helper may still be importing torch).
 POOL_START_TIMEOUT = 300.0
-#: Seconds the other ranks have to come back once one failed, or after an interrupt or a
-#: timeout, before the pool is broken (they wait in a collective, or in C).
-GRACE = 3.0
-#: After an interrupt: how long the ranks have to come back before the collectives a rank
-#: still waits in are looked at; how long one round of making them waits for the ranks that
-#: make them; and the longest the whole interrupt may take while rounds make progress.
-_FINISH_AFTER = 0.3
-_FINISH_WAIT = 2.0
-_FINISH_FOR = 15.0
-#: Rounds of making collectives even once every rank is back from an interrupt.
-_EVEN_ROUNDS = 3
 #: Seconds a rank whose connection closed has to end (its exit then says how it ended) before
 #: the closed connection itself is the reason the pool breaks.
 _CLOSED_GRACE = 1.0
@@ -778,7 +767,7 @@ class PoolEngine:
                     raise error
         except KeyboardInterrupt:
             self._check_retired(call)
-            self._interrupt(call, records, pending)
+            Interrupt(self, call, records, pending, desk).run()
         if unheeded:  # out of the try: the KeyboardInterrupt raised is the cancel's outcome
             self._not_stopped(call, pending, records, "the pool's call was cancelled")
         if pool_regroup.broke_the_group(records):  # gloo closed the group's connections (a timeout)
@@ -880,105 +869,6 @@ class PoolEngine:
         first = [r for r in gone if not states[r].stopped] or gone
         return min(first, key=lambda r: (states[r].ended_at or 0.0, r))
 
-    def _interrupt(self, call: _Call, records: dict[int, Any], pending: dict[int, Connection]) -> None:
-        """Ctrl-C: KeyboardInterrupt in every rank's code; an intact pool if they all come back.
-
-        A rank can be left inside a collective its peers abandoned (rank 1 in its backward
-        pass's all_reduce while rank 0 stopped before its own), or come back with one started
-        and not waited for (FSDP's all-gathers are async) that a peer never started: the ranks
-        that came back then make what they lack, on zeros, so that it completes and every
-        group is even again (:meth:`_even_out`).  Groups left uneven would pair the next
-        collective with the wrong one: the pool is then broken, saying so."""
-        self.interrupt(list(pending))
-        began = time.monotonic()
-        finished: list[dict[str, Any]] = []
-        for attempt in range(2):
-            if attempt:  # a rank in a C call (sleep()) past its wait for its peers: told again
-                if not pending or not call.ranks.launch.local_processes:
-                    break
-                call.ranks.launch.signal_ranks(sorted(pending), signal.SIGINT)
-            deadline = time.monotonic() + GRACE
-            next_look = time.monotonic() + _FINISH_AFTER
-            while pending and time.monotonic() < deadline:
-                self._check_retired(call)
-                self._take_replies(call, pending, records)
-                now = time.monotonic()
-                if pending and now >= next_look and len(pending) < len(call.ranks.conns):
-                    unanswered: set[int] = set()
-                    made, _ = self._even_out(call, pending, unanswered)
-                    next_look = time.monotonic() + 0.1
-                    if made:
-                        finished.extend(made)
-                    # Progress, or a rank still reading its collectives (a second of CPU the first
-                    # time, more on a loaded machine): more time, up to _FINISH_FOR in all.
-                    if made or unanswered:
-                        deadline = min(max(deadline, time.monotonic() + GRACE), began + _FINISH_FOR)
-        stuck = sorted(pending)
-        if pending and not self._cut_free(call, pending, records):
-            self._not_stopped(call, pending, records, "you interrupted the pool's cell")
-        left: list[str] = []
-        for _ in range(_EVEN_ROUNDS if not stuck else 0):
-            made, left = self._even_out(call, pending)
-            finished.extend(made)
-            if not made:
-                break
-        if stuck or left:  # a hang's way out: fresh connections for the group, the names kept
-            why = self._rebuild(call)
-            what = (
-                f"rank{'s' * (len(stuck) != 1)} {', '.join(map(str, stuck))} did not stop within {GRACE:g} s "
-                "(a collective that no peer would make held them)"
-                if stuck
-                else f"its ranks stopped at different collectives ({'; '.join(left)})"
-            )
-            if not why:
-                error = interrupted(f"you interrupted the pool's cell; {what}: {pool_regroup.REBUILT}.")
-                if call.hangs is not None and call.hangs.current is not None:
-                    error.add_note(call.hangs.current.text())
-                raise error
-            self._break(call.ranks, f"an interrupt left the group unusable and it could not be rebuilt ({why})")
-            raise interrupted(
-                f"you interrupted the pool's cell; {what}, and the process group could not be rebuilt ({why}): "
-                "the pool is broken, and the next pool cell starts it again."
-            )
-        if left:
-            self._break(
-                call.ranks,
-                "an interrupt left the ranks' collectives out of step ("
-                + "; ".join(left)
-                + "), so the next collective would pair with the wrong one",
-            )
-            raise interrupted(
-                "you interrupted the pool's cell, and its ranks stopped at different collectives that could not be "
-                f"made even ({'; '.join(left)}): the pool is broken, and the next pool cell starts it again."
-            )
-        error = interrupted(
-            "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
-        )
-        if finished:
-            error.add_note(_finished_note(finished, call))
-        raise error
-
-    def _cut_free(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any]) -> bool:
-        """Ranks still in the call after their interrupt, told again, waiting in collectives:
-        cut the group's connections (their collectives raise) and take their replies.  True
-        when every rank came back.  Nothing is cut where no rank of the call has a collective
-        pending (a rank whose code caught the KeyboardInterrupt: the pool is broken, saying so)."""
-        launch = call.ranks.launch
-        if pool_regroup.can_rebuild(launch.placement.device, launch.local_processes, call.ranks.regroups):
-            return False
-        seen = _collectives.ask(launch.work_dir, sorted(pending), timeout=1.0, how="q")
-        if not any(data and data.get("pending") for data in seen.values()):
-            return False
-        pool_regroup.cut(launch.work_dir, len(call.ranks.conns))
-        # A rank not in a collective (in a C call such as sleep(), where no line comes to stop
-        # at) is told again: past its wait for its peers, it stops where it is.
-        launch.signal_ranks(sorted(pending), signal.SIGINT)
-        deadline = time.monotonic() + 2 * GRACE
-        while pending and time.monotonic() < deadline:
-            self._check_retired(call)
-            self._take_replies(call, pending, records)
-        return not pending
-
     def _rebuild(self, call: _Call) -> str:
         """Fresh connections for the ranks' default group (every rank idle); ``''`` when it
         was rebuilt, else why not."""
@@ -991,46 +881,6 @@ class PoolEngine:
         ranks.regroups += 1
         self._ids += 1
         return pool_regroup.rebuild(ranks.conns, self._ids, ranks.regroups)
-
-    def _even_out(
-        self, call: _Call, pending: dict[int, Connection], unanswered: set[int] | None = None
-    ) -> tuple[list[dict[str, Any]], list[str]]:
-        """One round: the collectives some ranks started (or wait in) and the ranks back from
-        the call lack, made by those (each in its group, on zeros).  Returns what was made
-        (empty: nothing to do) and, when nothing could be made, the groups left uneven; the
-        ranks that did not say their collectives in time are added to ``unanswered``."""
-        launch = call.ranks.launch
-        if not launch.local_processes:
-            return [], []
-        n = len(call.ranks.conns)
-        seen = _collectives.ask(launch.work_dir, list(range(n)), timeout=1.0, unanswered=unanswered)
-        if unanswered is not None and any(seen.values()):
-            # A rank still in the call whose recorder could not be read this time (its read
-            # failed, on a loaded machine) while its peers' could: worth another look.
-            unanswered.update(rank for rank in pending if seen.get(rank) is None)
-        plan = _collectives.plan_even(seen, set(range(n)) - set(pending))
-        if not plan:
-            return [], [] if pending else _collectives.uneven(seen)
-        self._ids += 1
-        finish_id = self._ids
-        sent: dict[int, Connection] = {}
-        for rank, ops in plan.items():
-            try:
-                call.ranks.conns[rank].send_bytes(capture.dumps(("finish", finish_id, {"ops": ops})))
-                sent[rank] = call.ranks.conns[rank]
-            except OSError:
-                continue
-        deadline = time.monotonic() + _FINISH_WAIT
-        made: list[dict[str, Any]] = []
-        while sent and time.monotonic() < deadline:
-            try:
-                answers = replies(sent, finish_id, 0.05, lambda rank, _id: None, {})
-            except OutOfStep:
-                return made, []
-            for reply in answers:
-                if isinstance(reply.record, ValueRecord):
-                    made.extend({**op, "by": reply.rank} for op in plan[reply.rank])
-        return made, []
 
     def _not_stopped(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any], what: str) -> None:
         """Some ranks did not stop within GRACE s of their interrupt: the pool is broken."""
@@ -1270,24 +1120,6 @@ def _holds_output(watcher: Any) -> bool:
         return bool(watcher.holds_output())
     except Exception:  # a watcher (the panel) never changes the call's outcome
         return False
-
-
-def _finished_note(finished: list[dict[str, Any]], call: _Call) -> str:
-    """What the ranks back from an interrupt made so that every rank stopped at the same
-    collective."""
-    first = finished[0]
-    what = _collectives.user_where(_collectives.describe_op(first), call.sources)
-    more = f" (and {len(finished) - 1} more after it)" if len(finished) > 1 else ""
-    makers = sorted({op["by"] for op in finished})
-    had = sorted({op["of"] for op in finished if "of" in op})
-    who = f"rank{'s' * (len(makers) != 1)} {', '.join(map(str, makers))}"
-    whose = f"rank{'s' * (len(had) != 1)} {', '.join(map(str, had))}" if had else "another rank"
-    return (
-        f"[air_magic] the interrupt found {whose} inside {what}{more}, which {who} had not made: {who} made "
-        f"{'them' if more else 'it'} too, on zeros, so that every rank stopped at the same collective. That "
-        "step did not finish (what it computed is not meaningful): run the training cell again, or zero the "
-        "gradients first."
-    )
 
 
 def _tell_forked(call: _Call) -> None:

@@ -1,5 +1,5 @@
 """A rank's collectives, as torch's Flight Recorder saw them: what the kernel asks while the
-rank's code waits in one, and the collectives a rank makes to finish one its peers left.
+rank's code waits in one.
 
 torch records every collective of every process group (gloo and NCCL alike) when
 ``TORCH_FR_BUFFER_SIZE`` is set: the launch sets it (``AIR_MAGIC_FLIGHT_RECORDER``) unless
@@ -14,9 +14,8 @@ the user did.  The rank's stack thread answers without touching the thread that 
                                                     the user's file:line)
                              <-- collectives-<rank>.json {"token": ..., "groups": ..., "pending": ...}
 
-    a pool's Ctrl-C, a rank left inside #42 that the others had abandoned:
-    ("finish", id, {"ops": [entry #42]}) ---> finish(ops): the same collective, on zeros,
-                                              in the same group: #42 completes everywhere
+A collective is never made here for a peer: one a rank was left waiting in, that its peers
+will not make, raises once the kernel cuts the group's connections (air_magic.rank.regroup).
 """
 
 from __future__ import annotations
@@ -27,23 +26,10 @@ import pickle
 import sys
 from typing import Any
 
-__all__ = ["FR_ENV", "dump", "answer", "finish"]
+__all__ = ["FR_ENV", "dump", "answer"]
 
 #: torch's switch for its Flight Recorder (the number of entries kept per process).
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
-
-_DTYPES = {
-    "Float": "float32",
-    "Double": "float64",
-    "Half": "float16",
-    "BFloat16": "bfloat16",
-    "Long": "int64",
-    "Int": "int32",
-    "Short": "int16",
-    "Char": "int8",
-    "Byte": "uint8",
-    "Bool": "bool",
-}
 
 
 def dump(how: str = "c") -> dict[str, Any] | None:
@@ -171,68 +157,6 @@ def answer(work_dir: str, rank: int, token: str, how: str = "c") -> None:
     with os.fdopen(fd, "w") as handle:
         json.dump({"token": token, "recorded": found is not None, **(found or {})}, handle)
     os.replace(tmp, path)
-
-
-def finish(ops: list[dict[str, Any]]) -> int:
-    """Make each collective ``ops`` names (as :func:`dump` described it, from a peer that
-    waits in it), on zeros, in its group: the peer's collective completes.  Returns how many
-    were made; a collective of a kind that cannot be made again raises ``ValueError``."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    by_name = {str(name): group for group, name in getattr(c10d._world, "pg_names", {}).items()}
-    made = 0
-    for op in ops:
-        group = by_name.get(str(op.get("name")))
-        if group is None:
-            raise ValueError(f"no process group named {op.get('name')!r} on this rank")
-        device = _device(group)
-        inputs = [_zeros(torch, s, d, device) for s, d in zip(op["input_sizes"], op["input_dtypes"])]
-        outputs = [_zeros(torch, s, d, device) for s, d in zip(op["output_sizes"], op["output_dtypes"])]
-        kind = str(op["op"]).split(":", 1)[-1]
-        if kind in ("all_reduce", "allreduce"):
-            for tensor in inputs:
-                dist.all_reduce(tensor, group=group)
-        elif kind in ("allreduce_coalesced", "all_reduce_coalesced"):
-            dist.all_reduce_coalesced(inputs, group=group)
-        elif kind == "barrier":
-            dist.barrier(group=group)
-        elif kind in ("broadcast",):
-            for tensor in inputs:
-                dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-        elif kind in ("_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"):
-            for out, inp in zip(outputs, inputs):
-                dist.all_gather_into_tensor(out, inp, group=group)
-        elif kind in ("allgather", "all_gather"):
-            size = dist.get_world_size(group)
-            for inp in inputs:
-                dist.all_gather([torch.zeros_like(inp) for _ in range(size)], inp, group=group)
-        elif kind in ("_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
-            for out, inp in zip(outputs, inputs):
-                dist.reduce_scatter_tensor(out, inp, group=group)
-        elif kind in ("alltoall_base", "all_to_all_single"):
-            for out, inp in zip(outputs, inputs):
-                dist.all_to_all_single(out, inp, group=group)
-        else:
-            raise ValueError(f"{op['op']} cannot be made again from another rank")
-        made += 1
-    return made
-
-
-def _device(group: Any) -> Any:
-    import torch
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _zeros(torch: Any, size: Any, dtype: str, device: Any) -> Any:
-    name = _DTYPES.get(str(dtype), str(dtype).lower())
-    return torch.zeros([int(n) for n in size], dtype=getattr(torch, name), device=device)
 
 
 def _int(value: Any) -> int:

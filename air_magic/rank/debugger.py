@@ -17,8 +17,13 @@ goes to it (:mod:`air_magic.protocol.debugging` draws the exchange)::
         the output so far and the prompt as a "stop" event; the answer read from the FIFO
         (a pdb command, or a control answer: skip, error, quit)
 
-Quitting (``q``, EOF or Interrupt in the notebook) raises KeyboardInterrupt at the line the
-rank was at, with tracing off: the launch or the pool's cell then ends as after Ctrl-C.
+Quitting (``q``, EOF or Interrupt in the notebook) in a launch raises KeyboardInterrupt at
+the line the rank was at, with tracing off: the launch then ends as after Ctrl-C.  In a
+pool's call it stops the rank as a Ctrl-C that came at that line would
+(:func:`air_magic.rank.interrupts.request_here`): where its peers are not at the same point
+(one waits in the gradient all-reduce this rank's ``loss.backward()`` would join), the rank
+runs on, breakpoints skipped, to the point where they all stop, so that no rank keeps a step
+its peers did not make.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import pdb
 import select
 import sys
+import time
 import types
 from typing import Any
 
@@ -90,6 +96,10 @@ def set_trace(frame: types.FrameType | None = None, *, header: str | None = None
         pdb.Pdb().set_trace(frame or sys._getframe().f_back)
         return
     frame = frame or sys._getframe().f_back
+    from air_magic.rank import interrupts
+
+    if interrupts.pending():  # quit, or interrupted: the rank runs on to where every rank stops
+        return
     debugger = RankPdb()
     debugger.called_at = _place(frame)
     if header:
@@ -244,6 +254,11 @@ class _Answers:
                 "(AIR_MAGIC_ON_BREAKPOINT=error; PYTHONBREAKPOINT=0 turns breakpoints off)"
             )
         if line == ANSWER_QUIT:
+            from air_magic.rank import interrupts
+
+            if interrupts.active() and not debugger.post_mortem:  # a pool's call: stop as its Ctrl-C does
+                debugger.quit_asked = True
+                return "continue\n"
             raise KeyboardInterrupt(f"you quit the debugger on rank {_where['rank']}")
         return line + "\n"
 
@@ -258,12 +273,19 @@ class _Answers:
         return None if line == ANSWER_EOF else line
 
     def _line(self, timeout: float | None) -> str | None:
+        from air_magic.rank import interrupts
+
         fd = _answers_fd()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in _fifo["buffer"]:
-            if timeout is not None:
-                readable, _, _ = select.select([fd], [], [], timeout)
-                if not readable:
+            left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+            readable = select.select([fd], [], [], max(left, 0.0))[0]
+            if not readable:
+                if interrupts.pending():  # the pool's call was interrupted while this prompt waited
+                    return ANSWER_QUIT
+                if deadline is not None and time.monotonic() >= deadline:
                     return None
+                continue
             _fifo["buffer"] += os.read(fd, 4096)
         line, _, _fifo["buffer"] = _fifo["buffer"].partition(b"\n")
         return str(line.decode("utf-8", "replace").rstrip("\r"))
@@ -336,12 +358,26 @@ class RankPdb(pdb.Pdb):
         self.skipped = False
         self.called_at = ""  # the line of the breakpoint() (pdb stops at the next one)
         self.post_mortem = False  # in an exception's frames: quitting ends this, not the call
+        self.quit_asked = False  # quit in a pool's call: the rank stops where its peers stop
+        self.at: types.FrameType | None = None  # the frame the rank stopped in
+        self.handoff: Any = None  # the interrupt's line tracer, for that frame once pdb lets go
 
     def where(self) -> str:
         """Where the rank stopped: the breakpoint's own line at the first stop, then pdb's."""
         if self.called_at and not self.answers.asked:
             return self.called_at
         return _place(self.curframe)
+
+    def interaction(self, frame: Any, tb: Any) -> None:
+        self.at = frame
+        super().interaction(frame, tb)
+
+    def trace_dispatch(self, frame: Any, event: str, arg: Any) -> Any:
+        result = super().trace_dispatch(frame, event, arg)
+        if self.handoff is not None and frame is self.at:
+            handoff, self.handoff = self.handoff, None
+            return handoff  # (what a line's tracer returns becomes its frame's tracer)
+        return result
 
     def _cmdloop(self) -> None:
         # pdb's own loop prints "--KeyboardInterrupt--" and asks again: here an interrupt (or
@@ -355,11 +391,16 @@ class RankPdb(pdb.Pdb):
         finally:
             self.allow_kbdint = False
             _say_paused(None)
-        if self.skipped or self.post_mortem:
+        if self.skipped or self.post_mortem or self.quit_asked:
             self._stop_tracing()
         if not self.skipped:
             text = self.out.take()
             _send("resumed", text=text)
+        if self.quit_asked and self.at is not None:
+            from air_magic.rank import interrupts
+
+            # Raises KeyboardInterrupt here where every rank stops here; else the rank runs on.
+            self.handoff = interrupts.request_here(self.at)
 
     def get_stack(self, f: Any, t: Any) -> tuple[list[tuple[Any, int]], int]:
         """pdb's stack without the frames that run the rank (the helper, the rank's main,

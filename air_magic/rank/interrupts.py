@@ -1,22 +1,19 @@
-"""A pool rank's Ctrl-C: every rank raises its KeyboardInterrupt at the same point of the
-training, a point it can go on from.
+"""A pool rank's Ctrl-C: every rank stops at the same point of the training, a point it can
+go on from, and no collective completes with data a rank did not send.
 
 A KeyboardInterrupt raised in the middle of torch's distributed machinery leaves it in a
-state its peers do not share: FSDP's pre-forward hook interrupted after it unsharded a layer
-skips that layer's all-gather in the next forward, while the peer makes it, and both wait
-for ever.  Stopping each rank outside torch is not enough either: rank 1 stopped between
-its forward and its backward keeps FSDP's root parameters unsharded (the backward never
-came), rank 0 stopped after its backward does not, and their next forwards make different
-collectives.  So a SIGINT during a pool call raises only at a *safe point*, a line of code
-outside torch (and DeepSpeed), and only at one where every rank has issued the same
+state its peers do not share (FSDP's pre-forward hook interrupted after it unsharded a
+layer skips that layer's all-gather in the next forward, while the peer makes it), and
+ranks stopped at different lines leave replicated state different (rank 0 stopped before
+``opt.step()`` and its peer after it).  So a SIGINT during a pool call (or ``q`` at a
+breakpoint: :func:`request_here`) raises only at a *safe point*, a line of code outside
+torch, DeepSpeed and the debugger, and only at one where every rank has issued the same
 collectives, process group by process group (each group's sequence number), and is at the
-same line (one rank stopped before ``opt.step()`` and its peer after it would leave DDP's
-replicas different).  The ranks
-agree through the process group's own store (torch's TCPStore)::
+same line.  The ranks agree through the process group's own store (torch's TCPStore)::
 
     SIGINT --> handler(frame)
                  no process group (or 1 rank): KeyboardInterrupt at the first safe point
-                 stack free of torch/DeepSpeed frames: a safe point now, else the frames
+                 stack free of torch/DeepSpeed/pdb frames: a safe point now, else the frames
                  outside the outermost such frame get a line tracer (sys.settrace, only
                  until the interrupt is raised): each of their lines is a safe point
 
@@ -29,17 +26,22 @@ agree through the process group's own store (torch's TCPStore)::
                         many and is at a later line   --> withdraw, run on to the next one
                         no agreement in AGREE_WAIT s  --> withdraw, run on (a peer may wait
                                                           in a collective this rank has yet
-                                                          to make: running on makes it)
-    fallbacks:  AGREE_FOR s after the SIGINT, the next safe point whatever the peers do
-                (or a second SIGINT, at a safe point: a rank in sleep() reaches no line);
-                SAFE_CPU_SECONDS of CPU time inside torch (a long computation, no way out):
-                KeyboardInterrupt where it is, as a plain Ctrl-C would
+                                                          to make: running on makes it, with
+                                                          the rank's own data)
+    no agreement for AGREE_FOR s: the fence (air_magic.rank.fence): the rank's next
+                collective raises before it starts, wherever it comes from (FSDP's hooks,
+                DDP's reducer in C++): every rank stops before the first collective that
+                not all of them made; a peer left waiting in it is cut free by the kernel
+                (its collective raises) and the group rebuilt
+    last resorts:  ALONE_AFTER s, the next safe point whatever the peers do (or a second
+                SIGINT, at a safe point: a rank in sleep() reaches no line); SAFE_CPU_SECONDS
+                of CPU time inside torch (a long computation, no way out): KeyboardInterrupt
+                where it is, as a plain Ctrl-C would.  The kernel then compares the ranks'
+                state (air_magic.rank.state) before it calls the pool intact
 
-A rank that waits in a collective its peers will not make is not running: the kernel makes
-that collective on the ranks that came back (:mod:`air_magic.kernel.collectives`).  CPU
-time, not wall time, bounds the wait inside torch: it does not pass while the thread waits
-for its peers.  Withdrawing and stopping are compare-and-set operations on the one key, so
-no rank runs on once another has seen the agreement.
+CPU time, not wall time, bounds the wait inside torch: it does not pass while the thread
+waits for its peers.  Withdrawing and stopping are compare-and-set operations on the one
+key, so no rank runs on once another has seen the agreement.
 """
 
 from __future__ import annotations
@@ -53,29 +55,62 @@ import time
 import types
 from typing import Any, Callable
 
-__all__ = ["install", "uninstall", "SAFE_CPU_SECONDS", "AGREE_WAIT", "AGREE_FOR"]
+__all__ = [
+    "install",
+    "uninstall",
+    "request_here",
+    "pending",
+    "active",
+    "SAFE_CPU_SECONDS",
+    "AGREE_WAIT",
+    "AGREE_FOR",
+    "ALONE_AFTER",
+]
 
 #: CPU seconds the main thread may spend inside torch after a SIGINT before the
 #: KeyboardInterrupt raises where it is.
 SAFE_CPU_SECONDS = 1.5
 #: Wall seconds a rank at a safe point waits for its peers to reach the same one.
 AGREE_WAIT = 0.25
+#: Wall seconds after the SIGINT after which the rank's next collective raises (the fence).
+AGREE_FOR = 1.0
 #: Wall seconds after the SIGINT after which a rank stops at its next safe point alone.
-AGREE_FOR = 2.5
+ALONE_AFTER = 2.0
 
 #: Path parts of the packages whose state a KeyboardInterrupt raised inside them can leave
 #: out of step with the peers' (collectives, hooks, sharding state).
 _UNSAFE_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}deepspeed{os.sep}")
 _KEY = "air_magic/interrupt/{call}"
 _STOP = "stop"
+_SEEN = "seen"  # the ranks that came to a safe point at least once (they run Python)
+#: Wall seconds a rank waits at a safe point while some peer has not come to one yet.
+QUICK_WAIT = 0.02
 
 _call: dict[str, Any] = {}  # the pool call running now: its id
 _pending: dict[str, Any] = {}  # while an interrupt waits for a safe point: its deadline and frames
 
 
+def _debugger_files() -> frozenset[str]:
+    """The files of the debugger a rank may be stopped in: a stop inside them is no safe point
+    (the rank goes on from the user's own line)."""
+    import bdb
+    import cmd
+    import pdb
+
+    from air_magic.rank import debugger
+
+    return frozenset(str(getattr(m, "__file__", "") or "") for m in (bdb, cmd, pdb, debugger))
+
+
+_DEBUGGER: frozenset[str] = frozenset()
+
+
 def install(call_id: Any = None) -> None:
     """From now on a SIGINT raises KeyboardInterrupt at the main thread's next safe point
     (``call_id`` names the call, the same on every rank: the key the ranks agree under)."""
+    global _DEBUGGER
+    if not _DEBUGGER:
+        _DEBUGGER = _debugger_files()
     _call["id"] = call_id
     signal.signal(signal.SIGINT, _on_sigint)
 
@@ -87,18 +122,56 @@ def uninstall() -> None:
     _call.clear()
 
 
+def active() -> bool:
+    """Whether a pool call runs (a quit debugger then stops the rank as a Ctrl-C does)."""
+    return _call.get("id") is not None
+
+
+def pending() -> bool:
+    """Whether an interrupt waits for the rank's stop."""
+    return bool(_pending)
+
+
 def _unsafe(code: types.CodeType) -> bool:
     name = code.co_filename
-    return any(part in name for part in _UNSAFE_PARTS)
+    return any(part in name for part in _UNSAFE_PARTS) or name in _DEBUGGER
 
 
 def _on_sigint(signum: int, frame: types.FrameType | None) -> None:
     if _pending:  # a second Ctrl-C while one waits: the user insists
         if time.thread_time() >= _pending["deadline"]:
             _raise()
-        if time.monotonic() >= _pending["until"] and not any(_unsafe(f.f_code) for f in _stack(frame)):
-            _raise()  # past AGREE_FOR, at a safe point (a call in C, such as sleep(), that no line ends)
+        if time.monotonic() >= _pending["alone"] and not any(_unsafe(f.f_code) for f in _stack(frame)):
+            _raise()  # past ALONE_AFTER, at a safe point (a call in C, such as sleep(), that no line ends)
         return
+    _begin(frame)
+    if _pending["safe_now"] and _settle(frame):  # a safe point already
+        _raise()
+
+
+def request_here(frame: types.FrameType) -> Callable[..., Any] | None:
+    """``q`` at a breakpoint, in a pool call: the rank stops as for a Ctrl-C that came at
+    ``frame``'s current line (a safe point: the user's code).  Raises KeyboardInterrupt
+    where the ranks agree to stop here; else returns the line tracer to give ``frame`` (the
+    rank runs on to the point where they all stop).  None outside a pool call."""
+    if not active():
+        return None
+    if not _pending:
+        _begin(frame)
+    elif frame not in _pending["frames"]:
+        _pending["frames"].append(frame)
+    for each in _pending["frames"]:
+        each.f_trace = _in_safe_frame
+        each.f_trace_lines = True
+    sys.settrace(_on_call)
+    if _settle(frame):
+        _raise()
+    return _in_safe_frame
+
+
+def _begin(frame: types.FrameType | None) -> None:
+    """An interrupt waits for its stop from now on: the frames outside the outermost unsafe
+    one (torch's, DeepSpeed's, the debugger's) get the line tracer."""
     outermost_unsafe = None
     walk = frame
     while walk is not None:
@@ -112,15 +185,16 @@ def _on_sigint(signum: int, frame: types.FrameType | None) -> None:
         walk = walk.f_back
     if not safe:  # the whole stack is torch's: nowhere better to stop
         raise KeyboardInterrupt
+    now = time.monotonic()
     _pending.update(
         deadline=time.thread_time() + SAFE_CPU_SECONDS,
-        until=time.monotonic() + AGREE_FOR,
+        fence=now + AGREE_FOR,
+        alone=now + ALONE_AFTER,
         frames=safe,
         thread=threading.get_ident(),
         peers=_peers(),
+        safe_now=outermost_unsafe is None,
     )
-    if outermost_unsafe is None and _settle(frame):  # a safe point already
-        _raise()
     for each in safe:
         each.f_trace = _in_safe_frame
         each.f_trace_lines = True
@@ -136,9 +210,12 @@ def _stack(frame: types.FrameType | None) -> list[types.FrameType]:
 
 
 def _on_call(frame: types.FrameType, event: str, arg: Any) -> None:
-    """The global tracer while an interrupt waits: no tracing of new frames, but the deadline."""
-    if _pending and time.thread_time() >= _pending["deadline"] and threading.get_ident() == _pending["thread"]:
-        _raise()
+    """The global tracer while an interrupt waits: no tracing of new frames, but the deadline
+    and the fence (a call of Python code: FSDP's hooks, the user's functions)."""
+    if _pending and threading.get_ident() == _pending["thread"]:
+        if time.thread_time() >= _pending["deadline"]:
+            _raise()
+        _fence_when_due()
     return None
 
 
@@ -149,6 +226,17 @@ def _in_safe_frame(frame: types.FrameType, event: str, arg: Any) -> Any:
     if event == "line" and _settle(frame):
         _raise()
     return _in_safe_frame
+
+
+def _fence_when_due() -> None:
+    """Past AGREE_FOR without an agreement: the rank's next collective raises."""
+    if not _pending.get("fenced") and time.monotonic() >= _pending["fence"] and _pending.get("peers") is not None:
+        from air_magic.rank import fence
+
+        _pending["fenced"] = True
+        fence.arm(
+            "the pool's interrupt: the ranks did not all reach one line, so each stops before its next collective"
+        )
 
 
 def _raise() -> None:
@@ -165,6 +253,9 @@ def _clear() -> None:
             each.f_trace = None
         except Exception:  # a frame that has ended
             pass
+    from air_magic.rank import fence
+
+    fence.disarm()
 
 
 # -- agreeing with the peers -----------------------------------------------------------------
@@ -206,8 +297,9 @@ def _peers() -> _Peers | None:
 def _settle(frame: types.FrameType | None) -> bool:
     """At a safe point: True when this rank stops here (its peers stop at the same point)."""
     peers = _pending.get("peers")
-    if peers is None or time.monotonic() >= _pending["until"]:
+    if peers is None or time.monotonic() >= _pending["alone"]:
         return True
+    _fence_when_due()
     try:
         return _agree(peers, _lines(frame))
     except Exception:  # the store is gone (a peer's process ended): stop where it is
@@ -226,12 +318,23 @@ def _lines(frame: types.FrameType | None) -> list[list[Any]]:
 def _agree(peers: _Peers, lines: list[list[Any]]) -> bool:
     me = str(peers.rank)
     here = {"seq": peers.position(), "at": lines}
-    state = _update(peers, lambda s: s if s.get(_STOP) else {**s, me: here})
-    wait_until = time.monotonic() + AGREE_WAIT
+
+    def post(s: dict[str, Any]) -> dict[str, Any]:
+        if s.get(_STOP):
+            return s
+        seen = sorted({*s.get(_SEEN, []), peers.rank})
+        return {**s, me: here, _SEEN: seen}
+
+    state = _update(peers, post)
+    # Peers that have not come to a safe point yet may be in a C call that waits for this
+    # rank (a collective it has yet to make): a short wait, and on.  Once every rank has shown
+    # it runs Python, the wait gives the others time to reach this point.
+    everyone = len(state.get(_SEEN, [])) >= peers.world
+    wait_until = time.monotonic() + (AGREE_WAIT if everyone else QUICK_WAIT)
     while True:
         if state.get(_STOP):
             return True
-        posted = {r: p for r, p in state.items() if r != _STOP}
+        posted = {r: p for r, p in state.items() if r not in (_STOP, _SEEN)}
         if _behind(here, posted):
             break
         if len(posted) == peers.world and _even(posted):
@@ -275,7 +378,7 @@ def _even(posted: dict[str, dict[str, Any]]) -> bool:
 
 
 def _complete(state: dict[str, Any], world: int) -> bool:
-    posted = {r: p for r, p in state.items() if r != _STOP}
+    posted = {r: p for r, p in state.items() if r not in (_STOP, _SEEN)}
     return len(posted) == world and _even(posted)
 
 

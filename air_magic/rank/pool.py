@@ -15,8 +15,11 @@ Ray ranks on other nodes, with an auth key: no CPU while idle)::
     ("call", id, func, args, kwargs)   -->    func(*args, **kwargs)
     ("push", id, names) / ("pull", id, name, ranks) -->  set names / read one (on the ranks asked)
     ("model", id, {op, name, ...})     -->    the model back (air_magic.rank.model_back)
-    ("finish", id, ops)                -->    make collectives a peer waits in (a Ctrl-C left
-                                              it inside one the others had abandoned)
+    ("settle", id, {})                 -->    after an interrupt: what it left half-way put
+                                              back, and the state the kernel compares
+                                              (air_magic.rank.state)
+    ("sync", id, {names, src})         -->    pool.sync: names copied from one rank to the others
+    ("regroup", id, {round})           -->    fresh connections for the group (a hang's way out)
                                        <--    ("done", id, record, names of the namespace,
                                                    pids the call forked with os.fork())
     ("close",) or the kernel gone      -->    the rank returns; the launch ends
@@ -51,6 +54,7 @@ from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableReco
 from air_magic.rank import debugger as _debugger
 from air_magic.rank import interrupts as _interrupts
 from air_magic.rank import results as _results
+from air_magic.rank import state as _state
 from air_magic.rank import tracking_shim as _tracking
 
 __all__ = ["serve"]
@@ -73,6 +77,7 @@ def serve(
     from multiprocessing.connection import Client
 
     os.environ[POOL_ENV] = "1"
+    _state.count_steps()  # each optimizer's steps, for the check after an interrupt
     _join_the_group(data["device"])
     _keep_the_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C between cells finds the rank idle
@@ -181,10 +186,10 @@ def _handle(
     if kind != "debug":  # the last call's exception, kept for %distributed_debug until the next call
         _debugger.last_error["exc"] = None
     try:
-        if kind == "finish":  # a collective a peer waits in, made on zeros (a pool's Ctrl-C)
-            from air_magic.rank import collectives
-
-            return ValueRecord(collectives.finish(data["ops"]))
+        if kind == "settle":  # after an interrupt: put back what it left half-way; what is compared
+            return ValueRecord({"repaired": _state.repair(namespace), "names": _state.fingerprint(namespace)})
+        if kind == "sync":  # pool.sync: names copied from one rank to the others
+            return ValueRecord(_state.sync(namespace, list(data["names"]), int(data["src"])))
         if kind == "regroup":  # the group's connections were cut (a hang's way out): fresh ones
             from air_magic.rank import regroup
 

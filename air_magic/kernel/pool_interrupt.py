@@ -1,0 +1,182 @@
+"""A pool call's interrupt, kernel side: Ctrl-C, ``q`` at a breakpoint, the panel's Stop or a
+hang's Ctrl-C.  Every rank stops at one point; the pool says "intact" only once it has
+checked (the rank side is :mod:`air_magic.rank.interrupts`, :mod:`air_magic.rank.fence` and
+:mod:`air_magic.rank.state`)::
+
+    Interrupt(engine, call, records, pending, desk).run()   (always raises KeyboardInterrupt)
+      prompts waiting at breakpoints answered as q answers them
+      SIGINT to every rank still in the call; their replies taken for GRACE s, and each look:
+        stuck(): a rank waits in a collective that a rank back from the call never started
+                 -> the group's connections cut: its collective raises there (never completed
+                    with data no rank sent)
+      still there after GRACE: SIGINT again (a rank in a C call such as sleep() stops at a
+        safe point), GRACE s more, the same looks; then the pool is broken, saying where each
+        rank is
+      every rank back:
+        the group rebuilt if it was cut, or if its ranks started different collectives
+        settle(): each rank puts back what was left half-way (FSDP2, DDP) and answers its
+          modules', optimizers' and engines' fingerprints
+        compare() -> "intact", or what differs and how to repair it (pool.sync)
+
+The engine (:class:`air_magic.kernel.pool.PoolEngine`) owns the ranks; this object owns one
+interrupt of one call.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from air_magic.errors import interrupted
+from air_magic.kernel import collectives as _collectives
+from air_magic.kernel import pool_regroup
+from air_magic.kernel import pool_state as _state
+from air_magic.protocol import ErrorRecord
+
+if TYPE_CHECKING:  # (the engine imports this module)
+    from air_magic.kernel.debugger import BreakpointDesk
+    from air_magic.kernel.pool import PoolEngine, _Call
+
+__all__ = ["Interrupt", "GRACE", "STUCK_LOOK", "INTACT"]
+
+#: Seconds the ranks have to come back after a SIGINT, before the next step (a second SIGINT,
+#: then a broken pool).
+GRACE = 3.0
+#: Seconds between looks at the ranks' collectives while some are back and some are not.
+STUCK_LOOK = 0.2
+#: The headline of an interrupt that left every rank at one point with equal state.
+INTACT = "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
+
+
+class Interrupt:
+    """One interrupt of one pool call (see the module's docstring)."""
+
+    def __init__(
+        self,
+        engine: "PoolEngine",
+        call: "_Call",
+        records: dict[int, Any],
+        pending: dict[int, Connection],
+        desk: "BreakpointDesk | None" = None,
+    ) -> None:
+        self.engine = engine
+        self.call = call
+        self.records = records
+        self.pending = pending
+        self.desk = desk
+        self.launch = call.ranks.launch
+        self.n = len(call.ranks.conns)
+        self.cut: list[int] = []  # the ranks freed by cutting the group's connections
+
+    def run(self) -> NoReturn:
+        if self.desk is not None:
+            self.desk.release()
+        self.engine.interrupt(list(self.pending))
+        for attempt in range(2):
+            if attempt:  # a rank in a C call (sleep()), past its wait for its peers: told again
+                if not self.pending or not self.launch.local_processes:
+                    break
+                self.launch.signal_ranks(sorted(self.pending), signal.SIGINT)
+            self._wait(GRACE)
+        if self.pending:
+            self.engine._not_stopped(self.call, self.pending, self.records, "you interrupted the pool's cell")
+        self._finish()
+
+    # -- waiting for the ranks ---------------------------------------------------------------------
+
+    def _wait(self, seconds: float) -> None:
+        """The ranks' replies for ``seconds``; each look, the ranks left in collectives that a
+        rank back from the call never started are cut free."""
+        deadline = time.monotonic() + seconds
+        next_look = time.monotonic() + STUCK_LOOK
+        while self.pending and time.monotonic() < deadline:
+            self.engine._check_retired(self.call)
+            self.engine._take_replies(self.call, self.pending, self.records)
+            if self.pending and len(self.pending) < self.n and time.monotonic() >= next_look:
+                next_look = time.monotonic() + STUCK_LOOK
+                if self._cut_free():
+                    deadline = max(deadline, time.monotonic() + GRACE)
+
+    def _cut_free(self) -> bool:
+        """Cut the group's connections where ranks still in the call wait in collectives that
+        cannot complete; True when it was cut."""
+        if self.cut or not self.launch.local_processes:
+            return False
+        if pool_regroup.can_rebuild(self.launch.placement.device, True, self.call.ranks.regroups):
+            return False  # a group that cannot be rebuilt is not cut (the pool breaks instead)
+        seen = _collectives.ask(self.launch.work_dir, list(range(self.n)), timeout=0.5, how="q")
+        back = set(range(self.n)) - set(self.pending)
+        stuck = _collectives.stuck(seen, back)
+        if not stuck:
+            return False
+        self.cut = stuck
+        pool_regroup.cut(self.launch.work_dir, self.n)
+        return True
+
+    # -- every rank back ---------------------------------------------------------------------------
+
+    def _finish(self) -> NoReturn:
+        why_rebuilt = self._why_rebuild()
+        notes: list[str] = []
+        if why_rebuilt:
+            why = self.engine._rebuild(self.call)
+            if why:
+                self.engine._break(
+                    self.call.ranks, f"an interrupt left the group unusable and it could not be rebuilt ({why})"
+                )
+                raise interrupted(
+                    f"you interrupted the pool's cell; {why_rebuilt}, and the process group could not be rebuilt "
+                    f"({why}): the pool is broken, and the next pool cell starts it again."
+                )
+            notes.append(f"[air_magic] {why_rebuilt}: {pool_regroup.REBUILT}.")
+        self.engine._ids += 1
+        answers = _state.settle(self.call.ranks.conns, self.engine._ids)
+        if isinstance(answers, str):
+            self.engine._break(self.call.ranks, f"after an interrupt its ranks could not check their state ({answers})")
+            raise interrupted(
+                f"you interrupted the pool's cell; every rank stopped it, but their state could not be checked "
+                f"({answers}): the pool is broken, and the next pool cell starts it again."
+            )
+        check = _state.compare(answers)
+        if check.intact:
+            error = interrupted(INTACT)
+        else:
+            error = interrupted(
+                "you interrupted the pool's cell; every rank stopped it, but their state differs: "
+                + "; ".join(check.differs)
+                + f". {check.repair_hint()}."
+            )
+        for note in [*notes, check.note()]:
+            if note:
+                error.add_note(note)
+        if self.call.hangs is not None and self.call.hangs.current is not None:
+            error.add_note(self.call.hangs.current.text())
+        raise error
+
+    def _why_rebuild(self) -> str:
+        """Why the group must be rebuilt before the next call ('' when it need not be)."""
+        if self.cut:
+            who = ", ".join(map(str, self.cut))
+            return (
+                f"rank{'s' * (len(self.cut) != 1)} {who} waited in a collective that a peer had stopped before, "
+                "so it was stopped there (the collective did not complete)"
+            )
+        if pool_regroup.broke_the_group(self.records):
+            return "a collective's connections closed as the ranks stopped"
+        if not self.launch.local_processes:
+            return ""
+        seen = _collectives.ask(self.launch.work_dir, list(range(self.n)), timeout=1.0, how="q")
+        left = _collectives.uneven(seen)
+        if left:
+            return f"its ranks stopped at different collectives ({'; '.join(left)})"
+        return ""
+
+
+def stopped_by_interrupt(record: Any) -> bool:
+    """Whether a rank's record is its stop (a KeyboardInterrupt, or the error of a collective
+    the kernel cut)."""
+    return isinstance(record, ErrorRecord) and (
+        record.type_name == "KeyboardInterrupt" or pool_regroup.broke_the_group({0: record})
+    )
