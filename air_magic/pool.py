@@ -286,6 +286,49 @@ class Pool:
 
         return model_back.save(self._engine, name, folder, max_shard_size, dtype)
 
+    def sync(self, *names: str, from_rank: int = 0) -> list[str]:
+        """Copy the state of ``names`` from one rank to every other: a repair for ranks whose
+        replicated state came apart (the cell after an interrupt says which names differ).
+
+        Each name's module parameters and buffers, or optimizer state (and step count), are
+        broadcast from ``from_rank`` in the pool's process group. Sharded state is refused with a
+        line saying why: an FSDP2 or tensor-parallel module (each rank holds its own part), a
+        DeepSpeed engine (its optimizer is partitioned).
+
+        Parameters
+        ----------
+        names:
+            Names in the ranks' namespace (``"model"``, ``"opt"``).
+        from_rank:
+            The rank whose state the others take.
+
+        Returns
+        -------
+        list of str
+            What was copied, a line per name (``model: 4 tensors``).
+
+        Raises
+        ------
+        ValueError
+            No name, a rank out of range, a name that is missing, not a module or optimizer, or
+            sharded (the message says which and why).
+
+        Examples
+        --------
+        ::
+
+            pool.sync("model", "opt")          # rank 0's weights and optimizer state everywhere
+        """
+        if not names:
+            raise ValueError("pool.sync needs the names to copy: pool.sync('model', 'opt')")
+        for name in names:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"pool.sync takes names of the ranks' namespace as strings; got {name!r}")
+        if isinstance(from_rank, bool) or not isinstance(from_rank, int):
+            raise ValueError(f"from_rank must be a rank number; got {from_rank!r}")
+        _check_ranks([from_rank], self._engine.world_size, "pool.sync")
+        return self._engine.sync(list(names), from_rank)
+
     def restart(self) -> None:
         """Fresh ranks (the state of the old ones is lost)."""
         self._engine.restart()

@@ -606,6 +606,17 @@ class PoolEngine:
         with self._turn():
             return self._call(self._ready(), kind, data, label)
 
+    def sync(self, names: list[str], src: int) -> list[str]:
+        """``names`` copied from rank ``src`` to every other (:func:`air_magic.rank.state.sync`);
+        what was copied.  A name that cannot be copied raises ``ValueError`` (the rank's why)."""
+        with self._turn():
+            values = self._call(self._ready(), "sync", {"names": names, "src": src}, f"pool.sync({src=})")
+        said = [v["refused"] for v in values if isinstance(v, dict) and "refused" in v]
+        refused = next((r for r in said if not r.startswith("another rank")), said[0] if said else None)
+        if refused:
+            raise ValueError(f"pool.sync: {refused}")
+        return list(values[src])
+
     def debug(self, rank: int | None = None) -> bool:
         """The post-mortem of ``rank``'s exception in the last call (default: the rank that
         failed first), in pdb through the kernel's stdin; the rank lets the traceback go after

@@ -33,7 +33,6 @@ from air_magic.errors import interrupted
 from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_state as _state
-from air_magic.protocol import ErrorRecord
 
 if TYPE_CHECKING:  # (the engine imports this module)
     from air_magic.kernel.debugger import BreakpointDesk
@@ -69,6 +68,7 @@ class Interrupt:
         self.launch = call.ranks.launch
         self.n = len(call.ranks.conns)
         self.cut: list[int] = []  # the ranks freed by cutting the group's connections
+        self.cut_why = ""  # what they waited in
 
     def run(self) -> NoReturn:
         if self.desk is not None:
@@ -78,6 +78,7 @@ class Interrupt:
             if attempt:  # a rank in a C call (sleep()), past its wait for its peers: told again
                 if not self.pending or not self.launch.local_processes:
                     break
+                self._cut_hung()
                 self.launch.signal_ranks(sorted(self.pending), signal.SIGINT)
             self._wait(GRACE)
         if self.pending:
@@ -112,14 +113,28 @@ class Interrupt:
         if not stuck:
             return False
         self.cut = stuck
+        self.cut_why = f"a collective that {_ranks(sorted(back))} had stopped before"
         pool_regroup.cut(self.launch.work_dir, self.n)
         return True
+
+    def _cut_hung(self) -> None:
+        """No rank came back in GRACE s and every one still in the call waits in a collective
+        (they disagree, or one is missing that no rank will make): a hang's way out."""
+        if self.cut or not self.launch.local_processes:
+            return
+        if pool_regroup.can_rebuild(self.launch.placement.device, True, self.call.ranks.regroups):
+            return
+        seen = _collectives.ask(self.launch.work_dir, sorted(self.pending), timeout=1.0, how="q")
+        if not seen or not all(data and data.get("pending") for data in seen.values()):
+            return
+        self.cut = sorted(self.pending)
+        self.cut_why = "collectives that no peer would complete (a hang)"
+        pool_regroup.cut(self.launch.work_dir, self.n)
 
     # -- every rank back ---------------------------------------------------------------------------
 
     def _finish(self) -> NoReturn:
         why_rebuilt = self._why_rebuild()
-        notes: list[str] = []
         if why_rebuilt:
             why = self.engine._rebuild(self.call)
             if why:
@@ -130,7 +145,6 @@ class Interrupt:
                     f"you interrupted the pool's cell; {why_rebuilt}, and the process group could not be rebuilt "
                     f"({why}): the pool is broken, and the next pool cell starts it again."
                 )
-            notes.append(f"[air_magic] {why_rebuilt}: {pool_regroup.REBUILT}.")
         self.engine._ids += 1
         answers = _state.settle(self.call.ranks.conns, self.engine._ids)
         if isinstance(answers, str):
@@ -140,17 +154,10 @@ class Interrupt:
                 f"({answers}): the pool is broken, and the next pool cell starts it again."
             )
         check = _state.compare(answers)
-        if check.intact:
-            error = interrupted(INTACT)
-        else:
-            error = interrupted(
-                "you interrupted the pool's cell; every rank stopped it, but their state differs: "
-                + "; ".join(check.differs)
-                + f". {check.repair_hint()}."
-            )
-        for note in [*notes, check.note()]:
-            if note:
-                error.add_note(note)
+        error = interrupted(headline(why_rebuilt, check))
+        note = check.note()
+        if note:
+            error.add_note(note)
         if self.call.hangs is not None and self.call.hangs.current is not None:
             error.add_note(self.call.hangs.current.text())
         raise error
@@ -158,10 +165,9 @@ class Interrupt:
     def _why_rebuild(self) -> str:
         """Why the group must be rebuilt before the next call ('' when it need not be)."""
         if self.cut:
-            who = ", ".join(map(str, self.cut))
+            one = len(self.cut) == 1
             return (
-                f"rank{'s' * (len(self.cut) != 1)} {who} waited in a collective that a peer had stopped before, "
-                "so it was stopped there (the collective did not complete)"
+                f"{_ranks(self.cut)} waited in {self.cut_why}, so {'it was' if one else 'they were'} stopped there"
             )
         if pool_regroup.broke_the_group(self.records):
             return "a collective's connections closed as the ranks stopped"
@@ -174,9 +180,20 @@ class Interrupt:
         return ""
 
 
-def stopped_by_interrupt(record: Any) -> bool:
-    """Whether a rank's record is its stop (a KeyboardInterrupt, or the error of a collective
-    the kernel cut)."""
-    return isinstance(record, ErrorRecord) and (
-        record.type_name == "KeyboardInterrupt" or pool_regroup.broke_the_group({0: record})
-    )
+def headline(rebuilt: str, check: _state.StateCheck) -> str:
+    """What the cell says of an interrupt: how the ranks stopped (``rebuilt``: why the group was
+    rebuilt, '' when it was not), and whether their state is one."""
+    if not rebuilt:
+        if check.intact:
+            return INTACT
+        return "you interrupted the pool's cell; every rank stopped it, but their state differs: " + _differs(check)
+    state = "and their state is intact." if check.intact else "but their state differs: " + _differs(check)
+    return f"you interrupted the pool's cell; {rebuilt}: {pool_regroup.REBUILT}, {state}"
+
+
+def _differs(check: _state.StateCheck) -> str:
+    return "; ".join(check.differs) + f". {check.repair_hint()}."
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -53,7 +53,7 @@ class StateCheck:
         if self.repaired:
             parts.append("put back: " + "; ".join(self.repaired))
         if self.checked and not self.differs:
-            parts.append("checked on every rank: " + ", ".join(self.checked) + " (equal)")
+            parts.append("checked on every rank: " + ", ".join(self.checked) + ": equal")
         if self.unread:
             parts.append("not checked: " + "; ".join(self.unread))
         return "[air_magic] " + ". ".join(parts) + "." if parts else ""
@@ -124,7 +124,7 @@ def compare(answers: dict[int, Any]) -> StateCheck:
         if differs:
             check.differs.append(differs)
             check.names.append(name)
-        else:
+        elif _checked(name, each[ranks[0]]) != name:  # (a module with no tensor, a loss: nothing to say)
             check.checked.append(_checked(name, each[ranks[0]]))
     return check
 

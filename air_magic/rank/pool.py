@@ -189,7 +189,10 @@ def _handle(
         if kind == "settle":  # after an interrupt: put back what it left half-way; what is compared
             return ValueRecord({"repaired": _state.repair(namespace), "names": _state.fingerprint(namespace)})
         if kind == "sync":  # pool.sync: names copied from one rank to the others
-            return ValueRecord(_state.sync(namespace, list(data["names"]), int(data["src"])))
+            try:
+                return ValueRecord(_state.sync(namespace, list(data["names"]), int(data["src"])))
+            except _state.SyncError as exc:  # (refused on every rank alike, before any collective)
+                return ValueRecord({"refused": str(exc)})
         if kind == "regroup":  # the group's connections were cut (a hang's way out): fresh ones
             from air_magic.rank import regroup
 

@@ -281,7 +281,7 @@ def _optimizer_print(optimizer: Any) -> dict[str, Any]:
             for key, value in sorted(optimizer.state.get(param, {}).items()):
                 if isinstance(value, torch.Tensor) and key != "step":
                     tensors.append((f"{g}.{i}.{key}", value))
-    return {"kind": "optimizer", "tensors": _checksums(tensors), "steps": _steps.get(optimizer)}
+    return {"kind": "optimizer", "tensors": _checksums(tensors), "steps": _steps.get(optimizer, 0)}
 
 
 def _engine_print(engine: Any) -> dict[str, Any]:
@@ -304,6 +304,41 @@ def sync(namespace: dict[str, Any], names: list[str], src: int) -> list[str]:
     import torch.distributed as dist
 
     found = _named(namespace)
+    refused = ""
+    try:
+        _check_sync(namespace, found, names)
+    except SyncError as exc:
+        refused = str(exc)
+    # Every rank refuses, or none does: a rank that went on alone would wait in its broadcast.
+    device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+    agreed = torch.tensor([0 if refused else 1], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if refused:
+        raise SyncError(refused)
+    if not int(agreed.item()):
+        raise SyncError("another rank refused it (its reason comes first)")
+    copied = []
+    for name in names:
+        kind, value = found[name]
+        if kind == "module":
+            tensors = [p.data for p in value.parameters()] + [b for b in value.buffers()]
+            with torch.no_grad():
+                for tensor in tensors:
+                    dist.broadcast(tensor, src=src)
+            copied.append(f"{name}: {len(tensors)} tensors")
+        else:
+            state = [_on_cpu(value.state_dict()) if dist.get_rank() == src else None]
+            dist.broadcast_object_list(state, src=src)
+            if dist.get_rank() != src:
+                value.load_state_dict(state[0])
+            steps = [_steps.get(value, 0)]
+            dist.broadcast_object_list(steps, src=src)
+            _steps[value] = steps[0]
+            copied.append(f"{name}: the state of its {len(value.state)} parameters")
+    return copied
+
+
+def _check_sync(namespace: dict[str, Any], found: dict[str, tuple[str, Any]], names: list[str]) -> None:
     for name in names:
         if name not in namespace:
             raise SyncError(f"{name!r} is not defined on the ranks")
@@ -324,26 +359,6 @@ def sync(namespace: dict[str, Any], names: list[str], src: int) -> list[str]:
                 f"{name!r} is sharded (FSDP2 or tensor parallel: DTensor parameters): each rank holds its own part, "
                 "so no rank has the others' to send; load a checkpoint on every rank instead"
             )
-    copied = []
-    for name in names:
-        kind, value = found[name]
-        if kind == "module":
-            tensors = [p.data for p in value.parameters()] + [b for b in value.buffers()]
-            with torch.no_grad():
-                for tensor in tensors:
-                    dist.broadcast(tensor, src=src)
-            copied.append(f"{name}: {len(tensors)} tensors")
-        else:
-            state = [_on_cpu(value.state_dict()) if dist.get_rank() == src else None]
-            dist.broadcast_object_list(state, src=src)
-            if dist.get_rank() != src:
-                value.load_state_dict(state[0])
-            steps = [_steps.get(value)]
-            dist.broadcast_object_list(steps, src=src)
-            if steps[0] is not None:
-                _steps[value] = steps[0]
-            copied.append(f"{name}: its state ({len(value.state)} parameters')")
-    return copied
 
 
 def _on_cpu(value: Any) -> Any:

@@ -170,8 +170,8 @@ def test_a_pool_cell_whose_ranks_disagree_is_reported_and_ctrl_c_keeps_the_names
     assert took < 20, took
     assert rest.error is not None and rest.error["ename"] == "KeyboardInterrupt", rest.error_text
     assert rest.error["evalue"] == (
-        "you interrupted the pool's cell; ranks 0, 1 did not stop within 3 s (a collective that no peer would "
-        "make held them): the process group was rebuilt; your names are kept."
+        "you interrupted the pool's cell; ranks 0, 1 waited in collectives that no peer would complete (a hang), "
+        "so they were stopped there: the process group was rebuilt; your names are kept, and their state is intact."
     ), rest.error_text
     next_cell_works(pool)
 
@@ -200,9 +200,11 @@ def test_ctrl_c_on_a_rank_asleep_while_its_peer_waits_for_it_keeps_the_pool(pool
     shown, rest, _ = stuck_then_interrupted(pool, code)
     assert "rank 1 is behind" in reports(shown)[-1], reports(shown)[-1]
     assert rest.error is not None and rest.error["ename"] == "KeyboardInterrupt", rest.error_text
-    # Told again, the sleeping rank stops; it then makes the all_reduce its peer waits in.
+    # Told again, the sleeping rank stops where it is; its peer, left in an all_reduce that no rank
+    # will join, is stopped there (the collective never completes), and the group is rebuilt.
     assert rest.error["evalue"] == (
-        "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
+        "you interrupted the pool's cell; rank 0 waited in a collective that rank 1 had stopped before, so it was "
+        "stopped there: the process group was rebuilt; your names are kept, and their state is intact."
     ), rest.error_text
     next_cell_works(pool)
 

@@ -1,44 +1,134 @@
-"""Ctrl-C at random points of a pool's DDP and FSDP2 training on 2 ranks, in a real kernel
-as Jupyter's stop button sends it: every try leaves the pool and its model intact, with both
-ranks at the same step (the short version of ``benchmarks/pool/interrupts.py``)."""
+"""One model, whatever stops it: interrupts of a pool's DDP and FSDP2 training on 2 ranks, in
+a real kernel, the way a notebook sends them (Jupyter's stop button; ``q`` typed at a
+breakpoint's prompt).  Every try leaves equal step counts and replicated weights on every
+rank, every FSDP2 parameter a DTensor, and ten more steps that train; the cell says "intact"
+only after the pool compared the ranks.  The short version of ``benchmarks/consistency``;
+then what the pool says when the ranks' state does differ, and ``pool.sync``, which repairs it.
+"""
 
 from __future__ import annotations
 
 import ast
 import random
+import re
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
-from pool_training import CHECK, INTACT, SETUP, TRAIN
+from harness import Kernel, kernel_with_a_pool, the_pool_stays
+from pool_training import CHECK, INTACT, SETUP, TRAIN, consistent
 
 pytestmark = pytest.mark.kernel
 
-TRIES = 6
+TRIES = 3
+
+
+def _stop(kernel: Kernel, mode: str, rng: random.Random) -> Any:
+    if mode == "ctrl-c":
+        msg_id = kernel.execute(TRAIN)
+        time.sleep(rng.uniform(0.3, 1.2))  # from the cell's start: the ranks train meanwhile
+        kernel.km.interrupt_kernel()
+        return kernel.collect(msg_id, timeout=120)
+    where = mode.removeprefix("q-").replace("-", "_")
+    kernel.ok(f"%%distributed --pool\nstop = ({rng.randrange(2)}, steps + {rng.randrange(4)}, {where!r})")
+    res = kernel.run_with_stdin(TRAIN, ["q"], timeout=120)
+    assert len(res.prompts) == 1, res.prompts
+    return res
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_ctrl_c_anywhere_in_training_leaves_the_pool_and_its_model_intact(kernel_factory: Any, kind: str) -> None:
+def test_ctrl_c_or_q_anywhere_in_training_leaves_one_model_on_every_rank(kernel_factory: Any, kind: str) -> None:
     kernel = kernel_factory()
     try:
         kernel.ok("%distributed_pool -n 2 --no-tracking", timeout=180)
         kernel.ok(SETUP[kind], timeout=120)
         rng = random.Random(f"{kind}-interrupts")
-        total = 0
         for n in range(TRIES):
-            msg_id = kernel.execute(TRAIN)
-            time.sleep(rng.uniform(0.3, 1.2))  # from the cell's start: the ranks train meanwhile
-            kernel.km.interrupt_kernel()
-            res = kernel.collect(msg_id, timeout=120)
-            assert res.error is not None, f"try {n + 1}: the cell did not stop"
-            assert (res.error["ename"], res.error["evalue"]) == ("KeyboardInterrupt", INTACT), (
-                f"try {n + 1}: {res.error_text[-3000:]}"
-            )
-            check = kernel.run(CHECK, timeout=120)
-            assert check.error is None, f"try {n + 1}, the next cell: {check.error_text[-3000:]}"
-            steps = ast.literal_eval(check.result or "[]")
-            assert len(steps) == 2 and steps[0] == steps[1], f"try {n + 1}: the ranks are steps apart: {steps}"
-            assert steps[0] >= total + 2
-            total = steps[0]
+            for mode in ("ctrl-c", "q-before-backward", "q-before-step"):
+                res = _stop(kernel, mode, rng)
+                assert res.error is not None, f"{mode}, try {n + 1}: the cell did not stop"
+                assert (res.error["ename"], res.error["evalue"]) == ("KeyboardInterrupt", INTACT), (
+                    f"{mode}, try {n + 1}: {res.error_text[-3000:]}"
+                )
+                # What the pool checked, said once under the headline.
+                assert re.search(r"\[air_magic\] .*checked on every rank: .*model \(", res.error_text), res.error_text
+                check = kernel.run(CHECK, timeout=120)
+                assert check.error is None, f"{mode}, try {n + 1}, the next cell: {check.error_text[-3000:]}"
+                why = consistent(ast.literal_eval(check.result or "[]"))
+                assert not why, f"{mode}, try {n + 1}: {why}"
     finally:
         kernel.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ddp(kernel_factory: Any) -> Iterator[Kernel]:
+    for kernel in kernel_with_a_pool(kernel_factory, "import air_magic"):
+        kernel.ok(SETUP["ddp"], timeout=120)
+        yield kernel
+
+
+@pytest.fixture(autouse=True)
+def _pool_stays(request: pytest.FixtureRequest) -> Iterator[None]:
+    if "ddp" not in request.fixturenames:
+        yield
+        return
+    yield from the_pool_stays(request.getfixturevalue("ddp"))
+
+
+def _interrupted(kernel: Kernel, code: str) -> Any:
+    msg_id = kernel.execute(code)
+    time.sleep(1.5)
+    kernel.km.interrupt_kernel()
+    res = kernel.collect(msg_id, timeout=60)
+    assert res.error is not None and res.error["ename"] == "KeyboardInterrupt", res.error_text
+    return res
+
+
+def test_ranks_whose_weights_and_steps_differ_are_named_and_pool_sync_repairs_them(ddp: Kernel) -> None:
+    # Rank 1 takes a step of its own, on gradients of its own: its weights and step count move apart.
+    code = (
+        "%%distributed --pool\nimport time\nif dist.get_rank() == 1:\n    for p in model.parameters():\n"
+        "        p.grad = torch.ones_like(p)\n    opt.step()\ntime.sleep(60)"
+    )
+    res = _interrupted(ddp, code)
+    said = res.error["evalue"]
+    assert said.startswith("you interrupted the pool's cell; every rank stopped it, but their state differs: "), said
+    assert "model: rank 0 and rank 1 differ in 4 of 4 tensors" in said, said
+    assert re.search(r"opt: (\d+|no) steps? on rank 0, \d+ steps? on rank 1", said), said
+    assert said.endswith(
+        "pool.sync('model', 'opt') copies rank 0's to the others (air_magic.Pool.current().sync(...)), or run the "
+        "cells that build them again."
+    ), said
+    copied = ddp.value("import air_magic\nair_magic.Pool.current().sync('model', 'opt')")
+    assert copied == ["model: 4 tensors", "opt: the state of its 0 parameters"]
+    res = _interrupted(ddp, "%%distributed --pool\nimport time\ntime.sleep(60)")
+    assert res.error["evalue"] == INTACT, res.error_text
+    assert "checked on every rank: model (4 tensors), opt (" in res.error_text, res.error_text
+
+
+def test_pool_sync_refuses_what_it_cannot_copy_with_one_line_each(ddp: Kernel) -> None:
+    def refusal(call: str) -> str:
+        res = ddp.run(f"import air_magic\nair_magic.Pool.current().{call}")
+        assert res.error is not None, call
+        return f"{res.error['ename']}: {res.error['evalue']}"
+
+    assert refusal("sync()") == "ValueError: pool.sync needs the names to copy: pool.sync('model', 'opt')"
+    assert refusal("sync('nope')") == "ValueError: pool.sync: 'nope' is not defined on the ranks"
+    assert refusal("sync('steps')") == (
+        "ValueError: pool.sync: 'steps' is a builtins.int: pool.sync copies modules and optimizers (pool.push sends "
+        "any value from the notebook)"
+    )
+    assert refusal("sync('model', from_rank=2)") == (
+        "ValueError: pool.sync: rank 2 is not one of the pool's ranks (0 to 1)"
+    )
+    ddp.ok(
+        "%%distributed --pool\nfrom torch.distributed.fsdp import fully_shard\nsharded = nn.Linear(4, 4)\n"
+        "fully_shard(sharded)\nNone"
+    )
+    assert refusal("sync('sharded')") == (
+        "ValueError: pool.sync: 'sharded' is sharded (FSDP2 or tensor parallel: DTensor parameters): each rank holds "
+        "its own part, so no rank has the others' to send; load a checkpoint on every rank instead"
+    )
+    ddp.ok("%%distributed --pool\ndel sharded")
+    # Nothing was left half-way: the pool still trains.
+    assert ddp.value("%%distributed --pool\nx, y = batch()\nloss_fn(model(x), y).backward()\nopt.step()\n1") == [1, 1]
