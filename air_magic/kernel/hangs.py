@@ -38,14 +38,20 @@ from air_magic.kernel import collectives as _collectives
 from air_magic.protocol import ask_for_collectives
 from air_magic.protocol.debugging import paused_at
 
-__all__ = ["Row", "HangReport", "HangWatch", "ReportShown", "report", "ranks_text", "watch_launch"]
+__all__ = ["Row", "HangReport", "HangWatch", "ReportShown", "report", "ranks_text", "watch_launch", "cpu_seconds"]
 
 #: What a row says of a rank.
 IN_COLLECTIVE = "in collective"
 COMPUTING = "computing"
+BLOCKED = "blocked"
+OUTSIDE = "not in a collective"  # (its activity unknown: a Ray rank, a GPU rank)
 PAUSED = "paused in the debugger"
 ENDED = "ended"
 SILENT = "not answering"
+
+#: The share of one core a rank's process used since the last look above which it computes (a
+#: rank waiting in a gloo collective, asleep, or reading a pipe uses next to none).
+COMPUTING_SHARE = 0.3
 
 
 @dataclass
@@ -73,11 +79,18 @@ class HangReport:
     stuck_for: float
     over: str = ""
     made_at: float = field(default_factory=time.time)
+    #: Not a hang: ranks compute while their peers wait (a notice, no table; ``over`` says when
+    #: the collective completed).
+    slow: bool = False
+    #: What completes when a slow notice is over (``rank 1 reached all_reduce #4``).
+    awaited: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def text(self) -> str:
+        if self.slow:
+            return f"[air_magic] {self.over}" if self.over else f"[air_magic] {self.verdict}"
         head = f"[air_magic] hang report: {self.verdict}"
         if self.over:
             head += f"\n[air_magic] (over: {self.over})"
@@ -96,6 +109,11 @@ class HangReport:
 
     def _repr_html_(self) -> str:
         esc = html.escape
+        if self.slow:
+            return (
+                "<div class='air-magic-hang' style='font-family:var(--jp-code-font-family,monospace);font-size:12px'>"
+                f"{esc(self.text().removeprefix('[air_magic] '))}</div>"
+            )
         cells = "".join(
             "<tr>"
             + "".join(
@@ -152,7 +170,8 @@ def _shapes(entry: Mapping[str, Any]) -> str:
 
 
 def _at(entry: Mapping[str, Any]) -> str:
-    return f" ({entry['where']})" if entry.get("where") else ""
+    said = ", ".join(str(entry[k]) for k in ("where", "via") if entry.get(k))
+    return f" ({said})" if said else ""
 
 
 def report(
@@ -163,16 +182,24 @@ def report(
     paused: Mapping[int, str] | None = None,
     stacks: Mapping[int, tuple[str, bool, str]] | None = None,
     stuck_for: float = 0.0,
+    busy: Mapping[int, float] | None = None,
 ) -> HangReport | None:
     """The report of ranks whose collectives are ``seen`` (a rank's :func:`ask` answer; None
     where it did not answer), ``ended`` (rank: how, e.g. ``exit 0``), ``paused`` in the
     debugger (rank: where), with ``stacks`` (rank: (file:line, whether its main thread waits
     in a collective, how it was read: its stack thread, the signal, py-spy)).  A rank whose recorder has a collective
     pending but whose stack is not in one (an async collective not waited for yet) is
-    computing.  None when no rank waits in a collective."""
+    computing.  None when no rank waits in a collective.
+
+    ``busy``: the share of a core each rank's process used since the last look, where it is
+    known (local CPU ranks).  A rank with a collective pending waits in it when its thread is
+    in torch.distributed's wait or it is idle (a DDP or FSDP hook's collective: the wait is
+    inside autograd's backward); a rank that has none pending computes when busy (the others
+    wait for it: a notice, not a hang) and is blocked when not (asleep, reading a pipe: a hang)."""
     ended = dict(ended or {})
     paused = dict(paused or {})
     stacks = dict(stacks or {})
+    busy = dict(busy or {})
     # The group the hang is in: the one most ranks wait in (the default group on a tie).
     waits: dict[str, dict[int, dict[str, Any]]] = {}
     names: dict[int, dict[str, dict[str, Any]]] = {}  # rank -> group name -> its info
@@ -182,8 +209,11 @@ def report(
         groups = data.get("groups") or {}
         for pg, info in groups.items():
             names.setdefault(rank, {})[str(info.get("name", pg))] = info
-        if rank in stacks and not stacks[rank][1]:
-            continue  # its code is not in a collective
+        in_wait = stacks[rank][1] if rank in stacks else True
+        if not in_wait and busy.get(rank, 0.0) >= COMPUTING_SHARE:
+            continue  # its code computes (an async collective it has not waited for yet)
+        if not in_wait and rank not in busy and not _hooked(data):
+            continue  # its code is not in a collective (and how busy it is is not known)
         for entry in data.get("pending") or []:
             # The newest pending one: gloo marks a collective completed on a worker thread that
             # the next one, stuck, can hold, so an older entry can stay "pending" for ever.
@@ -222,11 +252,47 @@ def report(
         else:
             where = stacks[rank][0] if rank in stacks else ""
             last = info.get("last") or {}
-            state = COMPUTING if seen.get(rank) else SILENT
+            if not seen.get(rank):
+                state = SILENT
+            elif rank not in busy:
+                state = OUTSIDE
+            else:
+                state = COMPUTING if busy[rank] >= COMPUTING_SHARE else BLOCKED
             how = [_recorder(seen.get(rank))] if seen.get(rank) else []
             how += [stacks[rank][2]] if rank in stacks else []
+            how += ["its CPU time"] if rank in busy else []
             rows.append(Row(rank, state, label, enqueued, _op(last), "", where, " + ".join(how) or "nothing"))
+    for row in rows:  # a hook's collective waits where the user's line led to it
+        if row.state == IN_COLLECTIVE:
+            entry = waiting[row.rank]
+            if not row.where and row.rank in stacks:
+                row.where = stacks[row.rank][0]
+            if entry.get("via"):
+                row.where = f"{row.where} ({entry['via']})" if row.where else str(entry["via"])
+    outside = [r for r in rows if r.state not in (IN_COLLECTIVE,)]
+    if outside and all(r.state == COMPUTING for r in outside):
+        first = min(waiting.values(), key=lambda e: e["seq"])
+        awaited = f"{ranks_text([r.rank for r in outside])} reached {_op(first)} #{first['seq']}"
+        return HangReport(_slow(rows, waiting, stuck_for), rows, stuck_for, slow=True, awaited=awaited)
     return HangReport(_verdict(rows, waiting, names, group, stuck_for), rows, stuck_for)
+
+
+def _hooked(data: dict[str, Any] | None) -> bool:
+    """Whether a rank's pending collective was issued by a hook (DDP's reducer, FSDP,
+    DeepSpeed): its thread waits for it inside the framework, not in torch.distributed."""
+    return any(entry.get("via") for entry in (data or {}).get("pending") or [])
+
+
+def _slow(rows: list[Row], waiting: dict[int, dict[str, Any]], stuck_for: float) -> str:
+    """``rank 1 is computing at Cell In[5]:7 for 12 s; rank 0 waits in all_reduce #4 (...)``."""
+    computing = [r for r in rows if r.state == COMPUTING]
+    first = min(waiting.values(), key=lambda e: e["seq"])
+    parts = [f"{ranks_text([r.rank])} is computing" + (f" at {r.where}" if r.where else "") for r in computing]
+    in_one = sorted(waiting)
+    return (
+        f"{'; '.join(parts)} for {stuck_for:.0f} s; {ranks_text(in_one)} wait{'s' * (len(in_one) == 1)} in "
+        f"{_op(first)} #{first['seq']}{_at(first)}"
+    )
 
 
 def _recorder(data: dict[str, Any] | None) -> str:
@@ -248,7 +314,7 @@ def _verdict(
     if gone:
         how = "; ".join(f"{ranks_text([r.rank])} has ended ({r.where})" for r in gone)
         return f"{how} while {ranks_text(in_one)} wait{'s' * (len(in_one) == 1)} in {_op(first)} #{first['seq']}{_at(first)}"
-    outside = [r for r in rows if r.state in (COMPUTING, SILENT)]
+    outside = [r for r in rows if r.state in (COMPUTING, BLOCKED, OUTSIDE, SILENT)]
     if outside:
         parts = []
         for row in outside:
@@ -257,9 +323,12 @@ def _verdict(
             if row.seq is not None and row.seq >= 0:
                 made = f"its last collective is #{row.seq}" + (f" ({last['where']})" if last.get("where") else "")
             else:
-                made = "it has made no collective in this group" if row.state == COMPUTING else "it does not answer"
+                made = "it has made no collective in this group" if row.state != SILENT else "it does not answer"
             now = f"; it is at {row.where}" if row.where else ""
-            parts.append(f"{ranks_text([row.rank])} is behind: {made}{now}")
+            how = {BLOCKED: ", blocked (neither in a collective nor computing)", COMPUTING: ", computing"}.get(
+                row.state, ""
+            )
+            parts.append(f"{ranks_text([row.rank])} is behind{how}: {made}{now}")
         waited = sorted({e["seq"] for e in waiting.values()})
         op = _op(first)
         at = f"#{waited[0]}" if len(waited) == 1 else "#" + ", #".join(map(str, waited))
@@ -305,6 +374,7 @@ class HangWatch:
         sources: Mapping[str, tuple[str, str]] | None = None,
         every: float = 1.0,
         ask: Callable[..., dict[int, dict[str, Any] | None]] | None = None,
+        cpu: Callable[[list[int]], Mapping[int, float]] | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.world_size = world_size
@@ -318,6 +388,11 @@ class HangWatch:
         #: the launch's folder; a Ray launch asks its agents)
         self.ask = ask or (lambda ranks, **kw: _collectives.ask(work_dir, ranks, **kw))
         self.local = ask is None  # (what the debugger's files say is only known of local ranks)
+        #: Each rank's CPU seconds so far (None: not known, a Ray or GPU rank), sampled each look:
+        #: how busy a rank is tells one that computes from one that is blocked.
+        self.cpu = cpu
+        self._cpu_at: tuple[float, Mapping[int, float]] | None = None
+        self.busy: dict[int, float] = {}
         self.next_look = time.monotonic() + every
         self.progress: Any = None
         self.since = time.monotonic()
@@ -340,6 +415,7 @@ class HangWatch:
         live = [r for r in range(self.world_size) if r not in ended]
         if not live:
             return
+        self._sample_cpu(live, now)
         missing: set[int] = set()
         seen = dict(self.ask(live, timeout=0.3, unanswered=missing, how="q"))
         if missing and missing.issuperset(live):
@@ -390,9 +466,49 @@ class HangWatch:
             if not self.unsure:  # pending in the recorder only (async ops not waited for): later
                 self.since = now
             return
-        self.current = self.last = made
+        self.current = made
+        if not made.slow:  # (a notice is no hang: a failure's note does not repeat it)
+            self.last = made
         self._shown_at = now
         self.show(made)
+
+    def _sample_cpu(self, live: list[int], now: float) -> None:
+        """How busy each rank was since the last look (a share of one core)."""
+        if self.cpu is None:
+            return
+        try:
+            sample = dict(self.cpu(live))
+        except Exception:  # (a rank that ended meanwhile)
+            return
+        if self._cpu_at is not None:
+            then, before = self._cpu_at
+            wall = max(now - then, 1e-3)
+            self.busy = {r: max(0.0, sample[r] - before[r]) / wall for r in sample if r in before}
+        self._cpu_at = (now, sample)
+
+    def waiting(self) -> dict[int, str]:
+        """The ranks the last report found waiting in a collective issued by a hook (DDP's,
+        FSDP's: their stacks do not show it), as ``all_reduce (DDP's gradient all-reduce)``."""
+        made = self.current or self.last
+        found = {}
+        for row in made.rows if made is not None else []:
+            if row.state == IN_COLLECTIVE and row.where.endswith(")") and " (" in row.where:
+                found[row.rank] = f"{row.op} ({row.where.rsplit(' (', 1)[1]}"
+        return found
+
+    def _measure_busy(self, ranks: list[int], seconds: float = 0.25) -> None:
+        """How busy ranks the looks have not measured yet are (a report's read: now, twice)."""
+        if self.cpu is None or not ranks:
+            return
+        try:
+            before = dict(self.cpu(ranks))
+            time.sleep(seconds)
+            after = dict(self.cpu(ranks))
+        except Exception:  # (a rank that ended meanwhile)
+            return
+        for rank in ranks:
+            if rank in before and rank in after:
+                self.busy[rank] = max(0.0, after[rank] - before[rank]) / seconds
 
     def look(self, ended: Mapping[int, str] | None = None, stuck_for: float | None = None) -> HangReport | None:
         """A report now (None when no rank waits in a collective)."""
@@ -413,6 +529,7 @@ class HangWatch:
         paused = {r: where for r in live if (where := paused_at(self.work_dir, r)) is not None}
         if not any(d and d.get("pending") for d in seen.values()):
             return None
+        self._measure_busy([r for r in live if r not in self.busy])
         stacks = dict(self.stacks([r for r in live if r not in paused]))
         for rank in live:  # a rank read by nothing this time keeps what an earlier look read of it
             if rank in stacks and stacks[rank][0]:
@@ -427,6 +544,7 @@ class HangWatch:
             paused=paused,
             stacks=stacks,
             stuck_for=time.monotonic() - self.since if stuck_for is None else stuck_for,
+            busy={r: b for r, b in self.busy.items() if r in live},
         )
         if made is not None:
             made.verdict = _tidy(made.verdict, self.sources)
@@ -446,10 +564,19 @@ class HangWatch:
                 return True
         return False
 
+    def finish(self) -> None:
+        """The call's ranks all came back: a notice or report still shown says the wait is over
+        (``rank 1 reached all_reduce #4 after 58 s``), so that the last word is true."""
+        if self.current is not None:
+            self._over(time.monotonic() - self.since)
+
     def _over(self, lasted: float) -> None:
         if self.current is None:
             return
-        self.current.over = f"the collectives went on after {lasted:.0f} s"
+        if self.current.slow:
+            self.current.over = f"{self.current.awaited} after {lasted:.0f} s"
+        else:
+            self.current.over = f"the collectives went on after {lasted:.0f} s"
         shown, self.current = self.current, None
         self.show(shown)
 
@@ -509,11 +636,11 @@ class ReportShown:
             else:
                 self.handle.update(made)
             return
-        key = made.verdict + made.over
+        key = (re.sub(r"\d+ s\b", "", made.verdict) if made.slow else made.verdict) + made.over
         if key != self.said:
             self.said = key
             self.before()
-            text = made.text() if not made.over else f"[air_magic] the hang is over: {made.over}"
+            text = made.text() if not made.over or made.slow else f"[air_magic] the hang is over: {made.over}"
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
 
@@ -567,6 +694,12 @@ def watch_launch(
                     read[rank] = (*user_frame(text), "py-spy")
         return read
 
+    def cpu(ranks: list[int]) -> dict[int, float]:
+        return cpu_seconds({r: launch.ranks[r].pid for r in ranks if launch.ranks[r].pid})
+
+    # A GPU rank that waits for NCCL can spin a core (CUDA's scheduling): its CPU time says
+    # nothing there, nor of a Ray rank's on another machine.
+    local_cpu = not far and launch.placement.device == "cpu"
     return HangWatch(
         launch.work_dir,
         launch.world_size,
@@ -576,4 +709,19 @@ def watch_launch(
         stacks=far_stacks if far else stacks,
         sources=sources,
         ask=ask if far else None,  # (None: the ranks' pipes in the launch's folder)
+        cpu=cpu if local_cpu else None,
     )
+
+
+def cpu_seconds(pids: Mapping[int, int]) -> dict[int, float]:
+    """Each rank's CPU seconds so far (its process's threads; not its children's)."""
+    import psutil
+
+    found = {}
+    for rank, pid in pids.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        found[rank] = times.user + times.system
+    return found

@@ -386,8 +386,10 @@ class Launch:
 
     def where(self, stacks: dict[int, str], absent: str = "had ended") -> str:
         """One line per rank: where it was, and which rank the others wait for (one
-        without a stack is ``absent``)."""
-        return describe_stacks(stacks, self.world_size, absent)
+        without a stack is ``absent``; one its hang watch saw waiting in a hook's collective
+        says so)."""
+        waiting = self._hangs.waiting() if self._hangs is not None else {}
+        return describe_stacks(stacks, self.world_size, absent, waiting)
 
     def __repr__(self) -> str:
         took = (self.ended_at or time.time()) - self.started_at
@@ -507,6 +509,8 @@ class Launch:
             pump.pump(final=True)
             self.print_notices()
             raise interrupted(self._interrupt_text or self.interrupt_message()) from None
+        if hangs is not None and self.status == "finished":
+            hangs.finish()  # a notice still shown says the wait is over
         pump.pump(final=True)
         self.print_notices()
         values = self.result()

@@ -35,7 +35,6 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, NoReturn
 
@@ -50,6 +49,8 @@ from air_magic.kernel.debugger import BreakpointDesk, post_mortem_on
 from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
+from air_magic.kernel.pool_call import Call as _Call
+from air_magic.kernel.pool_call import Ranks as _Ranks
 from air_magic.kernel.pool_interrupt import GRACE, Interrupt
 from air_magic.kernel.pool_listener import greet as _greet
 from air_magic.kernel.pool_listener import listener as _listener
@@ -168,46 +169,6 @@ def close_all() -> int:
         except Exception:  # one pool's failure to end cleanly never keeps the others open
             pass
     return closed
-
-
-@dataclass(eq=False)
-class _Ranks:
-    """One start of the pool's ranks (a restart makes new ones): what a call runs on."""
-
-    launch: Launch
-    conns: list[Connection]
-    pids: list[int]
-    broken: str = ""  # why they cannot go on ('' while they can)
-    #: "restarted" or "closed": the pool moved on while a call still ran on these ranks
-    retired: str = ""
-    regroups: int = 0  # how many times their default group was rebuilt (a hang's way out)
-
-
-@dataclass(eq=False)
-class _Call:
-    """One call running on the pool, with what each rank did of it."""
-
-    ranks: _Ranks
-    id: int
-    label: str
-    sources: dict[str, tuple[str, str]]
-    began: float = field(default_factory=time.monotonic)
-    #: rank -> "running", "done", "failed", "interrupted" or "stopped" (stuck, killed by air_magic)
-    states: dict[int, str] = field(default_factory=dict)
-    forked: dict[int, list[int]] = field(default_factory=dict)  # rank -> pids its code forked
-    closed: dict[int, float] = field(default_factory=dict)  # rank -> when its connection was seen closed
-    ended: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of its answer
-    # Interrupts: the ranks that began it (a SIGINT raises in them), those to interrupt, and
-    # those sent one (a cancel runs in another thread than the wait).
-    started: set[int] = field(default_factory=set)
-    wanted: set[int] = field(default_factory=set)
-    signalled: set[int] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    background: bool = False  # a pool.submit call: no thread of the user's waits for it
-    hangs: HangWatch | None = None  # the waiting cell's hang watch
-    regrouped: str = ""  # the note of a group rebuilt after the call (its collective timed out)
-    assembled: dict[int, Any] = field(default_factory=dict)  # DTensors' full tensors, shared by the replies
-    waiter: int = field(default_factory=threading.get_ident)  # the thread that waits for it
 
 
 class PoolEngine:
@@ -470,7 +431,7 @@ class PoolEngine:
         if late:
             call.ranks.launch.signal_ranks([rank], signal.SIGINT)
 
-    def _break(self, ranks: _Ranks, because: str) -> None:
+    def break_ranks(self, ranks: _Ranks, because: str) -> None:
         """These ranks cannot go on: they are killed; the pool's next call starts fresh ones."""
         if not ranks.broken:
             ranks.broken = because
@@ -606,6 +567,11 @@ class PoolEngine:
         with self._turn():
             return self._call(self._ready(), kind, data, label)
 
+    def next_id(self) -> int:
+        """A new message id (a call's, or air_magic's own between calls)."""
+        self._ids += 1
+        return self._ids
+
     def sync(self, names: list[str], src: int) -> list[str]:
         """``names`` copied from rank ``src`` to every other (:func:`air_magic.rank.state.sync`);
         what was copied.  A name that cannot be copied raises ``ValueError`` (the rank's why)."""
@@ -682,14 +648,16 @@ class PoolEngine:
                 try:
                     conn.send_bytes(message)
                 except OSError:
-                    self._check_retired(call)
-                    self._break(ranks, "a rank's connection closed")
+                    self.check_retired(call)
+                    self.break_ranks(ranks, "a rank's connection closed")
                     raise PoolBrokenError("the pool's ranks are gone; the next call starts fresh ones.") from None
             if kind in ("cell", "call") and not background and CALL_WATCHERS:
                 view = PoolCallView(self, launch, call, self.cells)
                 watchers = _watch(view)
             try:
                 records = self._collect(call, pump, timeout if timeout is not None else self.timeout, watchers, desk)
+                if call.hangs is not None and not any(isinstance(r, ErrorRecord) for r in records.values()):
+                    call.hangs.finish()  # a notice still shown says the wait is over
             finally:
                 pump.pump(final=True)
                 _tell_forked(call)
@@ -730,7 +698,7 @@ class PoolEngine:
         cancelled_at: float | None = None
         try:
             while pending:
-                self._check_retired(call)
+                self.check_retired(call)
                 if call.background and call.wanted:
                     # A cancelled pool.submit call whose ranks do not all come back (one waits in a
                     # collective its peers will not make): the way out of Ctrl-C's, after a grace.
@@ -739,7 +707,7 @@ class PoolEngine:
                         raise KeyboardInterrupt
                 if desk is not None:
                     desk.poll()
-                for reply in self._take_replies(call, pending, records):
+                for reply in self.take_replies(call, pending, records):
                     self.rank_names = set(reply.names) if reply.rank == 0 else self.rank_names & set(reply.names)
                     if reply.forked:
                         call.forked[reply.rank] = reply.forked
@@ -756,7 +724,7 @@ class PoolEngine:
                         pass
                 if call.hangs is not None:
                     call.hangs.check()
-                self._check_retired(call)
+                self.check_retired(call)
                 gone = self._first_gone(ranks, pending, call.closed)
                 if gone is not None:
                     self._fault(call, records, pending, self._gone_reason(ranks, gone))
@@ -768,7 +736,7 @@ class PoolEngine:
                     self._fault(call, records, pending, f"rank {failed} failed while the others did not come back")
                 if timeout is not None and time.monotonic() - call.began > timeout:
                     where = self._where(call, pending, records)
-                    self._break(ranks, f"{call.label} ran past its timeout of {timeout:g} s")
+                    self.break_ranks(ranks, f"{call.label} ran past its timeout of {timeout:g} s")
                     error = LaunchTimeoutError(
                         f"{call.label} ran past its timeout of {timeout:g} s on the pool; its ranks were stopped "
                         "and the next pool cell starts fresh ones (their state is lost). Pass --timeout SECONDS|none."
@@ -777,14 +745,14 @@ class PoolEngine:
                         error.add_note(where)
                     raise error
         except KeyboardInterrupt:
-            self._check_retired(call)
+            self.check_retired(call)
             Interrupt(self, call, records, pending, desk).run()
         if unheeded:  # out of the try: the KeyboardInterrupt raised is the cancel's outcome
-            self._not_stopped(call, pending, records, "the pool's call was cancelled")
+            self.not_stopped(call, pending, records, "the pool's call was cancelled")
         if pool_regroup.broke_the_group(records):  # gloo closed the group's connections (a timeout)
-            why = self._rebuild(call)
+            why = self.rebuild_group(call)
             if why:
-                self._break(ranks, f"a collective broke the process group, which could not be rebuilt ({why})")
+                self.break_ranks(ranks, f"a collective broke the process group, which could not be rebuilt ({why})")
                 call.regrouped = (
                     f"[air_magic] the collective's failure closed the process group's connections and it could not "
                     f"be rebuilt ({why}): the pool is broken, and the next pool cell starts it again."
@@ -815,7 +783,7 @@ class PoolEngine:
         call = self._call_now
         return call.hangs.current if call is not None and call.hangs is not None else None
 
-    def _check_retired(self, call: _Call) -> None:
+    def check_retired(self, call: _Call) -> None:
         """The pool was restarted or closed while this call ran (from another thread): the
         call ends here, saying so; the pool's new ranks are none of its business."""
         why = call.ranks.retired
@@ -829,7 +797,7 @@ class PoolEngine:
             f"the pool was {why} while {call.label} ran on it{how}; its ranks were stopped, so this call has no values."
         )
 
-    def _take_replies(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any]) -> list[Any]:
+    def take_replies(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any]) -> list[Any]:
         """One look (50 ms at most) for the pending ranks' replies to the call: each one
         recorded, and taken out of ``pending``; a reply out of step breaks the pool."""
         try:
@@ -852,7 +820,7 @@ class PoolEngine:
         return answers
 
     def _out_of_step(self, call: _Call, pending: dict[int, Connection], exc: OutOfStep) -> NoReturn:
-        self._break(call.ranks, f"rank {exc.rank}'s connection is out of step")
+        self.break_ranks(call.ranks, f"rank {exc.rank}'s connection is out of step")
         n = len(call.ranks.conns)
         raise PoolBrokenError(
             f"{call.label}: {exc}. Its values cannot be trusted, so the pool is broken: the next pool cell starts "
@@ -880,7 +848,7 @@ class PoolEngine:
         first = [r for r in gone if not states[r].stopped] or gone
         return min(first, key=lambda r: (states[r].ended_at or 0.0, r))
 
-    def _rebuild(self, call: _Call) -> str:
+    def rebuild_group(self, call: _Call) -> str:
         """Fresh connections for the ranks' default group (every rank idle); ``''`` when it
         was rebuilt, else why not."""
         ranks = call.ranks
@@ -893,11 +861,11 @@ class PoolEngine:
         self._ids += 1
         return pool_regroup.rebuild(ranks.conns, self._ids, ranks.regroups)
 
-    def _not_stopped(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any], what: str) -> None:
+    def not_stopped(self, call: _Call, pending: dict[int, Connection], records: dict[int, Any], what: str) -> None:
         """Some ranks did not stop within GRACE s of their interrupt: the pool is broken."""
         where = self._where(call, pending, records)
         ranks = ", ".join(map(str, sorted(pending)))
-        self._break(call.ranks, "interrupted, and some ranks did not stop")
+        self.break_ranks(call.ranks, "interrupted, and some ranks did not stop")
         message = (
             f"{what}; rank{'s' * (len(pending) != 1)} {ranks} did not stop within {GRACE:g} s "
             "(its code caught the KeyboardInterrupt, or waits in a collective or in C), so the pool is broken: "
@@ -927,7 +895,7 @@ class PoolEngine:
         where = self._where(call, pending, records)
         for rank in pending:
             call.states[rank] = "ended" if rank in ended else "stopped"
-        self._break(ranks, because)
+        self.break_ranks(ranks, because)
         n = len(ranks.conns)
         tail = (
             f"the pool is broken ({because}); the next pool cell starts {n} fresh rank{'s' * (n != 1)} "
@@ -968,7 +936,8 @@ class PoolEngine:
                     stacks = {r: s.replace(f'File "{filename}"', display) for r, s in stacks.items()}
             absent = {r: _came_back(records.get(r)) for r in range(len(call.ranks.conns)) if r not in pending}
             stacks = {r: s for r, s in stacks.items() if r in pending}
-            where = describe_stacks(stacks, len(call.ranks.conns), absent)
+            waiting = call.hangs.waiting() if call.hangs is not None else {}
+            where = describe_stacks(stacks, len(call.ranks.conns), absent, waiting)
             if call.hangs is not None and call.hangs.current is not None:  # the hang, as the cell showed it
                 where += "\n" + call.hangs.current.text()
             return where

@@ -27,16 +27,14 @@ from __future__ import annotations
 import signal
 import time
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from air_magic.errors import interrupted
 from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_state as _state
-
-if TYPE_CHECKING:  # (the engine imports this module)
-    from air_magic.kernel.debugger import BreakpointDesk
-    from air_magic.kernel.pool import PoolEngine, _Call
+from air_magic.kernel.debugger import BreakpointDesk
+from air_magic.kernel.pool_call import Call, Ranks
 
 __all__ = ["Interrupt", "GRACE", "STUCK_LOOK", "INTACT"]
 
@@ -49,16 +47,28 @@ STUCK_LOOK = 0.2
 INTACT = "you interrupted the pool's cell; every rank stopped it, and the pool and its state are intact."
 
 
+class Engine(Protocol):
+    """What an interrupt asks of the pool's engine (:class:`air_magic.kernel.pool.PoolEngine`)."""
+
+    def interrupt(self, ranks: list[int]) -> None: ...
+    def take_replies(self, call: Call, pending: dict[int, Connection], records: dict[int, Any]) -> list[Any]: ...
+    def check_retired(self, call: Call) -> None: ...
+    def not_stopped(self, call: Call, pending: dict[int, Connection], records: dict[int, Any], what: str) -> None: ...
+    def break_ranks(self, ranks: Ranks, because: str) -> None: ...
+    def rebuild_group(self, call: Call) -> str: ...
+    def next_id(self) -> int: ...
+
+
 class Interrupt:
     """One interrupt of one pool call (see the module's docstring)."""
 
     def __init__(
         self,
-        engine: "PoolEngine",
-        call: "_Call",
+        engine: Engine,
+        call: Call,
         records: dict[int, Any],
         pending: dict[int, Connection],
-        desk: "BreakpointDesk | None" = None,
+        desk: BreakpointDesk | None = None,
     ) -> None:
         self.engine = engine
         self.call = call
@@ -82,7 +92,7 @@ class Interrupt:
                 self.launch.signal_ranks(sorted(self.pending), signal.SIGINT)
             self._wait(GRACE)
         if self.pending:
-            self.engine._not_stopped(self.call, self.pending, self.records, "you interrupted the pool's cell")
+            self.engine.not_stopped(self.call, self.pending, self.records, "you interrupted the pool's cell")
         self._finish()
 
     # -- waiting for the ranks ---------------------------------------------------------------------
@@ -93,8 +103,8 @@ class Interrupt:
         deadline = time.monotonic() + seconds
         next_look = time.monotonic() + STUCK_LOOK
         while self.pending and time.monotonic() < deadline:
-            self.engine._check_retired(self.call)
-            self.engine._take_replies(self.call, self.pending, self.records)
+            self.engine.check_retired(self.call)
+            self.engine.take_replies(self.call, self.pending, self.records)
             if self.pending and len(self.pending) < self.n and time.monotonic() >= next_look:
                 next_look = time.monotonic() + STUCK_LOOK
                 if self._cut_free():
@@ -136,19 +146,20 @@ class Interrupt:
     def _finish(self) -> NoReturn:
         why_rebuilt = self._why_rebuild()
         if why_rebuilt:
-            why = self.engine._rebuild(self.call)
+            why = self.engine.rebuild_group(self.call)
             if why:
-                self.engine._break(
+                self.engine.break_ranks(
                     self.call.ranks, f"an interrupt left the group unusable and it could not be rebuilt ({why})"
                 )
                 raise interrupted(
                     f"you interrupted the pool's cell; {why_rebuilt}, and the process group could not be rebuilt "
                     f"({why}): the pool is broken, and the next pool cell starts it again."
                 )
-        self.engine._ids += 1
-        answers = _state.settle(self.call.ranks.conns, self.engine._ids)
+        answers = _state.settle(self.call.ranks.conns, self.engine.next_id())
         if isinstance(answers, str):
-            self.engine._break(self.call.ranks, f"after an interrupt its ranks could not check their state ({answers})")
+            self.engine.break_ranks(
+                self.call.ranks, f"after an interrupt its ranks could not check their state ({answers})"
+            )
             raise interrupted(
                 f"you interrupted the pool's cell; every rank stopped it, but their state could not be checked "
                 f"({answers}): the pool is broken, and the next pool cell starts it again."
@@ -166,9 +177,7 @@ class Interrupt:
         """Why the group must be rebuilt before the next call ('' when it need not be)."""
         if self.cut:
             one = len(self.cut) == 1
-            return (
-                f"{_ranks(self.cut)} waited in {self.cut_why}, so {'it was' if one else 'they were'} stopped there"
-            )
+            return f"{_ranks(self.cut)} waited in {self.cut_why}, so {'it was' if one else 'they were'} stopped there"
         if pool_regroup.broke_the_group(self.records):
             return "a collective's connections closed as the ranks stopped"
         if not self.launch.local_processes:

@@ -164,7 +164,12 @@ _COLLECTIVE_FILES = (
 _FRAME = re.compile(r'^\s*(?:File "(?P<file>[^"]+)"|(?P<cell>Cell In\[\d+\])), line (?P<line>\d+) in (?P<func>\S+)')
 
 
-def describe_stacks(stacks: dict[int, str], world_size: int, absent: str | Mapping[int, str] = "had ended") -> str:
+def describe_stacks(
+    stacks: dict[int, str],
+    world_size: int,
+    absent: str | Mapping[int, str] = "had ended",
+    waiting: Mapping[int, str] | None = None,
+) -> str:
     """``[air_magic] where each rank was:`` and a line per rank; ``''`` with no stacks.
     A rank without a stack is said to be ``absent`` (one text for all, or each rank's own:
     a pool's rank that came back with its error, or done with the call).
@@ -172,6 +177,9 @@ def describe_stacks(stacks: dict[int, str], world_size: int, absent: str | Mappi
     From each rank's main thread (the one running the launched code): its innermost
     frame of the user's code, and the torch collective it waits in, if any.  When some
     ranks wait in a collective and others do not, those others are behind: named.
+    ``waiting``: the collective a rank waits in where its stack does not show it (one that
+    DDP's or FSDP's hooks issued from autograd's backward, as its Flight Recorder says:
+    ``all_reduce (DDP's gradient all-reduce)``).
     """
     if not stacks:
         return ""
@@ -188,17 +196,18 @@ def describe_stacks(stacks: dict[int, str], world_size: int, absent: str | Mappi
         )
         user = next((f for f in frames if _is_user_frame(f["file"])), None)
         at = f"{user['file']}, line {user['line']} in {user['func']}" if user else "(no frame of the launched code)"
+        if collective is None and waiting and rank in waiting:
+            collective = waiting[rank]
         where[rank] = (at, collective)
-    waiting = sorted(r for r, (_, c) in where.items() if c)
+    waiters = sorted(r for r, (_, c) in where.items() if c)
     lines = ["[air_magic] where each rank was:"]
     for rank, (at, collective) in sorted(where.items()):
-        line = f"  rank {rank}: " + (
-            f"in {collective} (torch.distributed), called at {at}" if collective else f"at {at}"
-        )
-        if not collective and waiting:
-            who = ", ".join(map(str, waiting))
+        named = collective if collective and "(" in collective else f"{collective} (torch.distributed)"
+        line = f"  rank {rank}: " + (f"in {named}, called at {at}" if collective else f"at {at}")
+        if not collective and waiters:
+            who = ", ".join(map(str, waiters))
             line += (
-                f"  <- behind: rank{'s' if len(waiting) > 1 else ''} {who} wait{'' if len(waiting) > 1 else 's'} for it"
+                f"  <- behind: rank{'s' if len(waiters) > 1 else ''} {who} wait{'' if len(waiters) > 1 else 's'} for it"
             )
         lines.append(line)
     missing: dict[str, list[int]] = {}

@@ -142,8 +142,32 @@ def _entry(pg_id: str, seq: int, entry: dict[str, Any]) -> dict[str, Any]:
         "output_sizes": entry.get("output_sizes") or [],
         "output_dtypes": entry.get("output_dtypes") or [],
         "where": _user_frame(entry.get("frames") or []),
+        "via": _via(entry.get("frames") or [], str(entry.get("profiling_name") or "")),
         "state": str(entry.get("state") or ""),
     }
+
+
+def _via(frames: list[dict[str, Any]], op: str) -> str:
+    """Who issued a collective the user's code did not call itself: ``DDP's gradient
+    all-reduce`` (the reducer, from autograd's backward), ``FSDP's all-gather``, ``DeepSpeed's
+    all_reduce``; ``''`` for a call of the user's own."""
+    names = [str(f.get("filename") or "") for f in frames]
+    kind = op.split(":", 1)[-1]
+    nice = kind.replace("_allgather_base", "all-gather").replace("_reduce_scatter_base", "reduce-scatter")
+    nice = nice.replace("all_gather_into_tensor", "all-gather").replace("reduce_scatter_tensor", "reduce-scatter")
+    if any(f"{os.sep}fsdp{os.sep}" in n for n in names):
+        return f"FSDP's {nice}"
+    if any(f"{os.sep}deepspeed{os.sep}" in n for n in names):
+        return f"DeepSpeed's {nice}"
+    if any(n.endswith(os.path.join("nn", "parallel", "distributed.py")) for n in names):
+        return f"DDP's {nice}"
+    if any(n.endswith("distributed_c10d.py") for n in names):
+        return ""  # torch.distributed's own function, called by the code named in ``where``
+    if any(n.endswith(os.path.join("autograd", "graph.py")) for n in names):
+        return (
+            "DDP's gradient all-reduce" if "all_reduce" in kind or "allreduce" in kind else f"a backward hook's {nice}"
+        )
+    return ""
 
 
 def answer(work_dir: str, rank: int, token: str, how: str = "c") -> None:

@@ -97,9 +97,8 @@ def _debugger_files() -> frozenset[str]:
     import cmd
     import pdb
 
-    from air_magic.rank import debugger
-
-    return frozenset(str(getattr(m, "__file__", "") or "") for m in (bdb, cmd, pdb, debugger))
+    ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), "debugger.py")  # (it imports this module)
+    return frozenset([ours] + [str(getattr(m, "__file__", "") or "") for m in (bdb, cmd, pdb)])
 
 
 _DEBUGGER: frozenset[str] = frozenset()

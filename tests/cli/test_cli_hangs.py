@@ -37,7 +37,8 @@ def test_a_script_that_hangs_gets_the_report_on_stderr(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     verdict = (
-        "[air_magic] hang report: rank 1 is behind: its last collective is #2 (train.py:5 in <module>); "
+        "[air_magic] hang report: rank 1 is behind, blocked (neither in a collective nor computing): its last "
+        "collective is #2 (train.py:5 in <module>); "
         "it is at train.py:9 in <module>; rank 0 waits in all_reduce #3 (train.py:7 in <module>)"
     )
     assert done.stderr.count(verdict) == 2, done.stderr  # while it hung, and with the timeout

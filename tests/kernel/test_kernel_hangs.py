@@ -64,13 +64,14 @@ def test_a_launch_whose_rank_skips_an_all_reduce_names_it_behind(kernel: Kernel)
     report = reports(shown)[-1]
     verdict = report.splitlines()[0]
     assert re.fullmatch(
-        r"\[air_magic\] hang report: rank 1 is behind: its last collective is #3 \(Cell In\[\d+\]:6 in <module>\); "
+        r"\[air_magic\] hang report: rank 1 is behind, blocked \(neither in a collective nor computing\): its last "
+        r"collective is #3 \(Cell In\[\d+\]:6 in <module>\); "
         r"it is at Cell In\[\d+\]:10 in <module>; rank 0 waits in all_reduce #4 \(Cell In\[\d+\]:8 in <module>\)",
         verdict,
     ), report
     rows = [line.split() for line in report.splitlines()[2:]]
     assert rows[0][:8] == ["0", "in", "collective", "default", "#4", "all_reduce", "[8]", "float32"], report
-    assert rows[1][:5] == ["1", "computing", "default", "#3", "all_reduce"], report
+    assert rows[1][:5] == ["1", "blocked", "default", "#3", "all_reduce"], report  # asleep: a system call
     assert took < 20, took
     # Ctrl-C prints where each rank was, and the same report.
     assert rest.error is not None and rest.error["ename"] == "KeyboardInterrupt", rest.error_text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from air_magic.kernel.hangs import COMPUTING, ENDED, IN_COLLECTIVE, PAUSED, report
+from air_magic.kernel.hangs import BLOCKED, COMPUTING, ENDED, IN_COLLECTIVE, OUTSIDE, PAUSED, report
 
 
 def seen(enqueued: int, completed: int, *pending: dict[str, Any], last_where: str = "") -> dict[str, Any]:
@@ -53,7 +53,8 @@ def test_a_rank_that_skipped_a_collective_is_behind_and_named_with_its_last_one(
         "rank 1 is behind: its last collective is #41 (train.py:57 in step); it is at train.py:80 in step; "
         "ranks 0, 2, 3 wait in all_reduce #42 (train.py:61 in step)"
     )
-    assert [r.state for r in made.rows] == [IN_COLLECTIVE, COMPUTING, IN_COLLECTIVE, IN_COLLECTIVE]
+    # How busy rank 1 is was not measured (a Ray rank's, a GPU rank's): not in a collective, no more.
+    assert [r.state for r in made.rows] == [IN_COLLECTIVE, OUTSIDE, IN_COLLECTIVE, IN_COLLECTIVE]
     row = made.rows[0]
     assert (row.group, row.seq, row.op, row.shapes, row.where, row.read) == (
         "default",
@@ -173,7 +174,7 @@ def test_a_rank_that_answered_before_keeps_its_answer_when_a_look_goes_unanswere
     assert first is not None and second is not None
     assert second.verdict == first.verdict
     assert first.verdict.startswith("rank 1 is behind: its last collective is #2 (train.py:5 in <module>)")
-    assert second.rows[1].state == COMPUTING
+    assert second.rows[1].state == OUTSIDE
     assert second.rows[1].read.startswith("Flight Recorder, ") and second.rows[1].read.endswith(" s ago")
     assert second.rows[0].read == "Flight Recorder"
 
@@ -254,3 +255,71 @@ def test_a_rank_that_misses_a_look_is_as_it_said_last_while_its_peer_answers(tmp
     pending): rank 0 is still in its collective, so the hang is still due at 5 s."""
     asked, shown = _watch_looks(tmp_path, monkeypatch, [41, 41, None, 41, 41], quiet=(0,))
     assert len(shown) == 1 and shown[0].verdict.startswith("every rank is in all_reduce #42")
+
+
+# -- what the ranks' CPU time tells ------------------------------------------------------------
+
+
+def hooked(seq: int, via: str = "DDP's gradient all-reduce") -> dict[str, Any]:
+    return {**entry(seq, where="nb.py:9 in <module>"), "via": via}
+
+
+def test_a_collective_ddp_issued_from_backward_is_waited_in_though_no_stack_frame_is_torch_distributed() -> None:
+    made = report(
+        {0: seen(12, 11, hooked(12)), 1: seen(11, 11)},
+        2,
+        ended={1: "finished the call"},
+        stacks={0: ("nb.py:9 in <module>", False, "its stack")},  # in loss.backward(), not in c10d
+        busy={0: 0.01},
+    )
+    assert made is not None and not made.slow
+    assert made.verdict == (
+        "rank 1 has ended (finished the call) while rank 0 waits in all_reduce #12 "
+        "(nb.py:9 in <module>, DDP's gradient all-reduce)"
+    )
+    assert made.rows[0].where == "nb.py:9 in <module> (DDP's gradient all-reduce)"
+
+
+def test_a_rank_that_computes_while_its_peer_waits_is_a_notice_not_a_hang() -> None:
+    made = report(
+        {0: seen(4, 3, entry(4, where="nb.py:9 in <module>")), 1: seen(3, 3)},
+        2,
+        stacks={0: ("nb.py:9 in <module>", True, "its stack"), 1: ("nb.py:7 in <module>", False, "its stack")},
+        busy={0: 0.0, 1: 0.97},
+        stuck_for=12,
+    )
+    assert made is not None and made.slow
+    assert [r.state for r in made.rows] == [IN_COLLECTIVE, COMPUTING]
+    assert made.text() == (
+        "[air_magic] rank 1 is computing at nb.py:7 in <module> for 12 s; rank 0 waits in all_reduce #4 "
+        "(nb.py:9 in <module>)"
+    )
+    made.over = f"{made.awaited} after 58 s"
+    assert made.text() == "[air_magic] rank 1 reached all_reduce #4 after 58 s"
+
+
+def test_a_rank_blocked_in_a_system_call_while_its_peer_waits_is_a_hang() -> None:
+    made = report(
+        {0: seen(4, 3, entry(4, where="nb.py:9 in <module>")), 1: seen(3, 3, last_where="nb.py:5 in <module>")},
+        2,
+        stacks={0: ("nb.py:9 in <module>", True, "its stack"), 1: ("nb.py:7 in <module>", False, "its stack")},
+        busy={0: 0.0, 1: 0.02},
+    )
+    assert made is not None and not made.slow
+    assert made.verdict == (
+        "rank 1 is behind, blocked (neither in a collective nor computing): its last collective is #3 "
+        "(nb.py:5 in <module>); it is at nb.py:7 in <module>; rank 0 waits in all_reduce #4 (nb.py:9 in <module>)"
+    )
+    assert made.rows[1].state == BLOCKED and made.rows[1].read == "Flight Recorder + its stack + its CPU time"
+
+
+def test_an_async_collective_of_a_rank_that_computes_is_not_waited_in() -> None:
+    # FSDP's all-gathers are started ahead and waited for later: a busy rank with one pending
+    # computes; with both ranks so, nobody waits.
+    made = report(
+        {0: seen(8, 7, hooked(8, "FSDP's all-gather")), 1: seen(8, 7, hooked(8, "FSDP's all-gather"))},
+        2,
+        stacks={0: ("nb.py:4 in <module>", False, "its stack"), 1: ("nb.py:4 in <module>", False, "its stack")},
+        busy={0: 0.9, 1: 0.8},
+    )
+    assert made is None

@@ -1,0 +1,56 @@
+"""One start of a pool's ranks, and one call running on them: what the engine
+(:mod:`air_magic.kernel.pool`) and a call's interrupt (:mod:`air_magic.kernel.pool_interrupt`)
+share of them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from air_magic.kernel.hangs import HangWatch
+from air_magic.kernel.launch import Launch
+
+__all__ = ["Ranks", "Call"]
+
+
+@dataclass(eq=False)
+class Ranks:
+    """One start of the pool's ranks (a restart makes new ones): what a call runs on."""
+
+    launch: Launch
+    conns: list[Connection]
+    pids: list[int]
+    broken: str = ""  # why they cannot go on ('' while they can)
+    #: "restarted" or "closed": the pool moved on while a call still ran on these ranks
+    retired: str = ""
+    regroups: int = 0  # how many times their default group was rebuilt (a hang's way out)
+
+
+@dataclass(eq=False)
+class Call:
+    """One call running on the pool, with what each rank did of it."""
+
+    ranks: Ranks
+    id: int
+    label: str
+    sources: dict[str, tuple[str, str]]
+    began: float = field(default_factory=time.monotonic)
+    #: rank -> "running", "done", "failed", "interrupted" or "stopped" (stuck, killed by air_magic)
+    states: dict[int, str] = field(default_factory=dict)
+    forked: dict[int, list[int]] = field(default_factory=dict)  # rank -> pids its code forked
+    closed: dict[int, float] = field(default_factory=dict)  # rank -> when its connection was seen closed
+    ended: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of its answer
+    # Interrupts: the ranks that began it (a SIGINT raises in them), those to interrupt, and
+    # those sent one (a cancel runs in another thread than the wait).
+    started: set[int] = field(default_factory=set)
+    wanted: set[int] = field(default_factory=set)
+    signalled: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    background: bool = False  # a pool.submit call: no thread of the user's waits for it
+    hangs: HangWatch | None = None  # the waiting cell's hang watch
+    regrouped: str = ""  # the note of a group rebuilt after the call (its collective timed out)
+    assembled: dict[int, Any] = field(default_factory=dict)  # DTensors' full tensors, shared by the replies
+    waiter: int = field(default_factory=threading.get_ident)  # the thread that waits for it
