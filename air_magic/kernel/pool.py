@@ -199,6 +199,9 @@ class PoolEngine:
         self._sent_env: dict[str, str] = {}  # the kernel's environment as the ranks have it
         self._sent_path: list[str] = []  # likewise its sys.path
         self._nvml: Any = None  # NVML, once a pool of GPU ranks was asked for its memory
+        #: The cells every call so far ran (file name -> (the notebook's name, source)): a
+        #: function an earlier cell defined is named by its cell in what the pool says.
+        self.sources: dict[str, tuple[str, str]] = {}
 
     # -- what it is now ----------------------------------------------------------------------
 
@@ -623,6 +626,7 @@ class PoolEngine:
     ) -> list[Any]:
         self._ids += 1
         call = _Call(ranks, self._ids, label, data.get("sources") or {}, background=background)
+        self.sources.update(call.sources)
         launch = ranks.launch
         log = launch.ranks[0].log_path
         for state in launch.ranks:  # bounded as a launch's are, between two calls
@@ -775,7 +779,7 @@ class PoolEngine:
         shown = ReportShown(
             os.path.join(launch.log_dir, f"hang-report-call-{call.id}"), before=pump.pump, quiet=call.background
         )
-        return launch.hang_watch(shown, ended=ended, sources=call.sources)
+        return launch.hang_watch(shown, ended=ended, sources={**self.sources, **call.sources})
 
     def hang_report(self) -> HangReport | None:
         """The hang report of the call running now, while its hang lasts (``%distributed_pool``
@@ -929,10 +933,10 @@ class PoolEngine:
             if launch.local_processes:
                 running = {r: launch.ranks[r].pid for r in pending if launch.ranks[r].pid}
                 request_stacks(launch.work_dir, running, 1.0)  # type: ignore[arg-type]
-                stacks = read_stacks(launch.work_dir, running, call.sources)
+                stacks = read_stacks(launch.work_dir, running, {**self.sources, **call.sources})
             else:
                 stacks = {r: s for r, s in launch.stacks(timeout=1.0).items() if r in pending}
-                for filename, (display, _) in call.sources.items():
+                for filename, (display, _) in {**self.sources, **call.sources}.items():
                     stacks = {r: s.replace(f'File "{filename}"', display) for r, s in stacks.items()}
             absent = {r: _came_back(records.get(r)) for r in range(len(call.ranks.conns)) if r not in pending}
             stacks = {r: s for r, s in stacks.items() if r in pending}

@@ -138,7 +138,11 @@ class Interrupt:
         if not seen or not all(data and data.get("pending") for data in seen.values()):
             return
         self.cut = sorted(self.pending)
-        self.cut_why = "collectives that no peer would complete (a hang)"
+        self.cut_why = (
+            "a collective that no peer would complete (a hang)"
+            if len(self.cut) == 1
+            else "collectives that no peer would complete (a hang)"
+        )
         pool_regroup.cut(self.launch.work_dir, self.n)
 
     # -- every rank back ---------------------------------------------------------------------------

@@ -10,8 +10,9 @@
                               when its new gloo backend has made one all_reduce
       -> "the process group was rebuilt; your names are kept"
 
-Only the default group of a CPU (gloo) pool is rebuilt; ``can_rebuild`` says why not
-otherwise, and the pool restarts instead, saying so.
+Every gloo group of a CPU pool is rebuilt (its default group, and those the user's code,
+DeepSpeed or a DeviceMesh made); ``can_rebuild`` says why not otherwise (a GPU pool's NCCL
+groups), and the pool restarts instead, saying so.
 """
 
 from __future__ import annotations

@@ -153,8 +153,16 @@ def _via(frames: list[dict[str, Any]], op: str) -> str:
     all_reduce``; ``''`` for a call of the user's own."""
     names = [str(f.get("filename") or "") for f in frames]
     kind = op.split(":", 1)[-1]
-    nice = kind.replace("_allgather_base", "all-gather").replace("_reduce_scatter_base", "reduce-scatter")
-    nice = nice.replace("all_gather_into_tensor", "all-gather").replace("reduce_scatter_tensor", "reduce-scatter")
+    nice = {
+        "_allgather_base": "all-gather",
+        "all_gather_into_tensor": "all-gather",
+        "allgather_into_tensor_coalesced": "all-gather",
+        "_reduce_scatter_base": "reduce-scatter",
+        "reduce_scatter_tensor": "reduce-scatter",
+        "reduce_scatter_tensor_coalesced": "reduce-scatter",
+        "allreduce": "all-reduce",
+        "allreduce_coalesced": "all-reduce",
+    }.get(kind, kind.strip("_").replace("_", "-"))
     if any(f"{os.sep}fsdp{os.sep}" in n for n in names):
         return f"FSDP's {nice}"
     if any(f"{os.sep}deepspeed{os.sep}" in n for n in names):

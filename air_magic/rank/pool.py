@@ -177,8 +177,11 @@ def _handle(
     kind, _id, data = message
     namespace = main.__dict__
     _take_kernel_state(data)
-    sources: dict[str, tuple[str, str]] = data.get("sources", {})
-    for filename, (_display, source) in sources.items():
+    _sources.update(data.get("sources", {}))
+    # Every cell the pool ran so far: a function an earlier cell defined is named by its cell
+    # ("Cell In[3]") in a traceback, as the notebook names it.
+    sources: dict[str, tuple[str, str]] = dict(_sources)
+    for filename, (_display, source) in data.get("sources", {}).items():
         lines = source.splitlines(keepends=True)
         linecache.cache[filename] = (len(source), None, lines, filename)
     _debugger.remember_sources(sources)  # a breakpoint names the cell as the notebook does
@@ -246,6 +249,11 @@ def _handle(
                 _debugger.post_mortem(exc)
             _debugger.last_error["exc"] = exc
         return error_record(exc, sources)
+
+
+#: The cells (and a call's functions' files) of every call so far: file name -> (the name the
+#: notebook shows, its source).
+_sources: dict[str, tuple[str, str]] = {}
 
 
 def _post_mortem_here(data: dict[str, Any]) -> bool:
@@ -384,6 +392,7 @@ def _join_the_group(device: str) -> None:
         from air_magic.rank import regroup
 
         regroup.note_links()
+        regroup.watch_new_groups()  # (the groups of the user's code, DeepSpeed's, a DeviceMesh's)
 
 
 def _keep_the_group() -> None:

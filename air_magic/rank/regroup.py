@@ -1,25 +1,28 @@
-"""A pool's default process group, given a fresh connection after a hang, in the same
-Python object: the model, optimizer and DDP wrapper that hold the group keep working.
+"""A pool's process groups, given fresh connections after a hang, in the same Python objects:
+the model, optimizer, DDP wrapper, FSDP mesh or DeepSpeed engine that hold a group keep
+working.
 
 torch 2.13 cannot re-initialise a group once aborted (gloo's ``abort()`` and
 ``shutdown()`` leave a collective that waits for a peer waiting), and a DDP module keeps
 the ``ProcessGroup`` it was made with.  What works, tried on 2 and 4 gloo ranks:
 
-    the kernel (a pool's Ctrl-C found ranks stuck in collectives no peer will make, or a
-    collective timed out and gloo closed its connections)
-      "x" on each rank's stack pipe -> cut(): shut down the TCP connections of the
-          group's gloo context (noted as the group was made): a collective waiting in
-          one raises "Connection closed by peer" at once, on every rank
-      ("regroup", id, {"round": n}) -> rebuild(n): a new gloo backend over the same
-          TCPStore under the prefix ``air_magic-regroup-<n>`` (every rank meets there),
-          with the group's timeout, registered in the default group's ``ProcessGroup``
-          under a backend type it has not used yet (torch keeps the first backend of a
-          type: registering under the same one would keep the closed one)
+    each gloo group, as it is made (the pool's default group; ``new_group`` of the user's
+    code, DeepSpeed's and a DeviceMesh's): the TCP connections it opened are noted
+
+    the kernel (an interrupt left ranks in collectives that cannot complete, or a collective
+    timed out and gloo closed its connections)
+      "x" on each rank's stack pipe -> cut(): shut down every noted connection: a
+          collective waiting in one raises "Connection closed by peer" at once, on every rank
+      ("regroup", id, {"round": n}) -> rebuild(n): for each gloo group this rank is in,
+          in the order they were made (the same on every rank), a new gloo backend over the
+          group's own store under the prefix ``air_magic-regroup-<n>`` (its members meet
+          there), with the group's timeout, registered in the group's ``ProcessGroup`` under
+          a backend type it has not used yet (torch keeps the first backend of a type:
+          registering under the same one would keep the closed one); one all_reduce each
 
 The old backends are kept referenced (never destructed: see :mod:`air_magic.rank.groups`).
-Groups the user's code made (``new_group``, a ``DeviceMesh``) are not rebuilt; NCCL groups
-are not either (a GPU pool restarts instead).  Each pool can rebuild its group as many
-times as torch has backend types left (5); then it restarts.
+NCCL groups are not rebuilt (a GPU pool restarts instead).  Each pool can rebuild its
+groups as many times as torch has backend types left (5); then it restarts.
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["note_links", "cut", "rebuild", "set_timeout", "ROUNDS"]
+__all__ = ["note_links", "watch_new_groups", "cut", "rebuild", "set_timeout", "ROUNDS"]
 
-#: The TCP connections (fd, local address, peer address) of the default group's current
-#: gloo backend: what :func:`cut` shuts down.
-_links: set[tuple[int, Any, Any]] = set()
-#: Every backend the default group had, kept alive (see the module's docstring).
+#: The TCP connections (fd, local address, peer address) of each gloo group's current backend,
+#: by the group's name: what :func:`cut` shuts down.
+_links: dict[str, set[tuple[int, Any, Any]]] = {}
+#: Every backend a group had, kept alive (see the module's docstring).
 _kept: list[Any] = []
 #: The default group's collective timeout (``init_process_group(timeout=...)`` of the user's).
 _timeout: list[timedelta] = []
 #: The backend types a rebuilt backend is registered under, in order.
 _TYPES = ("CUSTOM", "UNDEFINED", "UCC", "MPI", "XCCL")
 ROUNDS = len(_TYPES)
+_DEFAULT = "default"
 
 
 def _connections() -> set[tuple[int, Any, Any]]:
@@ -58,32 +62,66 @@ def _connections() -> set[tuple[int, Any, Any]]:
     return found
 
 
-def note_links(before: set[tuple[int, Any, Any]] | None = None) -> None:
+def note_links(before: set[tuple[int, Any, Any]] | None = None, group: str = _DEFAULT) -> None:
     """Note the connections made since ``before`` (all but the store's when None) as the
-    default group's."""
+    group's (the default group's unless named)."""
     now = _connections()
-    _links.clear()
-    _links.update(now - (before or set()))
+    _links[group] = now - (before or set())
+
+
+def watch_new_groups() -> None:
+    """From now on each gloo group the rank's code makes (``new_group``, DeepSpeed's, a
+    DeviceMesh's) has its connections noted as it is made."""
+    import torch.distributed.distributed_c10d as c10d
+
+    real = c10d._new_process_group_helper
+    if getattr(real, "_air_magic_notes_links", False):
+        return
+
+    def helper(*args: Any, **kwargs: Any) -> Any:
+        before = _connections()
+        made = real(*args, **kwargs)
+        try:
+            group = made[0] if isinstance(made, tuple) else made
+            name = str(getattr(group, "group_name", "") or "")
+            if name and _gloo(group):
+                note_links(before, name)
+        except Exception:  # (a group that is not this rank's)
+            pass
+        return made
+
+    helper._air_magic_notes_links = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = helper
+
+
+def _gloo(group: Any) -> bool:
+    import torch.distributed as dist
+
+    try:
+        return "gloo" in str(dist.get_backend(group)).lower()
+    except Exception:
+        return False
 
 
 def cut() -> int:
-    """Shut down the default group's connections: a collective waiting in one raises."""
+    """Shut down every gloo group's connections: a collective waiting in one raises."""
     done = 0
     current = {(laddr, raddr): fd for fd, laddr, raddr in _connections()}
-    for fd, laddr, raddr in list(_links):
-        if current.get((laddr, raddr)) != fd:  # closed, or the fd is another socket now
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-            done += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()
+    for links in list(_links.values()):
+        for fd, laddr, raddr in list(links):
+            if current.get((laddr, raddr)) != fd:  # closed, or the fd is another socket now
+                continue
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
+            except OSError:
+                pass
+            finally:
+                sock.close()
     return done
 
 
@@ -96,37 +134,51 @@ def set_timeout(timeout: timedelta) -> None:
 
 
 def rebuild(round_: int) -> str:
-    """A new gloo backend for the default group (see the module's docstring); returns its
-    backend type.  Every rank of the group calls it with the same ``round_``."""
+    """New gloo backends for every gloo group of this rank (see the module's docstring);
+    returns the backend type they were registered under.  Every rank calls it with the same
+    ``round_``."""
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     if round_ > ROUNDS:
-        raise RuntimeError(f"the pool's process group was rebuilt {ROUNDS} times already")
+        raise RuntimeError(f"the pool's process groups were rebuilt {ROUNDS} times already")
     cut()
+    default = c10d._get_default_group()
+    if not _gloo(default):
+        raise RuntimeError("only gloo groups are rebuilt")
+    kind = _TYPES[round_ - 1]
+    for group, (_backend, store) in list(c10d._world.pg_map.items()):
+        if not _gloo(group):
+            continue
+        name = _DEFAULT if group is default else str(group.group_name)
+        before = _connections()
+        _rebuild_one(group, store, round_, kind, default is group)
+        note_links(before, name)
+    for group in list(c10d._world.pg_map):
+        if _gloo(group):
+            dist.all_reduce(torch.zeros(1), group=group)  # every member is on the new backend
+    return kind
+
+
+def _rebuild_one(group: Any, store: Any, round_: int, kind: str, default: bool) -> None:
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
     c = torch._C._distributed_c10d
-    group = c10d._get_default_group()
-    if "gloo" not in str(dist.get_backend(group)).lower():
-        raise RuntimeError("only a gloo group is rebuilt")
-    store = c10d._get_default_store()
-    base = getattr(store, "underlying_store", store)
+    base = getattr(store, "underlying_store", store) if default else store
+    old = group._get_backend(torch.device("cpu"))
     options = c.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = _timeout[0] if _timeout else c10d.default_pg_timeout
+    timeout = getattr(getattr(old, "options", None), "_timeout", None)
+    options._timeout = (_timeout[0] if _timeout and default else timeout) or c10d.default_pg_timeout
     options._devices = [c.ProcessGroupGloo.create_default_device()]
-    before = _connections()
     backend = c.ProcessGroupGloo(
         c.PrefixStore(f"air_magic-regroup-{round_}", base), group.rank(), group.size(), options
     )
-    _kept.append(group._get_backend(torch.device("cpu")))
-    kind = _TYPES[round_ - 1]
+    _kept.append(old)
     group._register_backend(torch.device("cpu"), getattr(c.ProcessGroup.BackendType, kind), backend)
     try:  # the new backend takes the group's name (the Flight Recorder's entries carry it)
         group._set_group_name(group.group_name)
         group._set_group_desc(group.group_desc)
     except Exception:  # (a torch without them: the entries have no name)
         pass
-    note_links(before)
-    check = torch.zeros(1)
-    dist.all_reduce(check)  # every rank is on the new backend
-    return kind

@@ -102,17 +102,58 @@ def repair(namespace: dict[str, Any]) -> list[str]:
     a line each (``model: FSDP2's iteration reset, 16 parameters resharded``)."""
     done: list[str] = []
     seen: set[int] = set()
-    for name, (kind, value) in _named(namespace).items():
+    named = sorted(_named(namespace).items(), key=lambda item: item[1][0] != "engine")  # engines first
+    for name, (kind, value) in named:
         module = getattr(value, "module", None) if kind == "engine" else value
         if kind == "optimizer" or module is None or id(module) in seen:
             continue
         seen.add(id(module))
         said = []
+        if kind == "engine":
+            said += _repair_deepspeed(value)
         said += _repair_ddp(module)
         said += _repair_fsdp2(module)
         if said:
             done.append(f"{name}: {', '.join(said)}")
     return done
+
+
+def _repair_deepspeed(engine: Any) -> list[str]:
+    """A DeepSpeed engine whose step an interrupt cut: the gradients it was reducing dropped
+    (ZeRO-1/2's buckets and partitions; ZeRO-3's parameters gathered for the step released),
+    on every rank alike, so that its next backward reduces what its peers reduce."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None:
+        return []
+    for bucket in (getattr(optimizer, "ipg_buckets", None) or {}).values():
+        if hasattr(bucket, "clear_params"):  # ZeRO-3's: its buffer is kept for the next step
+            bucket.clear_params()
+        else:
+            bucket.clear()
+            bucket.index = 0
+    reduced = getattr(optimizer, "params_already_reduced", None)
+    if isinstance(reduced, list):
+        reduced[:] = [False] * len(reduced)
+    if getattr(optimizer, "partition_gradients", False) and hasattr(optimizer, "reset_partition_gradient_structures"):
+        optimizer.reset_partition_gradient_structures()
+    if isinstance(getattr(optimizer, "averaged_gradients", None), dict):
+        optimizer.averaged_gradients = {}
+    offload = getattr(optimizer, "parameter_offload", None)
+    if offload is not None:  # ZeRO-3: what the cut step gathered is given back
+        try:
+            offload.get_param_coordinator().reset_step()
+        except Exception:
+            pass
+        try:
+            engine.empty_partition_cache()
+        except Exception:
+            pass
+    try:
+        optimizer.zero_grad(set_to_none=True)
+    except Exception:  # (ZeRO-3's records a CUDA stream, which a CPU rank has not): by hand
+        for param in engine.module.parameters():
+            param.grad = None
+    return ["DeepSpeed's unfinished step dropped (gradients cleared)"]
 
 
 def _repair_ddp(module: Any) -> list[str]:
@@ -128,11 +169,6 @@ def _repair_ddp(module: Any) -> list[str]:
         if reducer is None:
             continue
         try:
-            reducer._check_reducer_finalized()
-            unfinished = False
-        except Exception:
-            unfinished = True
-        try:
             sub._has_rebuilt_buckets = False
             reducer._reset_state()
         except Exception as exc:  # (a torch without it)
@@ -140,9 +176,7 @@ def _repair_ddp(module: Any) -> list[str]:
             continue
         for param in sub.parameters():
             param.grad = None
-        said.append(
-            "DDP's unfinished backward dropped (gradients cleared)" if unfinished else "DDP's gradients cleared"
-        )
+        said.append("DDP's reducer reset and the interrupted step's gradients cleared")
     return said
 
 
@@ -248,8 +282,8 @@ def _checksums(named: list[tuple[str, Any]]) -> dict[str, float | None]:
                 out[key] = None
                 continue
             local = tensor.to_local()
-        if hasattr(tensor, "ds_tensor") and not getattr(tensor, "ds_persist", False):
-            out[key] = None
+        if hasattr(tensor, "ds_tensor") and (not getattr(tensor, "ds_persist", False) or not tensor.numel()):
+            out[key] = None  # a ZeRO-3 partition (its data, outside a gather, is an empty placeholder)
             continue
         flat = local.detach().reshape(-1)
         if flat.numel() > SAMPLE:

@@ -254,3 +254,84 @@ def test_the_user_s_init_timeout_is_the_pool_group_s_and_the_group_is_rebuilt_af
     next_cell_works(pool)
     again = pool.run("%%distributed --pool\ndist.init_process_group('nccl')\n1", timeout=60)
     assert again.error is None and said not in again.stderr  # said once
+
+
+# -- hangs that hooks make, and ranks that are only slow ---------------------------------------------
+
+DDP_SKIP = """%%distributed --pool
+for i in range(4):
+    if dist.get_rank() == 1 and i == 2:
+        continue  # a step skipped: rank 0 waits in its backward's gradient all-reduce
+    step()"""
+
+
+def test_a_ddp_step_one_rank_skipped_is_reported_at_the_user_s_line_and_ctrl_c_keeps_the_model(pool: Kernel) -> None:
+    shown, rest, took = stuck_then_interrupted(pool, DDP_SKIP)
+    report = reports(shown)[-1]
+    verdict = report.splitlines()[0]
+    assert re.fullmatch(
+        r"\[air_magic\] hang report: rank 1 has ended \(finished the call\) while rank 0 waits in all_reduce #\d+ "
+        r"\(Cell In\[\d+\]:8 in step, DDP's gradient all-reduce\)",
+        verdict,
+    ), report
+    assert re.search(r"\n  0 +in collective .*Cell In\[\d+\]:8 in step \(DDP's gradient all-reduce\)", report), report
+    assert took < 12, took  # AIR_MAGIC_HANG_SECONDS=2 here; benchmarks/hang times the default's 5 s
+    assert rest.error is not None and rest.error["evalue"] == (
+        "you interrupted the pool's cell; rank 0 waited in a collective that rank 1 had stopped before, so it was "
+        "stopped there: the process group was rebuilt; your names are kept, and their state is intact."
+    ), rest.error_text
+    assert (
+        "[air_magic] put back: model: DDP's reducer reset and the interrupted step's gradients cleared (every rank)."
+    ) in rest.error_text
+    next_cell_works(pool)
+
+
+def test_a_rank_that_computes_while_its_peer_waits_is_a_notice_then_one_line_when_it_arrives(pool: Kernel) -> None:
+    code = (
+        "%%distributed --pool\nimport time\nt = torch.ones(4)\ndist.all_reduce(t)\nif dist.get_rank() == 1:\n"
+        "    began, a = time.time(), torch.rand(128, 128)\n    while time.time() - began < 6:\n"
+        "        a = torch.tanh(a @ a)\ndist.all_reduce(t)\nt.tolist()"
+    )
+    res = pool.run(code, timeout=60)
+    assert res.error is None, res.error_text
+    shown = [str(d.get("text/plain", "")) for _, d, _ in res.displays]
+    assert not reports(res), shown  # no "hang report": nothing is stuck
+    notices = [s for s in shown if "is computing" in s]
+    assert notices, shown
+    assert re.fullmatch(
+        r"\[air_magic\] rank 1 is computing at Cell In\[\d+\]:8 in <module> for \d+ s; rank 0 waits in "
+        r"all_reduce #\d+ \(Cell In\[\d+\]:9 in <module>\)",
+        notices[0],
+    ), notices
+    # The last word the notebook got is true: the wait is over.
+    last = [s for s in shown if s.startswith("[air_magic] rank 1 ")][-1]
+    assert re.fullmatch(r"\[air_magic\] rank 1 reached all_reduce #\d+ after \d+ s", last), shown
+
+
+LAUNCH_DDP = """%%distributed -n 2
+import torch, torch.nn as nn, torch.distributed as dist
+dist.init_process_group("gloo")
+model = nn.parallel.DistributedDataParallel(nn.Linear(10, 5))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for i in range(4):
+    if dist.get_rank() == 1 and i == 2:
+        continue
+    opt.zero_grad()
+    model(torch.randn(4, 10)).sum().backward()
+    opt.step()
+dist.barrier()"""
+
+
+def test_a_launch_whose_rank_skipped_a_ddp_step_is_named_where_each_rank_really_waits(kernel: Kernel) -> None:
+    shown, rest, took = stuck_then_interrupted(kernel, LAUNCH_DDP)
+    verdict = reports(shown)[-1].splitlines()[0]
+    assert re.fullmatch(
+        r"\[air_magic\] hang report: ranks disagree at #\d+: rank 0 all_reduce \[55\] float32, rank 1 barrier",
+        verdict,
+    ), verdict
+    assert "Cell In[" in reports(shown)[-1] and "(DDP's gradient all-reduce)" in reports(shown)[-1]
+    assert re.search(
+        r"rank 0: in all_reduce \(DDP's gradient all-reduce\), called at Cell In\[\d+\], line 10 in <module>\n",
+        rest.stderr,
+    ), rest.stderr
+    assert "behind" not in rest.stderr, rest.stderr
