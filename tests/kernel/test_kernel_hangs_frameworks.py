@@ -81,7 +81,9 @@ def test_an_fsdp2_step_one_rank_skipped_is_reported_and_ctrl_c_leaves_one_model(
         r"rebuilt; your names are kept, and their state is intact\.",
         rest.error["evalue"],
     ), rest.error_text
-    assert re.search(r"checked on every rank: .*model \(29 of 29 parameters DTensors\)", rest.error_text), rest.error_text
+    assert re.search(r"checked on every rank: .*model \(29 of 29 parameters DTensors\)", rest.error_text), (
+        rest.error_text
+    )
     # The ranks' steps differ (rank 1 skipped one): the check said nothing of a loop counter, so
     # this test evens it, then trains.
     pool.ok("%%distributed --pool\nsteps = 0")
@@ -130,11 +132,9 @@ def test_q_at_a_breakpoint_in_a_zero3_step_stops_every_rank_at_one_point(pool: K
     began = time.monotonic()
     res = pool.run_with_stdin(code, ["q"], timeout=120)
     assert [p for p, _ in res.prompts] == ["(Pdb rank 1) "]
-    assert res.error is not None and res.error["evalue"].startswith("you interrupted the pool's cell; "), (
-        res.error_text
-    )
-    assert "their state is intact" in res.error["evalue"] or "the pool and its state are intact" in (
-        res.error["evalue"]
+    assert res.error is not None and res.error["evalue"].startswith("you interrupted the pool's cell; "), res.error_text
+    assert (
+        "their state is intact" in res.error["evalue"] or "the pool and its state are intact" in (res.error["evalue"])
     ), res.error_text
     assert time.monotonic() - began < 60
     res = pool.run(DS_CHECK, timeout=120)
