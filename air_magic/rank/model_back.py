@@ -15,6 +15,9 @@ straight to their place in a file the kernel made (the kernel side is
                                                                          dimension: coordinate 0
                                                      ZeRO-3 parameter    its flat partition (one
                                                                          kept whole: rank 0)
+                                                     a parameter a ZeRO  its fragment of the fp32
+                                                       optimizer trains  master copy (as DeepSpeed's
+                                                                         zero_to_fp32 reads it)
                                    <-------        the plan (small), rank 0's non-tensor entries
     lay out one area (offsets), or safetensors files
     ("model", id, {op: "write", places}) ----->    write(): each part copied once (converted to
@@ -125,6 +128,11 @@ def plan(namespace: dict[str, Any], name: str) -> dict[str, Any]:
             continue
         aliases[key] = first.setdefault(id(value), key)
         keys[key] = _part(value, rank)
+        if hasattr(value, "ds_id") and keys[key]["kind"] == "plain" and not value.numel():
+            raise ModelBackError(
+                f"{name!r}: {key} is a DeepSpeed ZeRO-3 parameter whose partition this rank cannot read (an empty "
+                "placeholder without its ds_tensor); nothing is returned rather than an empty tensor"
+            )
     aliases = {key: to for key, to in aliases.items() if key != to}
     buffers = {}
     if rank == 0:  # buffers a state dict leaves out (registered with persistent=False): pool.model needs them
@@ -137,6 +145,22 @@ def plan(namespace: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _part(value: Any, rank: int) -> dict[str, Any]:
     dtype = str(value.dtype).removeprefix("torch.")
+    if getattr(value, "requires_grad", False) and getattr(value, "_z3_optimizer", None) is not None:
+        # A ZeRO-3 parameter the optimizer trains: its fp32 master copy, partitioned as the
+        # parameter is (DeepSpeed's zero_to_fp32 puts these together too).
+        numel = int(value.ds_numel)
+        size = int(value.ds_tensor.numel())
+        start = min(rank * size, numel)
+        end = min(start + size, numel)
+        return {"shape": list(value.ds_shape), "dtype": "float32", "kind": "master", "box": [[start], [end - start]]}
+    if getattr(value, "requires_grad", False) and hasattr(value, "_hp_mapping"):
+        # A ZeRO-1/2 (or bf16 optimizer) parameter: its fp32 master copy is split across the
+        # ranks; this rank holds one contiguous fragment of it, or none.
+        mapping = value._hp_mapping
+        box = None
+        if mapping is not None:
+            box = [[int(mapping.lp_fragment_address.start)], [int(mapping.lp_fragment_address.numel)]]
+        return {"shape": list(value.shape), "dtype": "float32", "kind": "master", "box": box}
     if hasattr(value, "ds_tensor") and hasattr(value, "ds_shape") and not getattr(value, "ds_persist", False):
         # A DeepSpeed ZeRO-3 parameter, partitioned (a small one it keeps whole is a plain tensor).
         numel = int(value.ds_numel)
@@ -166,11 +190,15 @@ def _part(value: Any, rank: int) -> dict[str, Any]:
     return {"shape": shape, "dtype": dtype, "kind": "plain", "box": box}
 
 
+#: Parts that are a run of the key's flattened elements (a ZeRO partition, a fp32 master fragment).
+_FLAT = ("zero3", "master")
+
+
 def _span(part: dict[str, Any], element: int) -> tuple[int, int]:
     """The bytes of the key's full tensor that this rank's box lies in: its own rows where the
     box spans whole rows (a Shard(0), a ZeRO-3 partition), else the whole tensor."""
     shape, (offsets, sizes) = part["shape"], part["box"]
-    if part["kind"] == "zero3":
+    if part["kind"] in _FLAT:
         return offsets[0] * element, sizes[0] * element
     row = element
     for dim in shape[1:]:
@@ -184,7 +212,7 @@ def _span(part: dict[str, Any], element: int) -> tuple[int, int]:
 def _exact_span(part: dict[str, Any]) -> bool:
     """Whether this rank's box is exactly its span's bytes (whole rows, or a ZeRO-3 partition)."""
     shape, sizes = part["shape"], part["box"][1]
-    return part["kind"] == "zero3" or not shape or list(sizes[1:]) == list(shape[1:])
+    return part["kind"] in _FLAT or not shape or list(sizes[1:]) == list(shape[1:])
 
 
 def _in_turn(entries: dict[str, Any], places: dict[str, Any], rank: int) -> list[tuple[str, Any]]:
@@ -227,11 +255,16 @@ def write(namespace: dict[str, Any], name: str, places: dict[str, Any], dtype: s
             path, offset = places[key]
             if path not in fds:
                 fds[path] = os.open(path, os.O_RDWR)
-            out_dtype = target if target is not None and value.is_floating_point() else value.dtype
+            native = torch.float32 if part["kind"] == "master" else value.dtype
+            out_dtype = target if target is not None and value.is_floating_point() else native
             element = torch.empty((), dtype=out_dtype).element_size()
             start, length = _span(part, element)
             offsets, sizes = part["box"]
-            if part["kind"] == "zero3":
+            if part["kind"] == "master" and getattr(held, "_z3_optimizer", None) is not None:
+                local = held._z3_optimizer.get_local_fp32_param(held).detach().reshape(-1)[: sizes[0]]
+            elif part["kind"] == "master":
+                local = held._hp_mapping.hp_fragment.detach().reshape(-1)[: sizes[0]]
+            elif part["kind"] == "zero3":
                 local = held.ds_tensor.detach().reshape(-1)[: sizes[0]]
             else:
                 local = (held.to_local() if part["kind"] == "dtensor" else held).detach()

@@ -193,6 +193,43 @@ def test_a_deepspeed_zero3_model_comes_back_from_its_partitions(k: Kernel) -> No
     assert k.value("same('engine', lambda: gathered())")  # gathered() is the ranks' own
 
 
+@pytest.mark.parametrize(
+    ("stage", "bf16", "init"),
+    [(1, True, False), (2, False, False), (2, True, False), (3, True, False), (3, False, True)],
+)
+def test_a_deepspeed_engine_comes_back_as_its_own_zero_to_fp32_puts_it_together(
+    k: Kernel, tmp_path: Path, stage: int, bf16: bool, init: bool
+) -> None:
+    """ZeRO-1/2/3, bf16 or fp32, built under zero.Init or not: the full fp32 weights DeepSpeed's
+    consolidated state dict holds (its optimizer's master copy), bit for bit."""
+    pytest.importorskip("deepspeed")
+    _setup(k)
+    k.ok("import os\nos.environ['DS_ACCELERATOR'] = 'cpu'")
+    build = "nn.Sequential(nn.Linear(16, 600), nn.ReLU(), nn.Linear(600, 200), nn.ReLU(), nn.Linear(200, 4))"
+    k.ok(
+        "%%distributed --pool\n"
+        "import torch, torch.nn as nn, deepspeed\n"
+        "torch.manual_seed(0)\n"
+        "config = {'train_micro_batch_size_per_gpu': 4, 'optimizer': {'type': 'Adam', 'params': {'lr': 1e-2}},\n"
+        f"          'zero_optimization': {{'stage': {stage}}}, 'bf16': {{'enabled': {bf16}}}}}\n"
+        + (f"with deepspeed.zero.Init(config_dict_or_path=config):\n    net = {build}\n" if init else f"net = {build}\n")
+        + "engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)\n"
+        "for _ in range(3):\n"
+        f"    x = torch.randn(4, 16, dtype={'torch.bfloat16' if bf16 else 'torch.float32'})\n"
+        "    engine.backward(engine(x).float().pow(2).mean()); engine.step()\n"
+        f"engine.save_checkpoint({str(tmp_path / 'ckpt')!r})",
+        timeout=300,
+    )
+    k.ok(
+        "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+        "sd = pool.state_dict('engine')\n"
+        f"theirs = get_fp32_state_dict_from_zero_checkpoint({str(tmp_path / 'ckpt')!r})"
+    )
+    assert k.value("sorted(sd) == sorted(theirs)")
+    assert k.value("{str(v.dtype) for v in sd.values()}") == {"torch.float32"}
+    assert k.value("[key for key in theirs if not torch.equal(sd[key], theirs[key])]") == []
+
+
 def test_a_launch_s_dtensors_come_back_whole_and_held_once(k: Kernel) -> None:
     res = k.ok(
         "import torch\n"
