@@ -26,10 +26,23 @@ import pickle
 import sys
 from typing import Any
 
-__all__ = ["FR_ENV", "dump", "answer"]
+__all__ = ["FR_ENV", "dump", "answer", "retire_groups"]
 
 #: torch's switch for its Flight Recorder (the number of entries kept per process).
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+#: The recorder's ids of groups whose backend was replaced (a pool's rebuilt groups): their
+#: numbers stay in torch's dump, frozen where the cut left them, and are no longer the group's.
+_retired: set[str] = set()
+
+
+def retire_groups() -> None:
+    """Every group the recorder knows now is about to get a new backend (a new id in the
+    recorder): their old numbers are left out of what :func:`dump` answers from now on."""
+    found = dump("q")
+    if found is not None:
+        _retired.update(found["groups"])
 
 
 def dump(how: str = "c") -> dict[str, Any] | None:
@@ -90,6 +103,8 @@ def _quick(raw: dict[str, Any]) -> dict[str, Any]:
     groups: dict[str, dict[str, Any]] = {}
     pending = []
     for pg_id, status in (raw.get("pg_status") or {}).items():
+        if str(pg_id) in _retired:
+            continue
         enqueued = _int(status.get("last_enqueued_collective"))
         completed = _int(status.get("last_completed_collective"))
         groups[str(pg_id)] = {"enqueued": enqueued, "completed": completed}
@@ -102,12 +117,15 @@ def _described(raw: dict[str, Any]) -> dict[str, Any]:
     """Each group's sequence numbers, names and ranks, and its collectives not completed."""
     groups: dict[str, dict[str, Any]] = {}
     for pg_id, status in (raw.get("pg_status") or {}).items():
+        if str(pg_id) in _retired:
+            continue
         groups[str(pg_id)] = {
             "enqueued": _int(status.get("last_enqueued_collective")),
             "completed": _int(status.get("last_completed_collective")),
         }
     names = {}
-    for entry in raw.get("entries") or []:
+    entries = [e for e in raw.get("entries") or [] if str(e.get("pg_id")) not in _retired]
+    for entry in entries:
         group = entry.get("process_group") or ("", "")
         names[str(entry.get("pg_id"))] = (str(group[0]), str(group[1]))
     for pg_id, (name, desc) in names.items():
@@ -117,7 +135,7 @@ def _described(raw: dict[str, Any]) -> dict[str, Any]:
             if info.get("name") == name:
                 info["ranks"] = _ranks(config.get("ranks"))
     pending = []
-    for entry in raw.get("entries") or []:
+    for entry in entries:
         pg_id = str(entry.get("pg_id"))
         seq = _int(entry.get("collective_seq_id"))
         if entry.get("is_p2p"):

@@ -10,7 +10,10 @@ and what torch's Flight Recorder costs.
   the others make.  Seconds from that line (the last collective completed) to the front end's
   display of the report (``--samples`` cells each), then Ctrl-C (the pool stays); ranks that
   disagree (all_reduce against broadcast), the same way; and rank 1 ending the call where the
-  others make a third all_reduce (``--samples`` cells).
+  others make a third all_reduce (``--samples`` cells); a training step that rank 1 skips
+  while its peers wait in the collective the framework issued from a hook (DDP's gradient
+  all-reduce, FSDP2's all-gather, DeepSpeed ZeRO-2's all-reduce); and the same DDP skip in a
+  launch (a ``%%distributed`` cell) and under ``air-magic run`` (its stderr as it comes).
 * ``false reports``: ``--runs`` pool cells of ``--pause`` seconds (60) at the default
   ``AIR_MAGIC_HANG_SECONDS`` (5), a third each: every rank computing (matmuls) between two
   all_reduces; a rank paused in the debugger while its peer waits in an all_reduce (answered
@@ -115,18 +118,58 @@ else:
     dist.all_reduce(t)"""
 
 
+# Hooks' collectives: rank 1 skips a training step (its peers wait in the collective the
+# framework issued from backward() or forward(): DDP's gradient all-reduce, FSDP2's all-gather,
+# DeepSpeed's all-reduce).
+FRAMEWORKS = """%%distributed --pool
+import torch.nn as nn, torch.nn.functional as F, deepspeed
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+ddp = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
+ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+fsdp = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+for layer in fsdp:
+    fully_shard(layer)
+fully_shard(fsdp)
+fsdp_opt = torch.optim.SGD(fsdp.parameters(), lr=0.01)
+net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 2}}
+engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+def train(name):
+    if name == "ddp":
+        ddp_opt.zero_grad(); ddp(torch.randn(8, 64)).sum().backward(); ddp_opt.step()
+    elif name == "fsdp2":
+        fsdp_opt.zero_grad(); fsdp(torch.randn(8, 64)).sum().backward(); fsdp_opt.step()
+    else:
+        engine.backward(F.mse_loss(engine(torch.randn(4, 64)), torch.randn(4, 4))); engine.step()
+"""
+
+HOOKED = """%%distributed --pool
+for i in range(3):
+    if dist.get_rank() == 1 and i == 2:
+        open({mark!r}, "w").write(repr(time.time()))
+        continue
+    train({name!r})"""
+
+
 def detection(n: int, samples: int, workdir: str) -> dict[str, Any]:
-    kernel = Kernel(tempfile.mkdtemp(dir=workdir))
+    kernel = Kernel(tempfile.mkdtemp(dir=workdir), {"DS_ACCELERATOR": "cpu"})
     mark = os.path.join(kernel.workdir, "mark")
     out: dict[str, Any] = {}
     try:
         kernel.ok("%load_ext air_magic\n%config DistributedMagics.tracking = False")
         kernel.ok(f"%distributed_pool -n {n} --no-tracking", timeout=300)
         kernel.ok("%%distributed --pool\nimport time, torch, torch.distributed as dist", timeout=120)
+        kernel.ok(FRAMEWORKS, timeout=600)
+        hangs = 0
         for name, cell, count in (
             ("skip", SKIP, samples),
             ("disagree", DISAGREE, max(3, samples // 2)),
             ("ended", ENDED, samples),
+            ("DDP step skipped", HOOKED.replace("{name!r}", repr("ddp")), samples),
+            ("FSDP2 step skipped", HOOKED.replace("{name!r}", repr("fsdp2")), samples),
+            ("DeepSpeed step skipped", HOOKED.replace("{name!r}", repr("deepspeed")), samples),
         ):
             seconds, verdicts, outcomes = [], [], []
             for _ in range(count):
@@ -140,6 +183,14 @@ def detection(n: int, samples: int, workdir: str) -> dict[str, Any]:
                 kernel.km.interrupt_kernel()
                 end = kernel.collect(msg_id, timeout=120)
                 outcomes.append(end.error["evalue"] if end.error else "no error")
+                if "broken" in outcomes[-1]:
+                    print("   BROKEN:", end.error_text[-3000:], flush=True)
+                hangs += 1
+                if hangs % 4 == 0 or "broken" in outcomes[-1]:
+                    # A pool's groups can be rebuilt 5 times (torch's backend types): fresh ranks.
+                    kernel.ok("%distributed_pool --restart", timeout=300)
+                    kernel.ok("%%distributed --pool\nimport time, torch, torch.distributed as dist", timeout=120)
+                    kernel.ok(FRAMEWORKS, timeout=600)
                 kernel.ok("%%distributed --pool\nt = torch.ones(2); dist.all_reduce(t); t.tolist()", timeout=60)
             out[name] = {
                 "seconds": seconds,
@@ -151,6 +202,81 @@ def detection(n: int, samples: int, workdir: str) -> dict[str, Any]:
             print(f"  {n} ranks, {name}: median {out[name]['median']:.2f} s, p95 {out[name]['p95']:.2f} s", flush=True)
     finally:
         kernel.km.shutdown_kernel(now=True)
+    return out
+
+
+# DDP training from outside code's shape: rank 1 skips a step, then both reach the final
+# barrier: rank 0 waits in DDP's gradient all-reduce, rank 1 in the barrier.
+DDP_SCRIPT = """import os, sys, time, torch, torch.nn as nn, torch.distributed as dist
+dist.init_process_group("gloo")
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5)))
+opt = torch.optim.SGD(model.parameters(), lr=0.001)
+for i in range(6):
+    if dist.get_rank() == 1 and i == 3:
+        open(sys.argv[1], "w").write(repr(time.time()))
+        continue
+    opt.zero_grad()
+    nn.MSELoss()(model(torch.randn(20, 10)), torch.randn(20, 5)).backward()
+    opt.step()
+dist.barrier()
+"""
+
+
+def detection_outside(n: int, samples: int, workdir: str) -> dict[str, Any]:
+    """A DDP step skipped in a launch (a kernel's ``%%distributed`` cell) and under
+    ``air-magic run`` (its stderr read as it comes): seconds from the skip to the report."""
+    out: dict[str, Any] = {}
+    folder = tempfile.mkdtemp(dir=workdir)
+    script = os.path.join(folder, "train.py")
+    Path(script).write_text(DDP_SCRIPT)
+    mark = os.path.join(folder, "mark")
+    kernel = Kernel(tempfile.mkdtemp(dir=workdir))
+    try:
+        kernel.ok("%load_ext air_magic\n%config DistributedMagics.tracking = False")
+        cell = f"%%distributed -n {n} -- {mark}\n" + DDP_SCRIPT
+        seconds = []
+        for _ in range(samples):
+            if os.path.exists(mark):
+                os.unlink(mark)
+            msg_id = kernel.execute(cell)
+            kernel.collect(msg_id, timeout=120, until=reported)
+            seconds.append(time.time() - float(Path(mark).read_text()))
+            kernel.km.interrupt_kernel()
+            kernel.collect(msg_id, timeout=120)
+        out["launch, DDP step skipped"] = {
+            "seconds": seconds,
+            "median": statistics.median(seconds),
+            "p95": p95(seconds),
+        }
+    finally:
+        kernel.km.shutdown_kernel(now=True)
+    seconds = []
+    for _ in range(samples):
+        if os.path.exists(mark):
+            os.unlink(mark)
+        command = [sys.executable, "-m", "air_magic.cli", "run", "-n", str(n), "--no-tracking", script, "--", mark]
+        proc = subprocess.Popen(command, cwd=folder, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                if line.startswith("[air_magic] hang report:"):
+                    seconds.append(time.time() - float(Path(mark).read_text()))
+                    break
+        finally:
+            proc.send_signal(2)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    out["air-magic run, DDP step skipped"] = {
+        "seconds": seconds,
+        "median": statistics.median(seconds),
+        "p95": p95(seconds),
+    }
+    for name, data in out.items():
+        data["verdicts"], data["after_ctrl_c"] = [], []
+        print(f"  {n} ranks, {name}: median {data['median']:.2f} s, p95 {data['p95']:.2f} s", flush=True)
     return out
 
 
@@ -709,6 +835,8 @@ def run_all(args: argparse.Namespace, workdir: str) -> None:
     if "detection" in parts:
         print("detection", flush=True)
         results["detection"] = {str(n): detection(n, args.samples, workdir) for n in (2, 4)}
+        for n in (2, 4):
+            results["detection"][str(n)].update(detection_outside(n, args.samples, workdir))
     if "false-reports" in parts:
         print("false reports", flush=True)
         results["false_reports"] = false_reports(args.runs, args.pause, args.hang_seconds, workdir)
