@@ -10,8 +10,11 @@ the bytes are copied straight from each tensor's memory into the file, once, by 
 (:func:`save_safetensors`) or by the ranks that hold them (``pool.save``)::
 
     entries {key: (shape, dtype)} --plan_files--> [FilePlan(name, header, offsets)]
-        --create_files--> files of their full size, headers written
-        --each tensor's bytes--> file at 8 + len(header) + offset
+        --create_files--> temporary files beside the final ones, headers written
+        --each tensor's bytes--> file at 8 + len(header) + offset (every write's count checked:
+                                 a full disk is an OSError naming the file)
+        --commit_files--> each fsync'ed, then renamed over its final name (an earlier file of
+                          that name is replaced whole, or left untouched); discard_files on error
 
 The ``safetensors`` package reads them back (:func:`safetensors.torch.load_file`); writing
 here rather than with ``safetensors.torch.save_file`` saves a copy of every tensor into one
@@ -20,13 +23,24 @@ here rather than with ``safetensors.torch.save_file`` saves a copy of every tens
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["FilePlan", "plan_files", "create_files", "save_safetensors", "parse_size", "DTYPES"]
+__all__ = [
+    "FilePlan",
+    "plan_files",
+    "create_files",
+    "commit_files",
+    "discard_files",
+    "save_safetensors",
+    "parse_size",
+    "DTYPES",
+]
 
 #: torch dtype name -> safetensors dtype name.
 DTYPES = {
@@ -125,28 +139,99 @@ def plan_files(
 
 
 def create_files(folder: str, plans: list[FilePlan]) -> list[str]:
-    """Each planned file at its full size, its header written; the index when there are
-    several.  The files' paths."""
+    """Each planned file as a temporary file beside its final name, at its full size (sparse:
+    its bytes are allocated as they are written), its header written.  The temporary paths, in
+    the plans' order; :func:`commit_files` gives them their names."""
     os.makedirs(folder, exist_ok=True)
-    paths = []
-    for plan in plans:
-        path = os.path.join(folder, plan.name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    paths: list[str] = []
+    try:
+        for plan in plans:
+            path = os.path.join(folder, f".{plan.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            paths.append(path)
+            try:
+                # Sized only: the bytes are written in place (a full disk is an error of that write;
+                # a rank that maps a part of the file reserves that part first).
+                os.ftruncate(fd, plan.data_start + plan.size)
+                _pwrite_all(
+                    fd, len(plan.header).to_bytes(8, "little") + plan.header, 0, os.path.join(folder, plan.name)
+                )
+            finally:
+                os.close(fd)
+    except BaseException:
+        discard_files(paths)
+        raise
+    return paths
+
+
+def commit_files(folder: str, plans: list[FilePlan], paths: list[str]) -> list[str]:
+    """The temporary files written whole: each fsync'ed and renamed over its final name, the index
+    written the same way where there are several; the final paths.  Until the last rename an
+    earlier file of the same name is untouched."""
+    final = [os.path.join(folder, plan.name) for plan in plans]
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
         try:
-            # Sized only: the bytes are written in place (a full disk is an error of that write;
-            # a rank that maps a part of the file reserves that part first).
-            os.ftruncate(fd, plan.data_start + plan.size)
-            os.pwrite(fd, len(plan.header).to_bytes(8, "little") + plan.header, 0)
+            os.fsync(fd)
         finally:
             os.close(fd)
-        paths.append(path)
+    index_tmp = None
     if len(plans) > 1:
         weight_map = {key: plan.name for plan in plans for key in plan.offsets}
         total_size = sum(plan.size for plan in plans)
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as handle:
-            json.dump(index, handle, indent=2)
-    return paths
+        index_tmp = os.path.join(folder, f".model.safetensors.index.json.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        text = json.dumps(index, indent=2).encode()
+        fd = os.open(index_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            _pwrite_all(fd, text, 0, os.path.join(folder, "model.safetensors.index.json"))
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            discard_files([index_tmp])
+            raise
+        os.close(fd)
+    for path, name in zip(paths, final):
+        os.replace(path, name)
+    if index_tmp is not None:
+        os.replace(index_tmp, os.path.join(folder, "model.safetensors.index.json"))
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the renames themselves
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    return final
+
+
+def discard_files(paths: list[str]) -> None:
+    """Temporary files of a write that did not finish, removed."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _pwrite_all(fd: int, data: Any, at: int, name: str) -> None:
+    """All of ``data`` at byte ``at`` (``pwrite`` may write less: the rest is written again); a
+    full disk is an ``OSError`` (ENOSPC) that names the file being saved."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        try:
+            done = os.pwrite(fd, view, at)
+        except OSError as exc:
+            raise _naming(exc, name) from None
+        if done == 0:
+            raise _naming(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), name)
+        view, at = view[done:], at + done
+
+
+def _naming(exc: OSError, name: str) -> OSError:
+    earlier = " (the earlier file of that name, if any, is untouched)" if exc.errno == errno.ENOSPC else ""
+    return OSError(exc.errno, f"{exc.strerror}: writing {name}{earlier}", name)
 
 
 def save_safetensors(
@@ -155,7 +240,9 @@ def save_safetensors(
     """Write ``state_dict`` (tensors on any device) to ``folder`` as Hugging Face saves a model:
     ``model.safetensors``, or shards of at most ``max_shard_size`` and
     ``model.safetensors.index.json``.  Tensors that share memory are written each under its key.
-    The paths of the files written."""
+    The files are written beside their names and renamed into place once whole: a full disk
+    raises ``OSError`` (ENOSPC) naming the file, leaves no part of a file behind and leaves an
+    earlier file of the same name untouched.  The paths of the files written."""
     import torch
 
     folder = os.fspath(folder)
@@ -173,15 +260,22 @@ def save_safetensors(
         entries[key] = (list(value.shape), str(value.dtype).removeprefix("torch."))
     plans = plan_files(entries, max_shard_size)
     paths = create_files(folder, plans)
-    for plan, path in zip(plans, paths):
-        with open(path, "r+b", buffering=0) as handle:
-            for key, offset in plan.offsets.items():
-                tensor = state_dict[key].detach()
-                if tensor.device.type != "cpu":
-                    tensor = tensor.cpu()
-                tensor = tensor.contiguous()
-                if tensor.numel() == 0:
-                    continue
-                handle.seek(plan.data_start + offset)
-                handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-    return paths
+    try:
+        for plan, path in zip(plans, paths):
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                for key, offset in plan.offsets.items():
+                    tensor = state_dict[key].detach()
+                    if tensor.device.type != "cpu":
+                        tensor = tensor.cpu()
+                    tensor = tensor.contiguous()
+                    if tensor.numel() == 0:
+                        continue
+                    data = tensor.reshape(-1).view(torch.uint8).numpy()
+                    _pwrite_all(fd, data, plan.data_start + offset, os.path.join(folder, plan.name))
+            finally:
+                os.close(fd)
+        return commit_files(folder, plans, paths)
+    except BaseException:
+        discard_files(paths)
+        raise

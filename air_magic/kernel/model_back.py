@@ -403,10 +403,14 @@ def save(
             f"pool.save({name!r}): safetensors holds tensors only, and the state dict also has {_few(sorted(lay.objects))}"
         )
     files = _weights.plan_files({key: (lay.shapes[key], lay.dtypes[key]) for key in lay.shapes}, max_shard_size)
-    paths = _weights.create_files(os.fspath(folder), files)
-    places = {}
-    for plan, path in zip(files, paths):
-        for key, offset in plan.offsets.items():
-            places[key] = (os.path.abspath(path), plan.data_start + offset)
-    engine.ask("model", {"op": "write", "name": name, "places": places, "dtype": wanted}, f"pool.save({name!r})")
-    return paths
+    paths = _weights.create_files(os.fspath(folder), files)  # (temporary: renamed once whole)
+    try:
+        places = {}
+        for plan, path in zip(files, paths):
+            for key, offset in plan.offsets.items():
+                places[key] = (os.path.abspath(path), plan.data_start + offset)
+        engine.ask("model", {"op": "write", "name": name, "places": places, "dtype": wanted}, f"pool.save({name!r})")
+        return _weights.commit_files(os.fspath(folder), files, paths)
+    except BaseException:
+        _weights.discard_files(paths)
+        raise
