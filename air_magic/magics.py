@@ -220,7 +220,7 @@ class DistributedMagics(Magics):
                ...: model.weight.shape
             Out[4]: [torch.Size([1, 4]), torch.Size([1, 4])]
         """
-        args = self.distributed_pool.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
+        args = self.distributed_pool.parser.parse_args(words(line, "%distributed_pool"))  # type: ignore[attr-defined]
         from air_magic.pool import Pool, current_pool
 
         engine = current_pool()
@@ -287,7 +287,7 @@ class DistributedMagics(Magics):
             ID             OWNER  KIND  RANKS  GPUS  GPU MEM      HOST MEM   STATE    AGE  NOTEBOOK / KERNEL
             0003-5f2c91ab  alice  pool  4      0,1,2,3  9.1G ...  2.3G ...   running  12m  train.ipynb
         """
-        args = self.distributed_ps.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
+        args = self.distributed_ps.parser.parse_args(words(line, "%distributed_ps"))  # type: ignore[attr-defined]
         from air_magic.kernel import machine
 
         if args.stop:
@@ -318,7 +318,7 @@ class DistributedMagics(Magics):
 
         ``%pdb on`` opens it on its own as a rank raises, in launches too.
         """
-        args = self.distributed_debug.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
+        args = self.distributed_debug.parser.parse_args(words(line, "%distributed_debug"))  # type: ignore[attr-defined]
         from air_magic.kernel.pool import current_pool
 
         engine = current_pool()
@@ -402,16 +402,23 @@ def _show_syntax_error(shell: Any, etype: type, value: BaseException, tb: Any, t
     return stb
 
 
+def words(line: str, magic: str) -> list[str]:
+    """A magic's line split like a shell splits it, a trailing ``# comment`` left out (an
+    apostrophe in it included: ``-n 2  # let's see``); a line that cannot be split is one
+    ``UsageError`` naming the magic."""
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError as exc:  # "No closing quotation"
+        raise UsageError(f"{magic}: cannot read the options ({exc}): {line.strip()}") from None
+
+
 def _split_line(line: str) -> tuple[list[str], list[str]]:
     """The magic's own options and the script arguments after ``--``, split like a shell."""
-    try:
-        words = shlex.split(line)
-    except ValueError as exc:  # "No closing quotation"
-        raise UsageError(f"%%distributed: cannot read the options ({exc}): {line.strip()}") from None
-    if "--" in words:
-        cut = words.index("--")
-        return words[:cut], words[cut + 1 :]
-    return words, []
+    words_ = words(line, "%%distributed")
+    if "--" in words_:
+        cut = words_.index("--")
+        return words_[:cut], words_[cut + 1 :]
+    return words_, []
 
 
 def _given_once(words: list[str]) -> None:

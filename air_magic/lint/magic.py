@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import shlex
 from typing import Any, Sequence
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from air_magic.lint._files import UnreadableFile, finding_text, lines, lint_file, summary
 from air_magic.lint.diagnostics import Diagnostic
@@ -67,7 +68,11 @@ class LintMagics(Magics):
             from air_magic import distributed
             train = distributed(num_accelerators=2)(print)
         """
-        args = parse_argstring(self.air_lint, line)
+        try:  # a trailing "# comment" is left out, as on air_magic's other magics
+            split = shlex.split(line, comments=True)
+        except ValueError as exc:  # "No closing quotation"
+            raise UsageError(f"%air_lint: cannot read the options ({exc}): {line.strip()}") from None
+        args = self.air_lint.parser.parse_args(split)  # type: ignore[attr-defined]
         fix = args.fix or args.diff
         target = args.target
         if target is not None and not target.isdigit() and not os.path.exists(target):

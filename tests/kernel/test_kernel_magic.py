@@ -303,6 +303,28 @@ def test_bad_flags_are_usage_errors(k: Kernel, line: str, message: str) -> None:
     assert launch_count(k) == before
 
 
+def test_a_trailing_comment_on_any_magic_line_is_left_out(k: Kernel) -> None:
+    # The pool guide's first line, as written: the apostrophe in its comment is a comment's.
+    k.ok("%distributed_pool -n 2   # start the kernel's pool (or let the first --pool cell start it)", timeout=180)
+    assert out_value(k.run("%%distributed --pool  # it's the pool's\nimport os\nos.environ['WORLD_SIZE']")) == ["2", "2"]
+    assert out_value(k.run("%%distributed -n 2 -- --lr 0.1  # what's passed\nimport sys\nsys.argv[1:]")) == [
+        ["--lr", "0.1"],
+        ["--lr", "0.1"],
+    ]
+    k.ok("%distributed_ps  # what's running")
+    k.ok("%air_lint --history  # what's old")
+    k.ok("%distributed_pool --stop  # that's all")
+    for line, magic in (
+        ('%distributed_pool -n "2', "%distributed_pool"),
+        ("%distributed_ps --json 'x", "%distributed_ps"),
+        ("%air_lint 'x", "%air_lint"),
+    ):
+        res = k.run(line)
+        assert res.reply["status"] == "error", line
+        said = f"UsageError: {magic}: cannot read the options (No closing quotation): {line.split(' ', 1)[1]}\n"
+        assert res.stderr == said, res.stderr
+
+
 def test_config_timeout_default_applies(k: Kernel) -> None:
     k.ok("%config DistributedMagics.timeout = 2")
     try:
