@@ -306,7 +306,10 @@ def test_bad_flags_are_usage_errors(k: Kernel, line: str, message: str) -> None:
 def test_a_trailing_comment_on_any_magic_line_is_left_out(k: Kernel) -> None:
     # The pool guide's first line, as written: the apostrophe in its comment is a comment's.
     k.ok("%distributed_pool -n 2   # start the kernel's pool (or let the first --pool cell start it)", timeout=180)
-    assert out_value(k.run("%%distributed --pool  # it's the pool's\nimport os\nos.environ['WORLD_SIZE']")) == ["2", "2"]
+    assert out_value(k.run("%%distributed --pool  # it's the pool's\nimport os\nos.environ['WORLD_SIZE']")) == [
+        "2",
+        "2",
+    ]
     assert out_value(k.run("%%distributed -n 2 -- --lr 0.1  # what's passed\nimport sys\nsys.argv[1:]")) == [
         ["--lr", "0.1"],
         ["--lr", "0.1"],

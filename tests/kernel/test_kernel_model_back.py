@@ -212,7 +212,11 @@ def test_a_deepspeed_engine_comes_back_as_its_own_zero_to_fp32_puts_it_together(
         "torch.manual_seed(0)\n"
         "config = {'train_micro_batch_size_per_gpu': 4, 'optimizer': {'type': 'Adam', 'params': {'lr': 1e-2}},\n"
         f"          'zero_optimization': {{'stage': {stage}}}, 'bf16': {{'enabled': {bf16}}}}}\n"
-        + (f"with deepspeed.zero.Init(config_dict_or_path=config):\n    net = {build}\n" if init else f"net = {build}\n")
+        + (
+            f"with deepspeed.zero.Init(config_dict_or_path=config):\n    net = {build}\n"
+            if init
+            else f"net = {build}\n"
+        )
         + "engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)\n"
         "for _ in range(3):\n"
         f"    x = torch.randn(4, 16, dtype={'torch.bfloat16' if bf16 else 'torch.float32'})\n"
