@@ -39,6 +39,7 @@ from air_magic.protocol.debugging import (
     ANSWER_QUIT,
     ANSWER_SKIP,
     answers_path,
+    desk_path,
     events_path,
     paused_at,
     read_events,
@@ -75,6 +76,19 @@ class BreakpointDesk:
         self.next_rank: int | None = None
         self.quit_rank: int | None = None
         self.helped = False
+        # While this desk serves the prompts, a stopped rank waits for its turn (not ASK_SECONDS).
+        self._marker = desk_path(work_dir)
+        try:
+            os.close(os.open(self._marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+        except OSError:  # (a launch folder being removed)
+            pass
+
+    def close(self) -> None:
+        """The cell no longer serves prompts: a rank stopped from now on waits a while, then goes on."""
+        try:
+            os.unlink(self._marker)
+        except OSError:
+            pass
 
     # -- what the ranks said ---------------------------------------------------------------------
 

@@ -436,6 +436,8 @@ class Launch:
                 self.cancel()
                 self._done.wait(10)
                 raise interrupted(f"you stopped {self.label} from its debugger; every rank was stopped.") from None
+            finally:
+                desk.close()
 
     def wait_streaming(self) -> list[Any]:
         """Wait in short slices, copying rank 0's output into the cell; Ctrl-C stops the ranks."""
@@ -476,6 +478,20 @@ class Launch:
         shown = ReportShown(os.path.join(self.log_dir, "hang-report"), before=before_report)
         hangs = self.hang_watch(shown)
         self._hangs = hangs
+        try:
+            return self._serve_until_done(pump, stall, interrupt, desk, hangs)
+        finally:
+            if desk is not None:
+                desk.close()
+
+    def _serve_until_done(
+        self,
+        pump: OutputPump,
+        stall: StallWatch,
+        interrupt: "_InterruptFlag",
+        desk: BreakpointDesk | None,
+        hangs: HangWatch | None,
+    ) -> list[Any]:
         try:
             while not self._done.wait(_POLL):
                 interrupt.raise_if_set()

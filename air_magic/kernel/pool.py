@@ -670,6 +670,8 @@ class PoolEngine:
             outcome, error = _outcome_text(self, ranks, exc), exc
             raise
         finally:
+            if desk is not None:
+                desk.close()
             if self._call_now is call:
                 self._call_now = None
             # The call is kept (self._last_call: what its ranks did of it), its watch is not: the

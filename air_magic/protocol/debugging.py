@@ -15,9 +15,11 @@ Both ends live in the launch's private folder (0700), one pair per rank::
     continues: {"kind": "resumed", "text"}  ----->  the rest of its output shown
     ANSWER_QUIT (q, EOF, Interrupt): KeyboardInterrupt at the breakpoint's line
 
-The kernel takes up a first "stop" at once (ANSWER_HERE, before its prompt waits for the user);
-a rank whose first "stop" is not taken up within ``ASK_SECONDS`` (nobody waits for the launch:
-a background launch) goes on as if skipped.  Events are JSON lines, each one ``write``.
+The kernel takes up a first "stop" at once (ANSWER_HERE, before its prompt waits for the user).
+While a cell serves the prompts (``debug-desk`` is in the folder), a stopped rank waits for its
+turn however long the prompts of the ranks before it take; a rank whose first "stop" is not
+taken up within ``ASK_SECONDS`` while no cell serves them (a background launch: its
+``AIR_MAGIC_BREAKPOINT_WAIT``) goes on as if skipped.  Events are JSON lines, each one ``write``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "BREAKPOINT_WAIT_ENV",
     "POSTMORTEM_ENV",
     "answers_path",
+    "desk_path",
     "encode_event",
     "events_path",
     "paused_at",
@@ -74,6 +77,12 @@ def events_path(work_dir: str, rank: int) -> str:
 def answers_path(work_dir: str, rank: int) -> str:
     """The FIFO on which ``rank``'s debugger reads the kernel's answers (one per line)."""
     return os.path.join(work_dir, f"debug-{rank}.in")
+
+
+def desk_path(work_dir: str) -> str:
+    """There while a cell (or ``launch.debug()``) serves the ranks' prompts: a rank stopped at a
+    breakpoint then waits for its turn however long the prompts before it take."""
+    return os.path.join(work_dir, "debug-desk")
 
 
 def paused_path(work_dir: str, rank: int) -> str:

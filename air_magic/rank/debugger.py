@@ -45,6 +45,7 @@ from air_magic.protocol.debugging import (
     ASK_SECONDS,
     BREAKPOINT_WAIT_ENV,
     answers_path,
+    desk_path,
     encode_event,
     events_path,
     paused_path,
@@ -229,7 +230,10 @@ class _Answers:
         self.asked = True
         _say_paused(where)
         _send("stop", first=first, where=where, prompt=prompt, text=text, post_mortem=debugger.post_mortem)
-        line = self._line(_ask_seconds() if first else None)
+        # A cell that serves the prompts is there: this rank waits for its turn, however long the
+        # prompts of the ranks before it take.  Else (a background launch) a while, then on.
+        served = os.path.exists(desk_path(_where["work_dir"]))
+        line = self._line(_ask_seconds() if first and not served else None)
         if line == ANSWER_HERE:  # the kernel took it up: its user answers when they will
             line = self._line(None)
         if line is None or line == ANSWER_SKIP:

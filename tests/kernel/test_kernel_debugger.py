@@ -89,6 +89,20 @@ def test_pdb_set_trace_ipython_s_set_trace_and_all_c_for_two_stopped_ranks(kerne
     assert len(res.prompts) == 2
 
 
+def _slow_at_rank_0(prompt: str, res: Any) -> str:
+    if prompt == "(Pdb rank 0) ":
+        time.sleep(7)  # longer than a rank waits for a cell that serves nobody (5 s)
+    return "c"
+
+
+def test_every_stopped_rank_gets_its_prompt_however_long_the_one_before_takes(kernel: Kernel) -> None:
+    res = kernel.run_with_stdin(STOP_BOTH, _slow_at_rank_0, timeout=90)
+    assert res.error is None, res.error_text
+    assert res.result == "[(5, 6), (5, 6)]"
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 0) ", "(Pdb rank 1) "]
+    assert "skipped" not in res.stdout + res.stderr
+
+
 def test_without_stdin_a_breakpoint_is_skipped_with_one_line_and_never_hangs(kernel: Kernel) -> None:
     res = kernel.run(STOP_BOTH, timeout=60)  # allow_stdin=False, as nbclient and papermill send cells
     assert res.error is None, res.error_text
@@ -170,6 +184,17 @@ def test_q_on_a_pool_s_dist_breakpoint_keeps_the_pool_and_its_names(pool_kernel:
     ), res.error_text
     assert pool_pids(kernel) == pids
     assert kernel.value("%%distributed --pool\nimport torch.distributed as dist\ndist.barrier()\nkept + 1") == [42, 42]
+
+
+def test_a_pool_s_stopped_ranks_each_get_their_prompt_however_long_the_one_before_takes(
+    pool_kernel: Kernel,
+) -> None:
+    code = "%%distributed --pool\nx = 5\nbreakpoint()\ny = x + 1\n(x, y)"
+    res = pool_kernel.run_with_stdin(code, _slow_at_rank_0, timeout=90)
+    assert res.error is None, res.error_text
+    assert res.result == "[(5, 6), (5, 6)]"
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 0) ", "(Pdb rank 1) "]
+    assert "skipped" not in res.stdout + res.stderr
 
 
 def test_a_pool_cell_without_stdin_skips_its_breakpoint(pool_kernel: Kernel) -> None:
