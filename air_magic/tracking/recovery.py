@@ -45,7 +45,9 @@ class Recovered:
     run_id: str | None
     #: ``"sent"``: everything is in the run, the spool is gone; ``"waiting"``: the store
     #: did not answer, the spool stays; ``"dropped"``: its local store no longer exists;
-    #: ``"failed"``: the store refused to make the run (``reason``), the spool stays.
+    #: ``"kept"``: its local store's folder no longer exists: the spool was moved to
+    #: ``kept_at`` and is not tried again; ``"failed"``: the store refused to make the run
+    #: (``reason``), the spool stays.
     outcome: str
     points: int  # metric points sent now ("sent"), or still waiting ("waiting", "dropped")
     status: str | None = None  # the status the run was given
@@ -55,6 +57,7 @@ class Recovered:
     #: told once on this machine, not once per kernel, until it changes.
     unusable: bool = False
     origin: str = ""  # what launched it: "train in work/train.ipynb"
+    kept_at: str = ""  # ("kept") where its spool was moved: it is never tried again
 
     def line(self) -> str:
         """The one line a user sees about it."""
@@ -69,6 +72,11 @@ class Recovered:
             return text + (f"; skipped what the store refused: {self.skipped}" if self.skipped else "")
         if self.outcome == "dropped":
             return f"dropped {_points(self.points)} of launch {self.launch_id}: {self.reason}"
+        if self.outcome == "kept":
+            return (
+                f"launch {self.launch_id} left {_points(self.points)} for {store_name(self.tracking_uri)}, and "
+                f"{self.reason}: they are kept in {self.kept_at} and not tried again"
+            )
         if self.outcome == "waiting":
             return f"{store_name(self.tracking_uri)} is still unreachable ({self.reason})"
         return f"could not send launch {self.launch_id} to {store_name(self.tracking_uri)}: {self.reason}"
@@ -132,6 +140,20 @@ def _recover(spool: Spool) -> Recovered | None:
     launch_id = str(journal["launch_id"])
     status = str(journal.get("status") or "KILLED")
     path = local_store_path(uri)
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        # The store's own folder was deleted (a test run's, a project removed): no kernel could
+        # ever send these, so they are moved out of the way, kept, and said once.
+        waiting = _count_points(spool)
+        kept = _keep(spool)
+        return Recovered(
+            launch_id,
+            uri,
+            journal.get("run_id"),
+            "kept",
+            waiting,
+            reason=f"the folder of its store, {os.path.dirname(os.path.abspath(path))}, no longer exists",
+            kept_at=kept,
+        )
     # A store told unusable was moved away as its line said: a new one is made there.  A
     # store the launch's writer never made (its kernel died first) is made now; only one that
     # existed and is gone was deleted by the user, and its points go with it.
@@ -185,6 +207,18 @@ def _recover(spool: Spool) -> Recovered | None:
         skipped=uploader.skipped_text() or None,
         origin=str(journal.get("origin") or ""),
     )
+
+
+def _keep(spool: Spool) -> str:
+    """Move a spool no store will take out of the folder every kernel looks in (it stays on
+    disk, in the user's state folder); where it went."""
+    from air_magic.protocol.private import private_dir
+    from air_magic.protocol.spool import state_dir
+
+    kept = private_dir(os.path.join(private_dir(state_dir(), "state"), "unsent"), "state")
+    target = os.path.join(kept, os.path.basename(spool.folder))
+    os.replace(spool.folder, target)
+    return target
 
 
 def _count_points(spool: Spool) -> int:

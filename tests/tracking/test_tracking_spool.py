@@ -412,6 +412,7 @@ def test_recovery_sends_only_what_was_not_sent_and_keeps_the_launchs_status(stat
 def test_an_orphan_whose_local_store_is_gone_is_dropped_and_said_so(state: str, tmp_path: Any, capsys: Any) -> None:
     from air_magic.tracking import upload_pending
 
+    (tmp_path / "deleted").mkdir()  # the store's folder is there, its file was deleted
     uri = sqlite_uri(tmp_path / "deleted")
     orphan(uri, {0: metric_lines("loss", 12)})
     capsys.readouterr()
@@ -422,6 +423,27 @@ def test_an_orphan_whose_local_store_is_gone_is_dropped_and_said_so(state: str, 
         f"[air_magic] dropped 12 points of launch 0001-deadbeef: its store {path} no longer exists.\n"
     )
     assert not os.path.exists(path) and Spool.folders() == []
+
+
+def test_an_orphan_whose_store_s_folder_is_gone_is_kept_said_once_and_never_tried_again(
+    state: str, tmp_path: Any, capsys: Any
+) -> None:
+    from air_magic.tracking import upload_pending
+    from air_magic.tracking.recovery import recover_pending
+
+    uri = sqlite_uri(tmp_path / "a-test-run-s-folder")  # deleted with the folder (never made here)
+    orphan(uri, {0: metric_lines("loss", 12)})
+    capsys.readouterr()
+    [result] = upload_pending()
+    kept = os.path.join(state, "unsent", "0001-deadbeef")
+    assert (result.outcome, result.points, result.kept_at) == ("kept", 12, kept)
+    assert capsys.readouterr().err == (
+        f"[air_magic] launch 0001-deadbeef left 12 points for {os.path.join(str(tmp_path / 'a-test-run-s-folder'), 'mlflow.db')}, "
+        f"and the folder of its store, {tmp_path / 'a-test-run-s-folder'}, no longer exists: they are kept in {kept} and "
+        "not tried again.\n"
+    )
+    assert os.path.isdir(kept) and Spool.folders() == []
+    assert recover_pending() == []  # every later kernel: nothing to try, nothing said
 
 
 def test_one_refused_point_in_a_thousand_costs_only_itself(state: str, tmp_path: Any) -> None:
