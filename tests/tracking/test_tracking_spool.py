@@ -438,7 +438,7 @@ def test_an_orphan_whose_store_s_folder_is_gone_is_kept_said_once_and_never_trie
     kept = os.path.join(state, "unsent", "0001-deadbeef")
     assert (result.outcome, result.points, result.kept_at) == ("kept", 12, kept)
     assert capsys.readouterr().err == (
-        f"[air_magic] launch 0001-deadbeef left 12 points for {os.path.join(str(tmp_path / 'a-test-run-s-folder'), 'mlflow.db')}, "
+        f"[air_magic] launch 0001-deadbeef left 12 points for MLflow store {uri}, "
         f"and the folder of its store, {tmp_path / 'a-test-run-s-folder'}, no longer exists: they are kept in {kept} and "
         "not tried again.\n"
     )
