@@ -212,6 +212,11 @@ class ClaimObserver:
             starts = [registry.process_start(pid) for pid in pids]
             self.holder.update(pids=pids, pid_starts=starts, state="running")
 
+    def state_changed(self, launch: "Launch", state: str) -> None:
+        """What the launch does now, in its record (a pool: idle, or running a call)."""
+        if self.holder is not None and self.holder.record.state != state:
+            self.holder.update(state=state)
+
     def after_end(self, launch: "Launch") -> None:
         if self.holder is None:
             return

@@ -258,6 +258,18 @@ class Launch:
         kernel's streams themselves."""
         self._notices.append((line, stream))
 
+    def set_machine_state(self, state: str) -> None:
+        """What the machine's list (``air-magic ps``, the sidebar's "On this machine") says the
+        launch does now: a pool's ``idle`` between calls, ``running Cell In[5]`` during one."""
+        for observer in self.observers:
+            changed = getattr(observer, "state_changed", None)
+            if changed is None:
+                continue
+            try:
+                changed(self, state)
+            except Exception:  # the list is a description: never a call's failure
+                pass
+
     def notify_call(self, show: Callable[[], None]) -> None:
         """Like :meth:`notify`, for an observer's display (the panel's summary): ``show()``
         is called, in turn with the lines, by the thread that prints them; for a cell that

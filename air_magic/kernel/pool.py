@@ -284,6 +284,7 @@ class PoolEngine:
         self.rank_names = set()
         self._told_shadowed.clear()
         self.started_at = time.time()
+        self._ranks.launch.set_machine_state("idle")  # (the machine's list: no call runs yet)
         with _pools_lock:
             if self not in _pools:
                 _pools.append(self)
@@ -642,6 +643,8 @@ class PoolEngine:
             desk = BreakpointDesk(launch.work_dir, len(ranks.conns), from_now=True)
         call.states = {r: "running" for r in range(len(ranks.conns))}
         self._call_now = self._last_call = call
+        if kind in ("cell", "call"):
+            launch.set_machine_state(f"running {label}")
         self.current = label
         self.cells += 1
         watchers: list[Any] = []
@@ -672,6 +675,8 @@ class PoolEngine:
         finally:
             if desk is not None:
                 desk.close()
+            if kind in ("cell", "call") and not ranks.broken:
+                launch.set_machine_state("idle")
             if self._call_now is call:
                 self._call_now = None
             # The call is kept (self._last_call: what its ranks did of it), its watch is not: the

@@ -137,7 +137,7 @@ def _ps_and_stop(k: Any) -> None:
         "pool",
         2,
         "ps.ipynb",
-        "running",
+        "idle",  # a pool between cells: as the notebook's own item says
     )
     assert len(row["pids"]) == 2 and row["kernel"] and row["gpus"] == []
     assert all(isinstance(v, int) and v > 0 for v in row["host_memory"])
@@ -150,6 +150,8 @@ def _ps_and_stop(k: Any) -> None:
     cell = k.execute("%%distributed --pool\nimport time\nprint('began', flush=True)\ntime.sleep(60)")
     began = k.collect(cell, timeout=60, until=lambda r: "began" in r.stdout)
     assert began.error is None
+    (during,) = json.loads(_cli("ps", "--json").stdout)
+    assert re.fullmatch(r"running Cell In\[\d+\]", during["state"]), during
     stopped = _cli("stop", row["id"])
     assert stopped.returncode == 0, stopped.stderr
     assert stopped.stdout.strip() == f"pool {row['id']} of {row['owner']}: 2 ranks stopped"
