@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from air_magic._version import __version__
-from air_magic.errors import CaptureError, ConfigurationError, render_lines
+from air_magic.errors import CaptureError, ConfigurationError, LaunchCancelledError, render_lines
 from air_magic.options import add_launch_arguments
 
 if TYPE_CHECKING:  # what launches is imported by run only: ps and stop answer without it
@@ -315,7 +315,8 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.write("\n".join(render_lines(exc)) + "\n")
         sys.stderr.flush()
-        return EXIT_FAILED
+        # Stopped (air-magic stop, the sidebar's Stop): interrupted, as a shell's Ctrl-C says it.
+        return EXIT_INTERRUPTED if isinstance(exc, LaunchCancelledError) else EXIT_FAILED
     if any(value is not None for value in values):
         for rank, value in enumerate(values):
             print(f"rank {rank}: {value!r}")

@@ -10,7 +10,8 @@ claims (the list is :mod:`air_magic.protocol.registry`; ``air-magic ps`` and ``s
         them), looking again every 0.2 s; --no-wait / wait=False: refuse at once, in the same words
         CPU ranks: the record only
     when the ranks have started: their pids in the record
-    when the launch has ended: the record goes; a stop asked from outside is said in the cell
+    when the launch has ended: the record goes (a stop asked from outside is the launch's
+    outcome: :meth:`Launch._on_exit` reads who asked, the cell's error says it)
 
 A record dies with its holder (the kernel's process): a killed kernel's GPUs are free for the
 next look.
@@ -18,7 +19,6 @@ next look.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -220,16 +220,6 @@ class ClaimObserver:
     def after_end(self, launch: "Launch") -> None:
         if self.holder is None:
             return
-        try:
-            with open(registry.stopped_path(launch.id)) as handle:
-                who = json.load(handle)
-            launch.notify(
-                f"[air_magic] this launch was stopped from outside: {who.get('via', 'air-magic stop')} by {who.get('user', '?')} "
-                f"(pid {who.get('pid', '?')} on {who.get('host', '?')}) at {who.get('at', '?')}.",
-                "stderr",
-            )
-        except (OSError, ValueError):
-            pass
         self.holder.close()
         self.holder = None
 

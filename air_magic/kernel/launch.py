@@ -45,6 +45,7 @@ from air_magic.kernel.rank_output import (
     request_stacks,
 )
 from air_magic.protocol import (
+    INTERRUPTED_EXIT,
     Exited,
     LaunchRequest,
     Started,
@@ -189,6 +190,9 @@ class Launch:
         self.request: LaunchRequest | None = None  # what the helper was sent
         self.sent_again = False  # to a new helper, the first having gone before starting it
         self._cancel_requested = False
+        #: Who stopped it from outside (``air-magic stop by alice (pid 42 on gpu-box) at
+        #: 12:00:01``), once a rank ended by that stop.
+        self.stopped_by: str | None = None
         #: A pool's ranks: what cancel() (a panel's Stop) does instead of stopping them; it
         #: interrupts the pool's running call as Ctrl-C does (True if there was one).
         self.cancel_instead: Callable[[], bool] | None = None
@@ -586,10 +590,36 @@ class Launch:
         state.left = returncode == 0 and not os.path.exists(_results.result_path(self.work_dir, rank))
         if returncode == 0 and not state.left and self._left_before_the_rendezvous(rank):
             state.left = state.returned_early = True
+        if returncode != 0 and self._stop_reason is None and self.stopped_from_outside():
+            # air-magic stop (or the sidebar's Stop) ended it: a stop, said with who asked.
+            state.stopped = True
+            self._cancel_requested = True
+            self.launcher.send(Stop(self.id, "cancel"))
+            return
+        if returncode == INTERRUPTED_EXIT and self._stop_reason is None:
+            # Its code was interrupted (q at its breakpoint): the launch is cancelled, not failed.
+            state.stopped = True
+            self._cancel_requested = True
+            self.launcher.send(Stop(self.id, "cancel"))
+            return
         if (returncode != 0 or state.left) and self._stop_reason is None:
             self._failures.append(rank)
             if state.left and self.world_size > 1:
                 self.launcher.send(Stop(self.id, "failure"))
+
+    def stopped_from_outside(self) -> bool:
+        """Whether someone allowed to stop this launch asked it (``air-magic stop``, the
+        sidebar): who, kept for the outcome's message."""
+        if self.stopped_by is None:
+            from air_magic.protocol import registry
+
+            try:
+                request = registry.stop_request(self.id)
+            except OSError:  # (the list's folder cannot be trusted: no request there)
+                request = None
+            if request is not None:
+                self.stopped_by = registry.describe_stop(request)
+        return self.stopped_by is not None
 
     def _left_before_the_rendezvous(self, rank: int) -> bool:
         """``rank`` returned without entering init_process_group(): mark it for ranks that
@@ -774,6 +804,7 @@ class Launch:
             error_text=self._error_text,
             stop_reason=self._stop_reason,
             cancel_requested=self._cancel_requested,
+            stopped_by=self.stopped_by,
             failures=tuple(self._failures),
             shown_rank=0 if self._pump is not None else None,
         )

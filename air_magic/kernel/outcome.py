@@ -102,6 +102,7 @@ class Ending:
     cancel_requested: bool = False
     failures: tuple[int, ...] = ()  # ranks that failed on their own, in the order seen
     shown_rank: int | None = None  # the rank whose output the cell showed as it ran (rank 0)
+    stopped_by: str | None = None  # who stopped it from outside (air-magic stop, the sidebar)
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,12 @@ def decide(
             error.add_note(where)
         return Outcome("timed out", False, error)
     if _cancelled(ending):
+        if ending.stopped_by:
+            return Outcome(
+                "cancelled",
+                False,
+                LaunchCancelledError(f"{ending.label} was stopped from outside: {ending.stopped_by}; {stopped(n)}."),
+            )
         return Outcome(
             "cancelled", False, LaunchCancelledError(f"the launch of {ending.label} was cancelled; {stopped(n)}.")
         )

@@ -888,6 +888,17 @@ class PoolEngine:
 
     def _fault(self, call: _Call, records: dict[int, Any], pending: dict[int, Connection], because: str) -> None:
         ranks = call.ranks
+        if ranks.launch.local_processes and ranks.launch.stopped_from_outside():
+            # air-magic stop (or the sidebar's Stop) ended its ranks: a stop, said with who asked.
+            for rank in pending:
+                call.states[rank] = "stopped"
+            self.break_ranks(ranks, f"it was stopped from outside: {ranks.launch.stopped_by}")
+            n = len(ranks.conns)
+            raise PoolBrokenError(
+                f"the pool was stopped from outside while {call.label} ran on it: {ranks.launch.stopped_by}; "
+                f"its {n} rank{'s' * (n != 1)} were stopped, so this call has no values, and the next pool cell "
+                "starts fresh ones (the state of these is lost)."
+            )
         errors = {r: rec for r, rec in records.items() if isinstance(rec, ErrorRecord)}
         own = {r: e for r, e in errors.items() if not _outcome.is_echo(e.type_name, e.message)}
         # Who ended on its own, read before the others are stopped (their exits would blur it);

@@ -148,6 +148,8 @@ class Interrupt:
     # -- every rank back ---------------------------------------------------------------------------
 
     def _finish(self) -> NoReturn:
+        for rank in self.cut:  # (its collective raised because it was cut: the interrupt stopped it)
+            self.call.states[rank] = "interrupted"
         why_rebuilt = self._why_rebuild()
         if why_rebuilt:
             why = self.engine.rebuild_group(self.call)

@@ -67,6 +67,7 @@ from air_magic.protocol.paths import (
 )
 from air_magic.protocol.processes import (
     FINAL_STACK_SIGNAL,
+    INTERRUPTED_EXIT,
     LAUNCH_ID_ENV,
     STACK_SIGNAL,
     STOP_ESCALATION,
@@ -141,6 +142,7 @@ __all__ = [
     "spool_file_rank",
     "STACK_SIGNAL",
     "FINAL_STACK_SIGNAL",
+    "INTERRUPTED_EXIT",
     "STOP_ESCALATION",
     "signal_rank",
     "LAUNCH_ID_ENV",

@@ -17,6 +17,9 @@ STACK_SIGNAL = signal.SIGRTMAX - 3
 #: signal (faulthandler chained to the default action), so no user code runs after the
 #: limit has passed -- a C call that the signal cut short cannot return a value.
 FINAL_STACK_SIGNAL = signal.SIGRTMAX - 4
+#: A rank's exit code when its code ended by KeyboardInterrupt (``q`` at its breakpoint, a
+#: Ctrl-C): an interrupt, not a failure, as a shell's 128 + SIGINT says it.
+INTERRUPTED_EXIT = 130
 
 #: How a backend stops a launch's ranks, by the stop's reason: (delay in seconds, signal).
 STOP_ESCALATION: dict[str, list[tuple[float, signal.Signals]]] = {

@@ -43,6 +43,8 @@ __all__ = [
     "process_start",
     "user_name",
     "stopped_path",
+    "stop_request",
+    "describe_stop",
 ]
 
 #: Where the records are (default ``<tempdir>/air-magic-launches``).
@@ -153,6 +155,38 @@ def process_start(pid: int) -> int | None:
 
 def stopped_path(launch_id: str) -> str:
     return os.path.join(folder(), f"{launch_id}.stopped")
+
+
+def stop_request(launch_id: str, owner: int | None = None) -> dict[str, Any] | None:
+    """Who asked ``air-magic stop`` (or the sidebar's Stop) for ``launch_id``: the request's
+    fields, or None where there is none to believe.  The file is opened without following a
+    link and without blocking (a FIFO answers nothing), and is believed only when it is a
+    regular file owned by the launch's owner (``owner``, this process's user by default) or
+    by root, small, and a request (``via``, ``user``, ``pid``, ``host``, ``at``)."""
+    owner = os.getuid() if owner is None else owner
+    try:
+        fd = os.open(stopped_path(launch_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid not in (owner, 0) or info.st_size > MAX_BYTES:
+            return None
+        data = json.loads(os.read(fd, MAX_BYTES + 1))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("via", "user", "host", "at")):
+        return None
+    if not isinstance(data.get("pid"), int) or isinstance(data.get("pid"), bool):
+        return None
+    return data
+
+
+def describe_stop(request: dict[str, Any]) -> str:
+    """``air-magic stop by root (pid 123 on gpu-box) at 12:00:01``."""
+    return f"{request['via']} by {request['user']} (pid {request['pid']} on {request['host']}) at {request['at']}"
 
 
 class Holder:

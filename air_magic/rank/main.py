@@ -42,6 +42,7 @@ import cloudpickle
 
 from air_magic.protocol import (
     FINAL_STACK_SIGNAL,
+    INTERRUPTED_EXIT,
     LEFT_PREFIX,
     RESULT_NAME,
     STACK_SIGNAL,
@@ -597,7 +598,8 @@ def _run(request: LaunchRequest, rank: int) -> int:
             _debugger.post_mortem(exc)  # the kernel's %pdb is on: pdb in this rank's frames first
         _hold_stop_signals()
         record = _error_record(exc, sources)
-        code = 1
+        # An interrupt (q at its breakpoint, a Ctrl-C) is no failure: 130, as a shell says it.
+        code = INTERRUPTED_EXIT if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         _flush_exit_hooks()
     # The record first: it travels on air_magic's own channel (a file of the launch's folder),

@@ -156,8 +156,13 @@ def _ps_and_stop(k: Any) -> None:
     assert stopped.returncode == 0, stopped.stderr
     assert stopped.stdout.strip() == f"pool {row['id']} of {row['owner']}: 2 ranks stopped"
     res = k.collect(cell, timeout=60)
-    assert res.error is not None
-    assert f"this launch was stopped from outside: air-magic stop by {row['owner']}" in res.stdout + res.stderr
+    assert res.error is not None and res.error["ename"] == "PoolBrokenError", res.error_text
+    assert re.fullmatch(
+        rf"the pool was stopped from outside while Cell In\[\d+\] ran on it: air-magic stop by {row['owner']} "
+        r"\(pid \d+ on \S+\) at \d\d:\d\d:\d\d; its 2 ranks were stopped, so this call has no values, and the "
+        r"next pool cell starts fresh ones \(the state of these is lost\)\.",
+        res.error["evalue"],
+    ), res.error["evalue"]
     assert json.loads(_cli("ps", "--json").stdout) == []
     unknown = _cli("stop", "0042-nothere")
     assert unknown.returncode == 1

@@ -579,8 +579,13 @@ def _machine_in_the_sidebar(lab: dict[str, Any], tools: Page, run: subprocess.Po
     _poll_dialog(tools, f"Stop run {row['id']}?")
     tools.page.locator(".jp-Dialog .jp-mod-warn").last.click()
     out, err = run.communicate(timeout=60)
-    assert run.returncode == 1, (out, err)
-    assert "this launch was stopped from outside: the JupyterLab sidebar by" in err, err
+    assert run.returncode == 130, (out, err)  # stopped: an interrupt, as a shell's Ctrl-C says it
+    assert re.search(
+        r"LaunchCancelledError: train\.py was stopped from outside: the JupyterLab sidebar by \S+ \(pid \d+ on \S+\) "
+        r"at \d\d:\d\d:\d\d; its 2 ranks were stopped\.",
+        err,
+    ), err
+    assert "failed" not in err and "RankCrashedError" not in err, err
     deadline = time.monotonic() + 30
     while row["id"] in tools.evaluate(MACHINE):
         assert time.monotonic() < deadline, "the stopped run stayed in the list"
