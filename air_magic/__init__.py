@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from air_magic.backends.ray.ray_init import ray_init
     from air_magic.data.weights import save_safetensors
     from air_magic.decorator import DistributedFunction, distributed
-    from air_magic.kernel.claims import GPUsBusyError
+    from air_magic.kernel.claims import GPUClaimsError, GPUsBusyError
     from air_magic.kernel.launcher import Launch
     from air_magic.kernel.model_back import ModelBackError
     from air_magic.pool import Pool, PoolBrokenError, PoolBusyError, PoolCall
@@ -52,6 +52,7 @@ __all__ = [
     "PoolBusyError",
     "ModelBackError",
     "GPUsBusyError",
+    "GPUClaimsError",
     "AcceleratorType",
     "GPUType",
     "ray_init",
@@ -98,6 +99,7 @@ _LAZY = {
     "ModelBackError": "air_magic.kernel.model_back",
     # a launch told not to wait for GPUs another one holds
     "GPUsBusyError": "air_magic.kernel.claims",
+    "GPUClaimsError": "air_magic.kernel.claims",
 }
 
 

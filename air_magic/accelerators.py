@@ -383,6 +383,31 @@ def gpu_processes() -> list[tuple[int, str, list[tuple[int, int]]]]:
         return found
 
 
+def gpu_nodes() -> dict[str, tuple[str, int, int]]:
+    """Where each device CUDA can run on is claimed (:mod:`air_magic.protocol.gpu_locks`): its
+    UUID -> (its GPU's device node, the byte range a claim locks); a device whose node NVML
+    cannot name is left out (a launch on it is refused: it cannot be claimed safely)."""
+    from air_magic.protocol import gpu_locks
+
+    found: dict[str, tuple[str, int, int]] = {}
+    with _nvml() as nvml:
+        if nvml is None:
+            return found
+        for _index, handle in _cuda_devices(nvml):
+            try:
+                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+                if is_mig(uuid):
+                    parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+                    minor = int(nvml.nvmlDeviceGetMinorNumber(parent))
+                    instance: int | None = int(nvml.nvmlDeviceGetGpuInstanceId(handle))
+                else:
+                    minor, instance = int(nvml.nvmlDeviceGetMinorNumber(handle)), None
+            except Exception:  # (an NVML without the call)
+                continue
+            found[uuid] = (gpu_locks.node_path(minor), *gpu_locks.lock_range(instance))
+    return found
+
+
 # -- live numbers (the launch panel) -------------------------------------------------------
 
 

@@ -29,9 +29,16 @@ Environment variable             Setting (default)
 ``AIR_MAGIC_GPU_BUSY_MIB``       ``gpu_busy_mib``: MiB of a GPU's memory processes outside
                                  air_magic may use before a launch's claim counts the GPU as
                                  busy (1024)
-``AIR_MAGIC_REGISTRY``           the machine's list of launches and pools (GPU claims,
-                                 ``air-magic ps``): ``<tempdir>/air-magic-launches``; read by
-                                 :mod:`air_magic.protocol.registry`
+``AIR_MAGIC_GPU_CLAIMS``          ``gpu_claims``: ``on`` (default): a GPU launch claims its GPUs
+                                 (a lock on each device node) and is refused where they cannot
+                                 be claimed safely; ``off``: it runs unclaimed, other notebooks
+                                 may land on the same GPUs
+``AIR_MAGIC_REGISTRY``           the machine's list of launches and pools (``air-magic ps``,
+                                 the sidebar): ``/tmp/air-magic-launches``, one for the machine
+                                 whatever TMPDIR says; read by :mod:`air_magic.protocol.registry`
+``AIR_MAGIC_DEVICE_NODES``       where the GPUs' device nodes are (``/dev``; tests put files
+                                 standing in for them elsewhere); read by
+                                 :mod:`air_magic.protocol.gpu_locks`
 ``AIR_MAGIC_LOG_LIMIT``          ``log_limit``: bytes of each rank's log kept after a launch
                                  (16 MiB; a whole number of bytes)
 ``AIR_MAGIC_SHM_DIR``            ``shm_dir``: where large result tensors travel (``/dev/shm``;
@@ -109,6 +116,7 @@ OUTPUT_LIMIT_ENV = "AIR_MAGIC_OUTPUT_LIMIT"
 STALL_SECONDS_ENV = "AIR_MAGIC_STALL_SECONDS"
 HANG_SECONDS_ENV = "AIR_MAGIC_HANG_SECONDS"
 GPU_BUSY_MIB_ENV = "AIR_MAGIC_GPU_BUSY_MIB"
+GPU_CLAIMS_ENV = "AIR_MAGIC_GPU_CLAIMS"
 LOG_LIMIT_ENV = "AIR_MAGIC_LOG_LIMIT"
 SHM_DIR_ENV = "AIR_MAGIC_SHM_DIR"
 #: Environment variable that replaces the default bound on CPU ranks.
@@ -336,6 +344,16 @@ class Settings:
         return text
 
     @property
+    def gpu_claims(self) -> bool:
+        """Whether GPU launches claim their GPUs (``AIR_MAGIC_GPU_CLAIMS``: on, or off)."""
+        text = self._env(GPU_CLAIMS_ENV, "on").strip().lower() or "on"
+        if text in ("on", "1", "true", "yes"):
+            return True
+        if text in ("off", "0", "false", "no"):
+            return False
+        raise ConfigurationError(f"{GPU_CLAIMS_ENV} must be on or off, got {text!r}; unset it for on.")
+
+    @property
     def ray_place_timeout(self) -> float:
         """Seconds a Ray launch waits for room on the cluster (``AIR_MAGIC_RAY_PLACE_TIMEOUT``, 60)."""
         return self._number(RAY_PLACE_TIMEOUT_ENV, 60.0)
@@ -395,6 +413,7 @@ _CHECKED = (
     "stall_seconds",
     "hang_seconds",
     "gpu_busy_mib",
+    "gpu_claims",
     "log_limit",
     "log_keep_days",
     "log_keep_mb",

@@ -1,39 +1,45 @@
 """One GPU box, many notebooks: each launch and pool in the machine's list, and the GPUs it
-claims (the list is :mod:`air_magic.protocol.registry`; ``air-magic ps`` and ``stop`` read it)::
+claims (the list is :mod:`air_magic.protocol.registry`, the claims
+:mod:`air_magic.protocol.gpu_locks`; ``air-magic ps`` and ``stop`` read both)::
 
     before the ranks start (an observer, the first):
-        GPU ranks: under the machine's claims lock, the GPUs this kernel may use (NVML,
-        CUDA_VISIBLE_DEVICES honoured) less those live records claim and those processes
-        outside air_magic use heavily (AIR_MAGIC_GPU_BUSY_MIB) --> enough free: the record is
-        written with them, and the ranks get CUDA_VISIBLE_DEVICES = their UUIDs
-                                                       --> not enough: wait (said once: who holds
-        them), looking again every 0.2 s; --no-wait / wait=False: refuse at once, in the same words
+        GPU ranks: the GPUs this kernel may use (NVML, CUDA_VISIBLE_DEVICES honoured) less those
+        processes outside air_magic use heavily (AIR_MAGIC_GPU_BUSY_MIB), in order: each one's
+        lock on its device node taken --> enough taken: the record written with them (a
+        description), the ranks get CUDA_VISIBLE_DEVICES = their UUIDs, the locks held until
+        the launch ends
+                                   --> not enough: the ones taken let go; wait (said once: who
+        holds them, from the records), looking again every 0.2 s; --no-wait / wait=False:
+        refuse at once, in the same words
+                                   --> a node that cannot be locked (missing, not allowed): the
+        launch is refused, saying why (fail closed; AIR_MAGIC_GPU_CLAIMS=off runs unclaimed)
         CPU ranks: the record only
     when the ranks have started: their pids in the record
-    when the launch has ended: the record goes (a stop asked from outside is the launch's
-    outcome: :meth:`Launch._on_exit` reads who asked, the cell's error says it)
+    when the launch has ended: the locks let go, the record gone
 
-A record dies with its holder (the kernel's process): a killed kernel's GPUs are free for the
-next look.
+A claim dies with its holder (the kernel's process): the kernel drops its locks at once, and a
+killed kernel's GPUs are free for the next look.  No file another user can write decides who
+gets a GPU.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from air_magic.accelerators import gpu_label, gpu_processes, is_mig
+from air_magic.accelerators import gpu_label, gpu_nodes, gpu_processes, is_mig
 from air_magic.errors import LaunchError
-from air_magic.protocol import registry
+from air_magic.protocol import gpu_locks, registry
 from air_magic.settings import settings
 
 if TYPE_CHECKING:
     from air_magic.kernel.launch import Launch
 
-__all__ = ["ClaimObserver", "GPU", "visible_gpus", "choose", "GPUsBusyError", "describe_holders"]
+__all__ = ["ClaimObserver", "GPU", "visible_gpus", "choose", "GPUsBusyError", "GPUClaimsError", "describe_holders"]
 
 #: How often a waiting launch looks again.
 POLL = 0.2
@@ -80,21 +86,42 @@ def choose(count: int | None, gpus: list[GPU], taken: set[str], busy: set[str]) 
     return free[:count] if len(free) >= count else None
 
 
-def describe_holders(wanted: list[GPU], holders: list[registry.Record], busy: set[str]) -> str:
-    """``GPUs 0–3 are held by alice · train.ipynb · pool · 12 min``: who holds what is wanted."""
+def describe_holders(
+    wanted: list[GPU], holders: list[registry.Record], busy: set[str], held: set[str] | None = None
+) -> str:
+    """``GPUs 0–3 are held by alice · train.ipynb · pool · 12 min``: who holds what is wanted
+    (``held``: the GPUs whose lock someone holds; the records say who, where they do)."""
     parts = []
     uuids = {g.uuid for g in wanted}
+    if held is not None:
+        uuids &= held
+    described: set[str] = set()
     for record in holders:
         mine = [(g["index"], g["uuid"]) for g in record.gpus if g["uuid"] in uuids]
+        described.update(uuid for _, uuid in mine)
         if mine:
             where = " · ".join(x for x in (record.user, record.notebook or record.kernel, record.kind) if x)
             parts.append(
                 f"GPU{'s' * (len(mine) > 1)} {_span(mine)} {'are' if len(mine) > 1 else 'is'} held by {where} · {_age(record.age())}"
             )
+    unnamed = [(g.index, g.uuid) for g in wanted if held is not None and g.uuid in held and g.uuid not in described]
+    if unnamed:
+        parts.append(
+            f"GPU{'s' * (len(unnamed) > 1)} {_span(unnamed)} {'are' if len(unnamed) > 1 else 'is'} claimed by a "
+            "process no record of the machine's list names"
+        )
     outside = [(g.index, g.uuid) for g in wanted if g.uuid in busy]
     if outside:
         parts.append(f"GPU{'s' * (len(outside) > 1)} {_span(outside)} used by processes outside air_magic")
     return "; ".join(parts) or "no GPU is free"
+
+
+def _unsafe(why: str) -> str:
+    return (
+        f"GPUs cannot be claimed safely here: {why}. A launch on GPUs is refused rather than run on GPUs other "
+        "notebooks may be using: make the GPUs' device nodes readable and writable by their users (as CUDA "
+        "needs them), or set AIR_MAGIC_GPU_CLAIMS=off to run unclaimed."
+    )
 
 
 def _span(gpus: list[tuple[int, str]]) -> str:
@@ -133,12 +160,18 @@ def _kind(launch: "Launch") -> str:
     return "pool" if launch.kind == "pool" else FRONT
 
 
+class GPUClaimsError(LaunchError):
+    """GPUs cannot be claimed safely here (their device nodes cannot be locked): the launch is
+    refused rather than run on GPUs other notebooks may be using."""
+
+
 class ClaimObserver:
-    """The launch's record in the machine's list, and its GPUs."""
+    """The launch's record in the machine's list, and its GPUs' locks."""
 
     def __init__(self, launch: "Launch") -> None:
         self.launch = launch
         self.holder: registry.Holder | None = None
+        self.locks: list[int] = []  # the claims' descriptors (each holds a GPU's lock)
 
     def before_start(self, launch: "Launch", env: dict[str, str]) -> None:
         me = os.getpid()
@@ -154,32 +187,43 @@ class ClaimObserver:
             kernel=_kernel_id(),
             label=launch.label or "",
         )
-        if launch.placement.device != "cuda" or not launch.local_processes:
-            self.holder = registry.publish(record)
+        if launch.placement.device != "cuda" or not launch.local_processes or not settings.gpu_claims:
+            self._publish(record)
             return
         machine = gpu_processes()
         gpus = visible_gpus(machine)
         if not gpus:
-            self.holder = registry.publish(record)
+            self._publish(record)
             return
+        nodes = gpu_nodes()
+        for gpu in gpus:
+            if gpu.uuid not in nodes:
+                raise GPUClaimsError(
+                    _unsafe(f"NVML does not say which device node GPU {gpu_label(gpu.index, gpu.uuid)} is")
+                )
         count = launch.world_size if launch.spec.num_accelerators is not None else None
         said = False
         wait = launch.spec.wait
         while True:
-            with registry.claims_lock():
-                holders, _ = registry.records()
-                taken = {g["uuid"] for r in holders for g in r.gpus}
-                known = {p for r in holders for p in r.pids}
-                limit = int(settings.gpu_busy_mib * 2**20)
-                busy = {uuid for uuid, used in outside_use(machine, known).items() if used > limit}
-                chosen = choose(count, gpus, taken, busy)
-                if chosen is not None:
-                    record.gpus = [{"index": g.index, "uuid": g.uuid} for g in chosen]
-                    record.ranks = len(chosen) if count is None else record.ranks
-                    self.holder = registry.publish(record)
-                    break
-            wanted = gpus if count is None else [g for g in gpus if g.uuid in taken or g.uuid in busy]
-            words = describe_holders(wanted, holders, busy)
+            try:
+                holders, _ = registry.records()  # (descriptions: who holds what, for the words)
+            except OSError:  # a list that cannot be trusted describes nobody
+                holders = []
+            known = {p for r in holders for p in r.pids}
+            limit = int(settings.gpu_busy_mib * 2**20)
+            busy = {uuid for uuid, used in outside_use(machine, known).items() if used > limit}
+            chosen, held = self._take(count, [g for g in gpus if g.uuid not in busy], nodes)
+            if chosen is not None:
+                record.gpus = [{"index": g.index, "uuid": g.uuid} for g in chosen]
+                record.ranks = len(chosen) if count is None else record.ranks
+                try:
+                    self._publish(record)
+                except BaseException:
+                    self._release()
+                    raise
+                break
+            wanted = gpus if count is None else [g for g in gpus if g.uuid in held or g.uuid in busy]
+            words = describe_holders(wanted, holders, busy, held)
             if not wait:
                 raise GPUsBusyError(
                     f"{count if count is not None else 'the'} GPU{'s' * (count != 1)} asked for "
@@ -189,7 +233,7 @@ class ClaimObserver:
                 line = f"[air_magic] {words}; waiting (Interrupt to stop waiting)"
                 print(line, file=sys.stderr, flush=True)
                 said = True
-            time.sleep(POLL)
+            time.sleep(POLL * random.uniform(0.75, 1.25))  # (two waiters do not retry in step)
             machine = gpu_processes()  # what outside processes use now
         uuids = [g["uuid"] for g in record.gpus]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
@@ -206,6 +250,56 @@ class ClaimObserver:
                 flush=True,
             )
 
+    def _publish(self, record: registry.Record) -> None:
+        """The launch's record in the machine's list; where the list cannot be written (its
+        folder cannot be trusted) one line says so, and the launch goes on: its GPUs are claimed
+        by their locks, not by the record."""
+        try:
+            self.holder = registry.publish(record)
+        except OSError as exc:
+            print(
+                f"[air_magic] the machine's list of launches cannot be written ({exc}): this launch holds its GPUs "
+                "(if any) all the same, but air-magic ps and the sidebar will not show it.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _take(
+        self, count: int | None, free: list[GPU], nodes: dict[str, tuple[str, int, int]]
+    ) -> tuple[list[GPU] | None, set[str]]:
+        """Each GPU's lock taken in order until ``count`` are (None: every one free): those
+        GPUs, or None (every lock taken let go) when there are not enough; and the GPUs found
+        held by someone else.  A node that cannot be locked raises :class:`GPUClaimsError`."""
+        chosen: list[GPU] = []
+        held: set[str] = set()
+        for gpu in free:
+            if count is not None and len(chosen) == count:
+                break
+            path, start, length = nodes[gpu.uuid]
+            try:
+                fd = gpu_locks.take(path, start, length)
+            except OSError as exc:
+                self._release()
+                raise GPUClaimsError(
+                    _unsafe(
+                        f"{path}, GPU {gpu_label(gpu.index, gpu.uuid)}'s device node, cannot be locked ({exc.strerror or exc})"
+                    )
+                ) from None
+            if fd is None:
+                held.add(gpu.uuid)
+                continue
+            self.locks.append(fd)
+            chosen.append(gpu)
+        if not chosen or (count is not None and len(chosen) < count):
+            self._release()
+            return None, held
+        return chosen, held
+
+    def _release(self) -> None:
+        for fd in self.locks:
+            gpu_locks.release(fd)
+        self.locks = []
+
     def after_start(self, launch: "Launch") -> None:
         if self.holder is not None:
             pids = [state.pid for state in launch.ranks if state.pid]
@@ -218,6 +312,7 @@ class ClaimObserver:
             self.holder.update(state=state)
 
     def after_end(self, launch: "Launch") -> None:
+        self._release()
         if self.holder is None:
             return
         self.holder.close()

@@ -7,16 +7,15 @@ pools, from the records of :mod:`air_magic.protocol.registry`::
     NVML's processes that no record names --> the orphan check (pid, user, memory)
 
     stop(ID) --> the record (unknown: an error naming the id) --> yours, or you are root (else
-                 refused, naming the owner) --> ID.stopped says who asked (the holder says so in
-                 the cell) --> SIGTERM to the ranks the record names (each checked: it started when
-                 the record says; never a kill by name) and what they started (it carries the
-                 launch's id in its environment), SIGKILL after 5 s --> the
-                 record gone (the holder saw its ranks end)
+                 refused, naming the owner) --> ID.stop.<random> says who asked (the launch's
+                 outcome names them) --> SIGTERM to the ranks the record names (each checked: it
+                 started when the record says and runs as the record's user; never a kill by
+                 name) and what they started (it carries the launch's id in its environment),
+                 SIGKILL after 5 s --> the record gone (the holder saw its ranks end)
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -157,14 +156,15 @@ def table(found: list[dict[str, Any]], strays: list[dict[str, Any]], skipped: li
 
 
 def _ranks_of(record: registry.Record) -> list[int]:
-    """The record's rank pids that are still those ranks (the start time the record names),
-    and what they started that carries the launch's id in its environment."""
+    """The record's rank pids that are still those ranks (the start time the record names)
+    and run as the record's user, and what they started that carries the launch's id in its
+    environment (the record's user's too): never another user's process."""
     pids = [
         pid
         for pid, start in zip(record.pids, record.pid_starts)
-        if start is not None and registry.process_start(pid) == start
+        if start is not None and registry.process_start(pid) == start and registry.process_owner(pid) == record.uid
     ]
-    return pids + [pid for pid in carriers(record.id) if pid not in pids]
+    return pids + [pid for pid in carriers(record.id) if pid not in pids and registry.process_owner(pid) == record.uid]
 
 
 def _running(pids: list[int], record: registry.Record) -> list[int]:
@@ -198,10 +198,7 @@ def stop(launch_id: str, grace: float = GRACE, via: str = "air-magic stop") -> s
         "host": socket.gethostname(),
         "at": time.strftime("%H:%M:%S"),
     }
-    path = registry.stopped_path(launch_id)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(who, handle)
+    path = registry.request_stop(launch_id, who)  # (a new name: nobody can have taken it first)
     ranks = _ranks_of(record)
     for pid in ranks:
         try:
@@ -220,10 +217,11 @@ def stop(launch_id: str, grace: float = GRACE, via: str = "air-magic stop") -> s
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(r.id == launch_id for r in registry.records()[0]):
         time.sleep(0.05)
-    try:
-        os.unlink(path)  # the holder read it (or could not remove another user's file)
-    except FileNotFoundError:
-        pass
+    if path is not None:
+        try:
+            os.unlink(path)  # the holder read it (or could not remove another user's file)
+        except FileNotFoundError:
+            pass
     count = len([pid for pid in ranks if pid in record.pids])
     what = f"{record.kind} {launch_id} of {record.user}: {count} rank{'s' * (count != 1)} stopped"
     return what + (f" ({len(killed)} with SIGKILL after {grace:g} s)" if killed else "")

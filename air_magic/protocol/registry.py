@@ -1,24 +1,30 @@
-"""The machine's list of launches and pools: one small record per live launch, in a folder
-every user of the machine can write, read by ``air-magic ps`` / ``stop`` and by the GPU claims
-(standard library only)::
+"""The machine's list of launches and pools: one small record per live launch, in one folder
+for the whole machine, read by ``air-magic ps`` / ``stop`` and the sidebar (standard library
+only)::
 
-    <tempdir>/air-magic-launches/        drwxrwxrwt (sticky, as /tmp: only a file's owner removes it)
-        claims.lock                      flock'ed while a launch picks GPUs: no two get the same one
+    /tmp/air-magic-launches/             drwxrwxrwt (sticky, as /tmp), whoever made it, whatever
+                                         TMPDIR says (AIR_MAGIC_REGISTRY moves it, for tests)
         <launch id>.json                 one record, owned by the launch's user (0644), written
                                          whole then renamed; its holder (the kernel, or air-magic
                                          run) keeps it open with a shared flock while it lives
-        <launch id>.stopped              who asked ``air-magic stop`` (the holder says so in the cell)
+        <launch id>.stop.<random>        one stop request (air-magic stop, the sidebar's Stop):
+                                         who asked; a new name each time, so nobody can take it first
 
-A record is alive while its holder is: the holder's pid runs with the start time the record
-names (where this process can see that pid), else its flock is held.  A dead record is removed
-by its owner's next look and skipped by everyone's.  What a record says is trusted only as far
-as the file's owner goes: a record whose ``uid`` is not its file's owner, that is not a regular
-file, is larger than :data:`MAX_BYTES` or is not a record is skipped (and said once).
+A record is a **description**, never a claim: GPUs are claimed by locks on their device nodes
+(:mod:`air_magic.protocol.gpu_locks`), which no other user can remove, free or fake, so what the
+folder holds (and who made it first) decides nothing about who gets a GPU.  What a record says is
+believed only as far as its file's owner goes: its ``uid`` is the file's owner, and the processes
+it names (its holder, its ranks) are that user's; a record that is a link, is not a regular file,
+is larger than :data:`MAX_BYTES`, is not a record, names another id than its file's or names
+another user's processes is skipped, with a line saying why.  A stop request is believed only from
+a regular file owned by the launch's owner or root, opened without following a link and without
+blocking.  A dead record is removed by its owner's next look and skipped by everyone's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -26,10 +32,9 @@ import pwd
 import re
 import socket
 import stat
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = [
     "REGISTRY_ENV",
@@ -39,12 +44,13 @@ __all__ = [
     "folder",
     "publish",
     "records",
-    "claims_lock",
     "process_start",
     "user_name",
-    "stopped_path",
+    "request_stop",
     "stop_request",
     "describe_stop",
+    "process_owner",
+    "DEFAULT_FOLDER",
 ]
 
 #: Where the records are (default ``<tempdir>/air-magic-launches``).
@@ -112,10 +118,15 @@ class Record:
         return max(0.0, time.time() - self.started)
 
 
+#: The machine's list, the same for every user and every TMPDIR.
+DEFAULT_FOLDER = "/tmp/air-magic-launches"
+
+
 def folder() -> str:
     """The records' folder, made (sticky, writable by all) if missing; refused where it is not
-    a real folder (a link someone put there) or is writable by others without the sticky bit."""
-    path = os.environ.get(REGISTRY_ENV) or os.path.join(tempfile.gettempdir(), "air-magic-launches")
+    a real folder (a link someone put there) or is writable by others without the sticky bit.
+    Who made it does not matter: nothing in it is a claim."""
+    path = os.environ.get(REGISTRY_ENV) or DEFAULT_FOLDER
     try:
         os.mkdir(path, 0o700)
         os.chmod(path, 0o1777)
@@ -153,35 +164,58 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-def stopped_path(launch_id: str) -> str:
-    return os.path.join(folder(), f"{launch_id}.stopped")
+def request_stop(launch_id: str, who: dict[str, Any]) -> str | None:
+    """Write a stop request for ``launch_id`` (``who``: via, user, uid, pid, host, at) under a
+    name nobody could have taken first; its path, or None where it cannot be written."""
+    for _ in range(3):
+        path = os.path.join(folder(), f"{launch_id}.stop.{os.getpid()}-{os.urandom(6).hex()}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            continue
+        except OSError:
+            return None
+        try:
+            os.fchmod(fd, 0o644)
+            os.write(fd, json.dumps(who).encode())
+        finally:
+            os.close(fd)
+        return path
+    return None
 
 
 def stop_request(launch_id: str, owner: int | None = None) -> dict[str, Any] | None:
     """Who asked ``air-magic stop`` (or the sidebar's Stop) for ``launch_id``: the request's
-    fields, or None where there is none to believe.  The file is opened without following a
-    link and without blocking (a FIFO answers nothing), and is believed only when it is a
-    regular file owned by the launch's owner (``owner``, this process's user by default) or
-    by root, small, and a request (``via``, ``user``, ``pid``, ``host``, ``at``)."""
+    fields, or None where there is none to believe.  Each request file is opened without
+    following a link and without blocking (a FIFO answers nothing), and believed only when it is
+    a regular file owned by the launch's owner (``owner``, this process's user by default) or by
+    root, small, and a request (``via``, ``user``, ``pid``, ``host``, ``at``)."""
     owner = os.getuid() if owner is None else owner
+    prefix = f"{launch_id}.stop."
     try:
-        fd = os.open(stopped_path(launch_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        names = sorted(n for n in os.listdir(folder()) if n.startswith(prefix))
     except OSError:
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid not in (owner, 0) or info.st_size > MAX_BYTES:
-            return None
-        data = json.loads(os.read(fd, MAX_BYTES + 1))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    finally:
-        os.close(fd)
-    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("via", "user", "host", "at")):
-        return None
-    if not isinstance(data.get("pid"), int) or isinstance(data.get("pid"), bool):
-        return None
-    return data
+    for name in names:
+        try:
+            fd = os.open(os.path.join(folder(), name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid not in (owner, 0) or info.st_size > MAX_BYTES:
+                continue
+            data = json.loads(os.read(fd, MAX_BYTES + 1))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        finally:
+            os.close(fd)
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("via", "user", "host", "at")):
+            continue
+        if not isinstance(data.get("pid"), int) or isinstance(data.get("pid"), bool):
+            continue
+        return data
+    return None
 
 
 def describe_stop(request: dict[str, Any]) -> str:
@@ -209,16 +243,31 @@ class Holder:
         os.close(old)
 
     def close(self) -> None:
-        """The launch has ended: its record goes."""
+        """The launch has ended: its record goes (and the stop requests its user wrote)."""
         if self._fd is None:
             return
-        for path in (self.path, stopped_path(self.record.id)):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        _remove_requests(self.record.id)
         os.close(self._fd)
         self._fd = None
+
+
+def _remove_requests(launch_id: str) -> None:
+    """Stop requests of this user's for ``launch_id`` (another user's stay: theirs to remove)."""
+    try:
+        names = [n for n in os.listdir(folder()) if n.startswith(f"{launch_id}.stop.")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder(), name)
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _write(path: str, record: Record) -> int:
@@ -258,6 +307,28 @@ def _alive(record: Record, fd: int) -> bool:
     return False
 
 
+def process_owner(pid: int) -> int | None:
+    """The uid ``pid`` runs as, or None where it is not visible here."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _foreign_process(record: Record) -> tuple[int, int] | None:
+    """A process the record names (its holder, its ranks: each one that still runs since the
+    start time the record gives) that runs as another user than the record's: ``(pid, its
+    uid)``; None when every one visible here is the record's user's."""
+    named = [(record.holder_pid, record.holder_start), *zip(record.pids, record.pid_starts)]
+    for pid, start in named:
+        if start is None or process_start(pid) != start:
+            continue  # gone (its pid may be another process's now), or not visible here
+        uid = process_owner(pid)
+        if uid is not None and uid != record.uid:
+            return pid, uid
+    return None
+
+
 def _pidns() -> str:
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -278,8 +349,10 @@ def records(remove_dead: bool = True) -> tuple[list[Record], list[str]]:
         path = os.path.join(where, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue  # gone meanwhile, a link, not ours to read
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                skipped.append(f"{name}: not a record (a link)")
+            continue  # gone meanwhile, or not ours to read
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
@@ -290,7 +363,10 @@ def records(remove_dead: bool = True) -> tuple[list[Record], list[str]]:
             except (ValueError, TypeError, UnicodeDecodeError) as exc:
                 skipped.append(f"{name}: not a record ({exc})")
                 continue
-            if record.uid != info.st_uid or f"{record.id}.json" != name:
+            if f"{record.id}.json" != name:
+                skipped.append(f"{name}: not a record (it names the launch {record.id!r})")
+                continue
+            if record.uid != info.st_uid:
                 skipped.append(f"{name}: forged (it names uid {record.uid}; the file is uid {info.st_uid}'s)")
                 continue
             if not _alive(record, fd):
@@ -298,31 +374,15 @@ def records(remove_dead: bool = True) -> tuple[list[Record], list[str]]:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
                 continue
+            other = _foreign_process(record)
+            if other is not None:
+                pid, uid = other
+                skipped.append(
+                    f"{name}: forged (it names process {pid}, which is uid {uid}'s; the file is uid {info.st_uid}'s)"
+                )
+                continue
             found.append(record)
         finally:
             os.close(fd)
     found.sort(key=lambda r: r.started)
     return found, skipped
-
-
-@contextlib.contextmanager
-def claims_lock(timeout: float = 10.0) -> Iterator[None]:
-    """The machine-wide lock a launch holds while it picks GPUs and writes its record."""
-    path = os.path.join(folder(), "claims.lock")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except PermissionError:  # another user's: reading is enough for a lock
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{path} stayed locked for {timeout:g} s (a process holds it)") from None
-                time.sleep(0.005)
-        yield
-    finally:
-        os.close(fd)

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from harness import wait_until
 
-from air_magic.protocol import registry
+from air_magic.protocol import gpu_locks, registry
 
 pytestmark = pytest.mark.kernel
 
@@ -36,13 +36,26 @@ def hold(gate):
 
 @pytest.fixture
 def machine_list(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A list of the machine's launches of this test's own (another user can reach it)."""
+    """A list of the machine's launches of this test's own (another user can reach it), and 8
+    files standing in for the GPUs' device nodes (as NVML's answer stands in for the GPUs):
+    ``<base>/dev/nvidia0``... read-write for every user, as the driver makes them."""
     base = tempfile.mkdtemp(prefix="air-magic-list-")
     os.chmod(base, 0o755)
     where = os.path.join(base, "launches")
+    nodes = os.path.join(base, "dev")
+    os.mkdir(nodes, 0o755)
+    for minor in range(8):
+        path = os.path.join(nodes, f"nvidia{minor}")
+        open(path, "w").close()
+        os.chmod(path, 0o666)
     monkeypatch.setenv(registry.REGISTRY_ENV, where)
+    monkeypatch.setenv(gpu_locks.NODES_ENV, nodes)
     yield where
     shutil.rmtree(base, ignore_errors=True)
+
+
+def _nodes(machine_list: str) -> str:
+    return os.path.join(os.path.dirname(machine_list), "dev")
 
 
 def _cli(*args: str, user: int | None = None) -> subprocess.CompletedProcess[str]:
@@ -65,7 +78,12 @@ def test_notebooks_get_disjoint_gpus_wait_for_held_ones_and_a_dead_kernel_frees_
     kernel_factory: Any, machine_list: str, tmp_path: Path
 ) -> None:
     def kernel(notebook: str) -> Any:
-        env = {"AIR_MAGIC_TEST_FAKE_GPUS": "4", registry.REGISTRY_ENV: machine_list, "JPY_SESSION_NAME": notebook}
+        env = {
+            "AIR_MAGIC_TEST_FAKE_GPUS": "4",
+            registry.REGISTRY_ENV: machine_list,
+            gpu_locks.NODES_ENV: _nodes(machine_list),
+            "JPY_SESSION_NAME": notebook,
+        }
         k = kernel_factory(env)
         k.ok(HOLD)
         return k
@@ -220,7 +238,12 @@ def test_a_cuda_visible_devices_of_uuids_narrows_the_claim_in_its_order(kernel_f
     """As a container runtime or a scheduler sets it (UUIDs): a launch claims those GPUs only, in
     that order, and its default count is theirs."""
     visible = f"{_uuid(3)},{_uuid(1)}"
-    env = {"AIR_MAGIC_TEST_FAKE_GPUS": "4", registry.REGISTRY_ENV: machine_list, "CUDA_VISIBLE_DEVICES": visible}
+    env = {
+        "AIR_MAGIC_TEST_FAKE_GPUS": "4",
+        registry.REGISTRY_ENV: machine_list,
+        gpu_locks.NODES_ENV: _nodes(machine_list),
+        "CUDA_VISIBLE_DEVICES": visible,
+    }
     k = kernel_factory(env)
     try:
         k.ok(
@@ -243,7 +266,12 @@ def test_each_mig_instance_is_a_gpu_of_its_own_and_each_rank_gets_its_own(
     """GPU 0 in MIG mode with 3 instances, GPU 1 whole (NVML's answer replaced): a 2-rank launch
     claims two instances, each rank seeing only its own (CUDA shows a process one MIG instance),
     and says so once; another notebook's launch gets what is left, disjoint; ``ps`` names them."""
-    env = {"AIR_MAGIC_TEST_FAKE_GPUS": "2", "AIR_MAGIC_TEST_FAKE_MIG": "3", registry.REGISTRY_ENV: machine_list}
+    env = {
+        "AIR_MAGIC_TEST_FAKE_GPUS": "2",
+        "AIR_MAGIC_TEST_FAKE_MIG": "3",
+        registry.REGISTRY_ENV: machine_list,
+        gpu_locks.NODES_ENV: _nodes(machine_list),
+    }
     first, second = kernel_factory(env), kernel_factory(env)
     gate = str(tmp_path / "go")
     try:

@@ -73,6 +73,11 @@ if _fake:
     _nv.nvmlDeviceGetMemoryInfo = lambda h: _Memory(_busy.get(h, 0), 80 << 30)  # type: ignore[attr-defined]
     _nv.nvmlDeviceGetUtilizationRates = lambda h: _Rates()  # type: ignore[attr-defined]
     _nv.nvmlDeviceGetComputeRunningProcesses = _procs  # type: ignore[attr-defined]
+    # Device nodes: GPU h is /dev/nvidia<h> (AIR_MAGIC_DEVICE_NODES names the folder of files
+    # standing in for them); a MIG instance (handle 1000 + slot) is GPU instance <slot> of GPU 0.
+    _nv.nvmlDeviceGetMinorNumber = lambda h: h  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetDeviceHandleFromMigDeviceHandle = lambda h: 0  # type: ignore[attr-defined]
+    _nv.nvmlDeviceGetGpuInstanceId = lambda h: h - 1000  # type: ignore[attr-defined]
     # ``AIR_MAGIC_TEST_FAKE_MIG=K``: GPU 0 is in MIG mode with K instances (handles 1000 + slot).
     _mig = int(os.environ.get("AIR_MAGIC_TEST_FAKE_MIG", "0"))
     if _mig:

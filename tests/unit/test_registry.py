@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 
 from air_magic.kernel import claims
-from air_magic.protocol import registry
+from air_magic.protocol import gpu_locks, registry
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +84,7 @@ def test_forged_broken_and_huge_records_are_skipped_with_a_line(own_list: Path) 
     (own_list / "0006-ffff.json").write_text(" " * (registry.MAX_BYTES + 1))
     (own_list / "0007-gggg.json").write_text(json.dumps(asdict(_record("0007-gggg")) | {"pids": ["1; rm"]}))
     os.symlink("/etc/passwd", own_list / "0008-hhhh.json")
+    (own_list / "0009-iiii.json").write_text(json.dumps(asdict(_record("0010-jjjj"))))  # another id than its name
     found, skipped = registry.records()
     assert [r.id for r in found] == ["0003-cccc"]
     assert sorted(line.split(":")[0] for line in skipped) == [
@@ -91,9 +92,37 @@ def test_forged_broken_and_huge_records_are_skipped_with_a_line(own_list: Path) 
         "0005-eeee.json",
         "0006-ffff.json",
         "0007-gggg.json",
+        "0008-hhhh.json",
+        "0009-iiii.json",
     ]
-    assert any("forged (it names uid" in line for line in skipped)
+    assert f"0004-dddd.json: forged (it names uid {os.getuid() + 1}; the file is uid {os.getuid()}'s)" in skipped
+    assert "0008-hhhh.json: not a record (a link)" in skipped
+    assert "0009-iiii.json: not a record (it names the launch '0010-jjjj')" in skipped
     good.close()
+
+
+def test_the_list_is_one_for_the_machine_whatever_tmpdir_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(registry.REGISTRY_ENV)
+    for tmpdir in ("/tmp/a-job-s-own", "/var/tmp"):
+        monkeypatch.setenv("TMPDIR", tmpdir)
+        assert registry.folder() == "/tmp/air-magic-launches"
+
+
+def test_a_stop_request_is_believed_only_from_a_regular_file_of_the_owner_and_never_blocks(own_list: Path) -> None:
+    registry.folder()
+    os.mkfifo(own_list / "0011-kkkk.stop.fifo")  # opened without blocking: nothing to read, skipped
+    os.symlink("/etc/hostname", own_list / "0011-kkkk.stop.link")
+    (own_list / "0011-kkkk.stop.junk").write_text('{"via": 1}')
+    began = time.monotonic()
+    assert registry.stop_request("0011-kkkk") is None
+    assert time.monotonic() - began < 1
+    who = {"via": "air-magic stop", "user": "me", "uid": os.getuid(), "pid": 42, "host": "box", "at": "12:00:01"}
+    path = registry.request_stop("0011-kkkk", who)
+    assert path is not None and os.path.basename(path).startswith("0011-kkkk.stop.")
+    assert registry.stop_request("0011-kkkk") == who
+    assert registry.describe_stop(who) == "air-magic stop by me (pid 42 on box) at 12:00:01"
+    # Another user's file is not believed (the owner's and root's are).
+    assert registry.stop_request("0011-kkkk", owner=os.getuid() + 1) == (who if os.getuid() == 0 else None)
 
 
 def test_a_folder_in_the_list_s_place_that_cannot_be_trusted_is_refused(
@@ -128,24 +157,27 @@ def test_free_gpus_are_chosen_and_who_holds_the_others_is_said() -> None:
     )
 
 
-def test_concurrent_claims_never_share_a_gpu() -> None:
-    """Twenty claimants at once for two GPUs each of eight: each GPU is claimed once at most."""
-    registry.folder()
+def test_concurrent_claims_never_share_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty claimants at once for two GPUs each of eight (each a lock on its device node,
+    files standing in for them here): each GPU is claimed once at most."""
+    nodes = tmp_path / "dev"
+    nodes.mkdir()
+    for minor in range(8):
+        (nodes / f"nvidia{minor}").touch()
+    monkeypatch.setenv(gpu_locks.NODES_ENV, str(nodes))
+    where = {f"GPU-{i}": (gpu_locks.node_path(i), *gpu_locks.WHOLE) for i in range(8)}
+    gpus = [claims.GPU(i, f"GPU-{i}") for i in range(8)]
     got: list[list[str]] = []
-    holders: list[registry.Holder] = []
+    observers: list[claims.ClaimObserver] = []
     start = threading.Barrier(20)
 
     def claim(n: int) -> None:
+        observer = claims.ClaimObserver(None)  # type: ignore[arg-type]
         start.wait()
-        with registry.claims_lock():
-            live, _ = registry.records()
-            taken = {g["uuid"] for r in live for g in r.gpus}
-            chosen = claims.choose(2, [claims.GPU(i, f"GPU-{i}") for i in range(8)], taken, set())
-            if chosen is not None:
-                record = _record(f"00{n:02d}-claim")
-                record.gpus = [{"index": g.index, "uuid": g.uuid} for g in chosen]
-                holders.append(registry.publish(record))
-                got.append([g.uuid for g in chosen])
+        chosen, _ = observer._take(2, gpus, where)
+        if chosen is not None:
+            observers.append(observer)
+            got.append([g.uuid for g in chosen])
 
     threads = [threading.Thread(target=claim, args=(n,)) for n in range(20)]
     for thread in threads:
@@ -153,6 +185,25 @@ def test_concurrent_claims_never_share_a_gpu() -> None:
     for thread in threads:
         thread.join()
     flat = [uuid for pair in got for uuid in pair]
-    assert len(got) == 4 and len(flat) == len(set(flat)) == 8
-    for holder in holders:
-        holder.close()
+    assert len(flat) == len(set(flat))  # never one GPU twice
+    assert 1 <= len(got) <= 4
+    for observer in observers:
+        observer._release()
+    assert not any(gpu_locks.held(*where[g.uuid]) for g in gpus)  # all free again
+
+
+def test_a_whole_gpu_claim_and_a_mig_instance_s_on_the_same_gpu_exclude_each_other(tmp_path: Path) -> None:
+    node = str(tmp_path / "nvidia0")
+    open(node, "w").close()
+    first = gpu_locks.take(node, *gpu_locks.lock_range(2))  # MIG GPU instance 2
+    assert first is not None
+    assert gpu_locks.take(node, *gpu_locks.WHOLE) is None  # the whole GPU: held
+    second = gpu_locks.take(node, *gpu_locks.lock_range(3))  # another instance: free
+    assert second is not None and gpu_locks.held(node, *gpu_locks.lock_range(3))
+    gpu_locks.release(first)
+    gpu_locks.release(second)
+    whole = gpu_locks.take(node, *gpu_locks.WHOLE)
+    assert whole is not None
+    gpu_locks.release(whole)
+    with pytest.raises(FileNotFoundError):
+        gpu_locks.take(str(tmp_path / "nvidia9"), *gpu_locks.WHOLE)  # no node: the launch is refused
