@@ -271,7 +271,9 @@ class _RunInfo:
 
 
 def _active_run_object() -> Any:
-    return _ActiveRun(info=_RunInfo(), data=SimpleNamespace())
+    # ``data`` as MLflow's fluent active_run() has it: the run's data when it was fetched (at its
+    # start), not updated as the run logs (read what was logged with MlflowClient in the notebook).
+    return _ActiveRun(info=_RunInfo(), data=SimpleNamespace(params={}, metrics={}, tags={}))
 
 
 def start_run(run_id: str | None = None, **_: Any) -> Any:

@@ -120,16 +120,27 @@ def test_start_run_inside_a_rank_is_the_launchs_run(store: Store, capsys: Any) -
 def run_info_seen_by_the_rank() -> tuple[Any, ...]:
     import mlflow
 
-    info = mlflow.active_run().info
-    return (info.run_id, info.experiment_id, info.artifact_uri, info.status, info.run_name, info.lifecycle_stage)
+    mlflow.log_param("p", 1)
+    run = mlflow.active_run()
+    info, data = run.info, run.data  # data as MLflow's own active_run() has it: fetched at the start
+    return (
+        info.run_id,
+        info.experiment_id,
+        info.artifact_uri,
+        info.status,
+        info.run_name,
+        info.lifecycle_stage,
+        (data.params, data.metrics, data.tags),
+    )
 
 
 def test_a_rank_s_active_run_info_has_what_mlflow_s_run_info_has(store: Store, capsys: Any) -> None:
     values = run_info_seen_by_the_rank.distributed()
     run_id = one_run_id(capsys.readouterr())
     run = store.run(run_id)
-    seen = (run_id, run.info.experiment_id, run.info.artifact_uri, "RUNNING", run.info.run_name, "active")
+    seen = (run_id, run.info.experiment_id, run.info.artifact_uri, "RUNNING", run.info.run_name, "active", ({}, {}, {}))
     assert values == [seen, seen]
+    assert run.data.params["p"] == "1"
 
 
 # -- nesting and the experiment ------------------------------------------------------------------
