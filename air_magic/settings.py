@@ -29,7 +29,7 @@ Environment variable             Setting (default)
 ``AIR_MAGIC_GPU_BUSY_MIB``       ``gpu_busy_mib``: MiB of a GPU's memory processes outside
                                  air_magic may use before a launch's claim counts the GPU as
                                  busy (1024)
-``AIR_MAGIC_GPU_CLAIMS``          ``gpu_claims``: ``on`` (default): a GPU launch claims its GPUs
+``AIR_MAGIC_GPU_CLAIMS``         ``gpu_claims``: ``on`` (default): a GPU launch claims its GPUs
                                  (a lock on each device node) and is refused where they cannot
                                  be claimed safely; ``off``: it runs unclaimed, other notebooks
                                  may land on the same GPUs

@@ -176,8 +176,12 @@ export class MachineList {
           `${where}${shown.length ? ` · ${what}: ${shown.map(size).join(', ')}` : ''}`
         )
       );
-      const stop = el('button', { class: 'jp-mod-styled jp-mod-warn air-magic-machine-stop' }, 'Stop');
-      stop.title = 'Stop its ranks (SIGTERM, then SIGKILL after 5 s); its cell says it was stopped from here';
+      // Red only while something runs: an idle pool has no cell to stop, only ranks to end (as Close pool).
+      const idle = row.kind === 'pool' && !(row.state ?? '').startsWith('running');
+      const stop = el('button', { class: `jp-mod-styled${idle ? '' : ' jp-mod-warn'} air-magic-machine-stop` }, 'Stop');
+      stop.title = idle
+        ? 'End this idle pool: its ranks stop (SIGTERM, then SIGKILL after 5 s) and what its cells made is lost'
+        : 'Stop its ranks (SIGTERM, then SIGKILL after 5 s); its cell says it was stopped from here';
       stop.onclick = () => void this._stop(row, stop);
       const actions = el('div', { class: 'air-magic-Launch-actions' });
       actions.appendChild(stop);

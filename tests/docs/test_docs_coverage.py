@@ -39,6 +39,7 @@ INTERNAL_ERRORS = {
     "OutOfStep": "a pool rank's connection out of step: the pool breaks, as a PoolBrokenError that says so",
     "Unreachable": "a tracking store that does not answer: said in one line, the points wait on disk",
     "RankTraceback": "a rank's traceback, shown as the cause of its exception",
+    "SyncError": "a rank's refusal of pool.sync: the cell shows it as ValueError: pool.sync: <why>",
 }
 
 

@@ -281,6 +281,16 @@ def _pool_in_the_sidebar(tools: Page, shots: Path, name: str, notebook7: bool = 
     assert tools.evaluate(f"document.querySelector('{where} .air-magic-stop') === null") is True
     assert tools.evaluate(f"document.querySelector('{where} .air-magic-elapsed') === null") is True
     assert "running" not in str(state["status"]), state
+    # "On this machine" says the same: idle, not running, and no red Stop (nothing runs to stop).
+    deadline = time.monotonic() + 30
+    while True:
+        machine = json.loads(tools.evaluate(MACHINE))
+        pools = [row for row in machine["rows"] if row["mine"] and "pool " in row["text"]]
+        if pools and "idle" in pools[0]["text"]:
+            break
+        assert time.monotonic() < deadline, f"the idle pool is not idle under On this machine: {machine}"
+        time.sleep(0.25)
+    assert "running" not in pools[0]["text"] and pools[0]["stop"] and not pools[0]["red"], pools
     tools.evaluate(MASK_CLOCKS)
     _both_sizes(tools, shots, f"{name}-stop")
 
@@ -520,6 +530,7 @@ MACHINE = r"""
   const rows = [...document.querySelectorAll('[data-air-magic-machine-row]')].map(row => ({
     id: row.dataset.airMagicMachineRow, mine: row.dataset.mine === 'true',
     stop: !!row.querySelector('.air-magic-machine-stop'), text: row.innerText,
+    red: !!row.querySelector('.air-magic-machine-stop.jp-mod-warn'),
   }));
   const list = document.querySelector('.air-magic-Machine');
   return JSON.stringify({rows, text: list ? list.innerText : null});
