@@ -28,6 +28,7 @@ from air_magic.panel._format import (
     _clip,
     _esc,
     _fmt_clock,
+    _fmt_value,
     _metrics_text,
     _progress_text,
     _status_text,
@@ -103,9 +104,12 @@ def _run_command_html(launch: Any) -> str:
     if url or not command or not (run_id or name):
         return ""
     return (
+        # Wrapped anywhere (a path has no spaces to break at): a line of ``white-space:pre`` set
+        # the panel's least width to its own, and at 1024 px with a sidebar open the whole panel
+        # (headline, table) grew past the output area's edge.
         f'<div data-air-magic-run-command="1" style="{_MUTED};max-width:100%">open the run with: '
-        f'<code style="display:block;user-select:all;-webkit-user-select:all;white-space:pre;overflow-x:auto;'
-        f'max-width:100%;{_MONO}">{_esc(command)}</code></div>'
+        f'<code style="display:block;user-select:all;-webkit-user-select:all;white-space:pre-wrap;'
+        f'overflow-wrap:anywhere;max-width:100%;{_MONO}">{_esc(command)}</code></div>'
     )
 
 
@@ -201,7 +205,7 @@ def _table_html(state: LaunchState) -> str:
             f'<td style="{_CELL};{_WRAP}">{rank}{_node_html(launch.ranks[rank].node)}</td>'
             f'<td style="{_CELL};{_WRAP};color:{color}"{stopped_title}>{icon} {_esc(rank_state)}{exit_note}</td>'
             f'<td style="{_CELL};{_ELLIPSIS}" title="{_esc(said)}">{bar}{_esc(said)}</td>'
-            f'<td style="{_CELL};{_WRAP}">{_esc(_metrics_text(metrics.latest))}</td>'
+            f"<td style=\"{_CELL}\">{_metrics_cell(metrics.latest)}</td>"
             f'<td style="{_CELL};{_WRAP}">{_esc(state.usage_text(rank))}</td>'
             f'<td style="{_CELL};{_ELLIPSIS};{_MONO}{line_style}" title="{_esc(line)}">{_esc(line)}</td>'
             "</tr>"
@@ -211,6 +215,22 @@ def _table_html(state: LaunchState) -> str:
         f"<colgroup>{cols}</colgroup><thead><tr>{head}</tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
+
+
+def _metrics_cell(latest: dict[str, tuple[int, float]], limit: int = 3) -> str:
+    """The rank's latest metrics, one a line (``loss=0.5``); where the column is too narrow for
+    both, the value goes under its name, which is cut at the column's edge (whole on hover): the
+    value is always whole (a long name broken every few letters had hidden it)."""
+    lines = []
+    for key, (_, value) in list(latest.items())[-limit:]:
+        shown = _fmt_value(value)
+        lines.append(
+            f'<div data-air-magic-metric="{_esc(key)}" title="{_esc(key)}={_esc(shown)}" '
+            'style="display:flex;flex-wrap:wrap;min-width:0">'
+            f'<span style="{_ELLIPSIS};min-width:0;max-width:100%">{_esc(key)}</span>'
+            f'<span style="flex:none">={_esc(shown)}</span></div>'
+        )
+    return "".join(lines)
 
 
 def _node_html(node: str | None) -> str:

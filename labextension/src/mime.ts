@@ -204,8 +204,16 @@ function rankTable(data: ISummary): HTMLElement {
     }
     row.appendChild(state);
     row.appendChild(el('td', {}, rank.progress));
-    const metrics = Object.entries(rank.metrics ?? {}).slice(-3).map(([k, v]) => `${k}=${formatValue(v)}`).join(' ');
-    row.appendChild(el('td', {}, metrics));
+    // One metric a line: the name cut at the column's edge, its value whole (as in the panel).
+    const metrics = el('td');
+    for (const [key, value] of Object.entries(rank.metrics ?? {}).slice(-3)) {
+      const shown = formatValue(value);
+      const line = el('div', { class: 'air-magic-metric', 'data-air-magic-metric': key, title: `${key}=${shown}` });
+      line.appendChild(el('span', { class: 'air-magic-metric-name' }, key));
+      line.appendChild(el('span', {}, `=${shown}`));
+      metrics.appendChild(line);
+    }
+    row.appendChild(metrics);
     const muted = stopped && rank.last_line.startsWith('KeyboardInterrupt') ? ' air-magic-muted' : '';
     row.appendChild(el('td', { class: `air-magic-lastline${muted}`, title: rank.last_line }, rank.last_line));
     body.appendChild(row);

@@ -27,6 +27,7 @@ import json
 import re
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any, Iterator
 
 import nbformat
@@ -54,6 +55,20 @@ SAVED_CELLS = [
     "h.result(timeout=60)",
 ]
 
+# Tracking on (a SQLite store in the server's folder): the headline names the MLflow run, the
+# summary adds the ``mlflow ui`` line, and the rows their metrics, beside a long last line.
+TRACKED_CELLS = [
+    "import os\nos.environ['MLFLOW_TRACKING_URI'] = 'sqlite:///' + os.path.abspath('mlflow.db')\n%load_ext air_magic",
+    "%%distributed -n 2\n"
+    "import mlflow, os, time\n"
+    "from tqdm.auto import tqdm\n"
+    "print('epoch 1: ' + 'a long line of log output that must not widen the panel ' * 6)\n"
+    "for i in tqdm(range(40), desc='train'):\n"
+    "    mlflow.log_metric('train_loss_of_the_long_named_kind', 1.0 / (i + 1), step=i)\n"
+    "    time.sleep(0.25)\n"
+    "int(os.environ['RANK'])",
+]
+
 NOTEBOOK7_CELLS = [
     SETUP,
     "%%distributed -n 2\n"
@@ -73,6 +88,36 @@ KERNEL_SHOWN = r"""
   const shown = item && !item.closest('.lm-mod-hidden');
   return JSON.stringify({indicator: indicator ? indicator.dataset.status : null, bar: shown ? item.textContent : null});
 })()
+"""
+
+# Every part of the cell's air_magic output that a person cannot read whole: a box outside the
+# output area (left or right), or one whose own text is cut (wider than its box) without the
+# whole of it on hover (a title).
+OUTSIDE = r"""
+((index) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-CodeCell')[index];
+  const area = cell && cell.querySelector('.jp-OutputArea');
+  if (!area) return JSON.stringify(null);
+  const bounds = area.getBoundingClientRect();
+  const roots = [...area.querySelectorAll('.air-magic-panel')].map(p => p.closest('.widget-vbox') || p);
+  const found = {page: document.documentElement.clientWidth, area: [bounds.left, bounds.right], parts: 0, out: []};
+  for (const root of roots) {
+    for (const part of [root, ...root.querySelectorAll('*')]) {
+      const box = part.getBoundingClientRect();
+      const style = getComputedStyle(part);
+      if (!box.width || !box.height || style.visibility === 'hidden') continue;
+      found.parts += 1;
+      const own = [...part.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
+      const name = `${part.tagName.toLowerCase()}.${[...part.classList].join('.')}: ${(part.innerText || '').slice(0, 60)}`;
+      if (box.left < bounds.left - 1 || box.right > bounds.right + 1) {
+        found.out.push(`${name} at ${Math.round(box.left)}..${Math.round(box.right)}`);
+      } else if (own && part.scrollWidth > part.clientWidth + 1 && !part.closest('[title]')) {
+        found.out.push(`${name} cut: ${part.scrollWidth} px of text in ${part.clientWidth}`);
+      }
+    }
+  }
+  return JSON.stringify(found);
+})
 """
 
 RUN_ALL = (
@@ -103,7 +148,7 @@ def _shut_kernels_down(server: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    notebooks = {"busy.ipynb": BUSY_CELLS, "saved.ipynb": SAVED_CELLS}
+    notebooks = {"busy.ipynb": BUSY_CELLS, "saved.ipynb": SAVED_CELLS, "tracked.ipynb": TRACKED_CELLS}
     with serve_jupyter(tmp_path_factory.mktemp("lab"), notebooks) as server:
         yield server
 
@@ -192,6 +237,55 @@ def test_the_kernel_reads_busy_while_a_blocking_launch_runs(lab: dict[str, Any],
             break
         assert time.monotonic() < deadline, shown
         time.sleep(0.25)
+
+
+def test_every_part_of_a_tracked_panel_lies_inside_its_output_area_at_1024_with_the_sidebar_open(
+    lab: dict[str, Any], page: Page
+) -> None:
+    """At 1024x768 with the file browser open (as wide as JupyterLab opens it), the running
+    panel of a tracked launch (its MLflow run in the headline, a metric and a long last line in
+    its rows) and then its summary (with the ``mlflow ui`` line): every part lies inside the
+    cell's output area, and no text is cut without the whole of it on hover."""
+    tools = page
+    seen: list[dict[str, Any]] = []
+    tools.page.set_viewport_size({"width": 1024, "height": 768})
+    try:
+        _open(tools, f"{lab['base']}/lab/tree/tracked.ipynb?reset&token={lab['token']}", seen)
+        tools.evaluate("(() => { window.jupyterapp.shell.activateById('filebrowser'); return true; })()")
+        tools.evaluate(RUN_ALL)
+        shots = lab["tmp"] / "shots"
+        shots.mkdir(exist_ok=True)
+
+        def metric_shown(state: dict[str, Any]) -> bool:  # and the MLflow run, once it exists
+            text = _cell(state, 1).get("text", "")
+            return _panel(state, 1).get("status") == "running" and "train_loss" in text and "mlflow ui" in text
+
+        _poll(tools, seen, metric_shown, 120, "the running panel with its metric")
+        running = _inside_with_each_sidebar(tools, shots, "tracked-running")
+        assert all(found["parts"] > 20 for found in running.values()), running
+
+        def summary(state: dict[str, Any]) -> bool:
+            return _panel(state, 1).get("status") == "finished" and "mlflow ui" in _cell(state, 1).get("text", "")
+
+        _poll(tools, seen, summary, 120, "the summary with its mlflow ui line")
+        ended = _inside_with_each_sidebar(tools, shots, "tracked-finished")
+        assert all(found["parts"] > 10 for found in ended.values()), ended
+    finally:
+        tools.evaluate("(() => { window.jupyterapp.shell.collapseLeft(); return true; })()")
+        tools.page.set_viewport_size({"width": 1280, "height": 1600})
+
+
+def _inside_with_each_sidebar(tools: Page, shots: Path, name: str) -> dict[str, Any]:
+    """With the file browser's sidebar open, then air_magic's: nothing of the panel outside its
+    output area (a screenshot of each, ``NAME-1024x768-SIDEBAR.png``)."""
+    found = {}
+    for sidebar in ("filebrowser", "air-magic-launches"):
+        tools.evaluate(f"(() => {{ window.jupyterapp.shell.activateById('{sidebar}'); return true; }})()")
+        time.sleep(0.5)
+        found[sidebar] = json.loads(tools.evaluate(f"{OUTSIDE}(1)"))
+        tools.page.screenshot(path=str(shots / f"{name}-1024x768-{sidebar}.png"))
+        assert found[sidebar]["page"] == 1024 and found[sidebar]["out"] == [], (sidebar, found[sidebar])
+    return found
 
 
 def test_a_saved_notebook_reopens_with_its_summaries(lab: dict[str, Any], page: Page) -> None:
