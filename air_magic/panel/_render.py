@@ -205,7 +205,7 @@ def _table_html(state: LaunchState) -> str:
             f'<td style="{_CELL};{_WRAP}">{rank}{_node_html(launch.ranks[rank].node)}</td>'
             f'<td style="{_CELL};{_WRAP};color:{color}"{stopped_title}>{icon} {_esc(rank_state)}{exit_note}</td>'
             f'<td style="{_CELL};{_ELLIPSIS}" title="{_esc(said)}">{bar}{_esc(said)}</td>'
-            f"<td style=\"{_CELL}\">{_metrics_cell(metrics.latest)}</td>"
+            f'<td style="{_CELL}">{_metrics_cell(metrics.latest)}</td>'
             f'<td style="{_CELL};{_WRAP}">{_esc(state.usage_text(rank))}</td>'
             f'<td style="{_CELL};{_ELLIPSIS};{_MONO}{line_style}" title="{_esc(line)}">{_esc(line)}</td>'
             "</tr>"
