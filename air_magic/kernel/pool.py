@@ -497,7 +497,10 @@ class PoolEngine:
                         file=sys.stderr,
                     )
             visible = {k: v for k, v in namespace.items() if k not in self.rank_names}
-            payload = capture.cell_payload(cell, visible, display=display, filename=filename, header=header, argv=argv)
+            with _not_sent_yet():
+                payload = capture.cell_payload(
+                    cell, visible, display=display, filename=filename, header=header, argv=argv
+                )
             data = payload.data | {"sources": payload.sources, "argv": payload.argv}
             return self._call(ranks, "cell", data, display, timeout)
 
@@ -505,7 +508,8 @@ class PoolEngine:
         """``func(*args, **kwargs)`` on every rank; one value per rank."""
         with self._turn():
             ranks = self._ready()
-            payload = capture.function_payload(func, args, kwargs)
+            with _not_sent_yet():
+                payload = capture.function_payload(func, args, kwargs)
             label = getattr(func, "__qualname__", repr(func))
             return self._call(ranks, "call", payload.data | {"sources": payload.sources}, label)
 
@@ -549,7 +553,8 @@ class PoolEngine:
     def push(self, **values: Any) -> None:
         """Set ``name = value`` in every rank's namespace."""
         with self._turn():
-            blobs, problems = capture.pickle_each(values.items())
+            with _not_sent_yet():
+                blobs, problems = capture.pickle_each(values.items())
             if problems:
                 capture.raise_problems(problems, "a pool cell (or the function pool.run runs)")
             ranks = self._ready()
@@ -637,7 +642,8 @@ class PoolEngine:
             pump.reader.offset = os.path.getsize(log)  # before the ranks get the call: all of its output
         except OSError:
             pass
-        message = capture.dumps((kind, call.id, data | {"label": label} | self._kernel_state()))  # once
+        with _not_sent_yet():
+            message = capture.dumps((kind, call.id, data | {"label": label} | self._kernel_state()))  # once
         desk = None  # breakpoint(): a prompt in this cell; from what the ranks say after this
         if not background and launch.local_processes:
             desk = BreakpointDesk(launch.work_dir, len(ranks.conns), from_now=True)
@@ -651,18 +657,20 @@ class PoolEngine:
         view: PoolCallView | None = None
         outcome, error = "done", None
         try:
-            for conn in ranks.conns:
-                try:
-                    conn.send_bytes(message)
-                except OSError:
-                    self.check_retired(call)
-                    self.break_ranks(ranks, "a rank's connection closed")
-                    raise PoolBrokenError("the pool's ranks are gone; the next call starts fresh ones.") from None
-            if kind in ("cell", "call") and not background and CALL_WATCHERS:
-                view = PoolCallView(self, launch, call, self.cells)
-                watchers = _watch(view)
+            with _held_sigint() as came:
+                for conn in ranks.conns:
+                    try:
+                        conn.send_bytes(message)
+                    except OSError:
+                        self.check_retired(call)
+                        self.break_ranks(ranks, "a rank's connection closed")
+                        raise PoolBrokenError("the pool's ranks are gone; the next call starts fresh ones.") from None
+                if kind in ("cell", "call") and not background and CALL_WATCHERS:
+                    view = PoolCallView(self, launch, call, self.cells)
+                    watchers = _watch(view)
             try:
-                records = self._collect(call, pump, timeout if timeout is not None else self.timeout, watchers, desk)
+                limit = timeout if timeout is not None else self.timeout
+                records = self._collect(call, pump, limit, watchers, desk, interrupted=bool(came))
                 if call.hangs is not None and not any(isinstance(r, ErrorRecord) for r in records.values()):
                     call.hangs.finish()  # a notice still shown says the wait is over
             finally:
@@ -697,17 +705,21 @@ class PoolEngine:
         timeout: float | None,
         watchers: list[Any] = [],  # noqa: B006 - read only
         desk: BreakpointDesk | None = None,
+        interrupted: bool = False,
     ) -> dict[int, Any]:
         """Every rank's record, waiting for them (serving the prompts of ranks stopped at a
-        breakpoint, through ``desk``); a fault breaks the pool."""
+        breakpoint, through ``desk``); a fault breaks the pool.  ``interrupted``: a Ctrl-C came
+        while the call went out (held until every rank had it): the call is interrupted at once."""
         ranks = call.ranks
         records: dict[int, Any] = {}
         pending = dict(enumerate(ranks.conns))
         grace_until: float | None = None
         unheeded = False
-        call.hangs = self._hang_watch(call, pump, records)
         cancelled_at: float | None = None
         try:
+            if interrupted:
+                raise KeyboardInterrupt
+            call.hangs = self._hang_watch(call, pump, records)
             while pending:
                 self.check_retired(call)
                 if call.background and call.wanted:
@@ -864,7 +876,7 @@ class PoolEngine:
         was rebuilt, else why not."""
         ranks = call.ranks
         launch = ranks.launch
-        why = pool_regroup.can_rebuild(launch.placement.device, launch.local_processes, ranks.regroups)
+        why = pool_regroup.can_rebuild(launch.placement.device, launch.local_processes)
         if why:
             return why
         pool_regroup.cut(launch.work_dir, len(ranks.conns))  # (those of ranks that came back by themselves)
@@ -1190,6 +1202,37 @@ def _watch(view: PoolCallView) -> list[Any]:
         if watcher is not None:
             watchers.append(watcher)
     return watchers
+
+
+@contextlib.contextmanager
+def _not_sent_yet() -> Iterator[None]:
+    """A Ctrl-C while a call is made ready (its names pickled: seconds for large ones): nothing
+    has gone to the ranks, and the cell says so in one line, not with the pickler's traceback."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise interrupted(
+            "you interrupted the pool's cell before it reached the ranks: nothing ran there, and the pool and its "
+            "state are as they were."
+        ) from None
+
+
+@contextlib.contextmanager
+def _held_sigint() -> Iterator[list[bool]]:
+    """SIGINT held while a call goes out to the ranks (a message cut half-way, or sent to some
+    ranks only, would leave the connections out of step and the pool broken): a Ctrl-C then is
+    noted, and the call is interrupted as soon as every rank has it.  Only where Python's
+    default handler is in place (the main thread; a user's own handler is left as it is)."""
+    came: list[bool] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is not signal.default_int_handler:
+        yield came
+        return
+    signal.signal(signal.SIGINT, lambda *_: came.append(True))
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _outcome_text(engine: "PoolEngine", ranks: _Ranks, exc: BaseException) -> str:

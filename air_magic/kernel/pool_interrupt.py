@@ -115,7 +115,7 @@ class Interrupt:
         cannot complete; True when it was cut."""
         if self.cut or not self.launch.local_processes:
             return False
-        if pool_regroup.can_rebuild(self.launch.placement.device, True, self.call.ranks.regroups):
+        if pool_regroup.can_rebuild(self.launch.placement.device, True):
             return False  # a group that cannot be rebuilt is not cut (the pool breaks instead)
         seen = _collectives.ask(self.launch.work_dir, list(range(self.n)), timeout=0.5, how="q")
         back = set(range(self.n)) - set(self.pending)
@@ -132,7 +132,7 @@ class Interrupt:
         (they disagree, or one is missing that no rank will make): a hang's way out."""
         if self.cut or not self.launch.local_processes:
             return
-        if pool_regroup.can_rebuild(self.launch.placement.device, True, self.call.ranks.regroups):
+        if pool_regroup.can_rebuild(self.launch.placement.device, True):
             return
         seen = _collectives.ask(self.launch.work_dir, sorted(self.pending), timeout=1.0, how="q")
         if not seen or not all(data and data.get("pending") for data in seen.values()):

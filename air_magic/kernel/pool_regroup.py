@@ -25,12 +25,10 @@ from air_magic import capture
 from air_magic.kernel.pool_wire import OutOfStep, replies
 from air_magic.protocol import ErrorRecord, ValueRecord, ask_to_cut
 
-__all__ = ["cut", "rebuild", "can_rebuild", "broke_the_group", "REBUILT", "ROUNDS"]
+__all__ = ["cut", "rebuild", "can_rebuild", "broke_the_group", "REBUILT"]
 
 #: What the cell says once the group was rebuilt.
 REBUILT = "the process group was rebuilt; your names are kept"
-#: How many times a pool's group can be rebuilt (torch's backend types left: see the rank side).
-ROUNDS = 5
 #: Seconds the ranks have to make their new backend (they meet on the rendezvous store).
 REBUILD_WAIT = 30.0
 
@@ -44,14 +42,12 @@ _BROKEN = (
 )
 
 
-def can_rebuild(device: str, local: bool, rounds: int) -> str:
-    """Why the group cannot be rebuilt (``''`` when it can)."""
+def can_rebuild(device: str, local: bool) -> str:
+    """Why the group cannot be rebuilt (``''`` when it can: as many times as it is needed)."""
     if device != "cpu":
         return "a GPU pool's NCCL group is not rebuilt"
     if not local:
         return "the ranks are not processes of this machine"
-    if rounds >= ROUNDS:
-        return f"its process group was rebuilt {ROUNDS} times already"
     return ""
 
 

@@ -21,8 +21,16 @@ the ``ProcessGroup`` it was made with.  What works, tried on 2 and 4 gloo ranks:
           registering under the same one would keep the closed one); one all_reduce each
 
 The old backends are kept referenced (never destructed: see :mod:`air_magic.rank.groups`).
-NCCL groups are not rebuilt (a GPU pool restarts instead).  Each pool can rebuild its
-groups as many times as torch has backend types left (5); then it restarts.
+NCCL groups are not rebuilt (a GPU pool restarts instead).
+
+torch has 5 backend types left to register under; from the 6th round on, each gloo group gets
+a new ``ProcessGroup`` of its own (a gloo backend under the same prefix scheme) and every
+``c10d`` operator a kernel at the ``Autograd`` key that hands the new group to the operator in
+place of the old one (below Autograd, as torch's dispatcher runs it), so the objects that hold
+the old group keep working, any number of rounds: 0.03 ms more per collective (tried: a gloo
+all_reduce of 2 floats on 2 ranks, 0.52 ms, became 0.55 ms).  The fence
+(:mod:`air_magic.rank.fence`) registers over these kernels while it is armed; torch puts them
+back when it is disarmed.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["note_links", "watch_new_groups", "cut", "rebuild", "set_timeout", "ROUNDS"]
+__all__ = ["note_links", "watch_new_groups", "cut", "rebuild", "set_timeout", "TYPE_ROUNDS"]
 
 #: The TCP connections (fd, local address, peer address) of each gloo group's current backend,
 #: by the group's name: what :func:`cut` shuts down.
@@ -41,10 +49,14 @@ _links: dict[str, set[tuple[int, Any, Any]]] = {}
 _kept: list[Any] = []
 #: The default group's collective timeout (``init_process_group(timeout=...)`` of the user's).
 _timeout: list[timedelta] = []
-#: The backend types a rebuilt backend is registered under, in order.
+#: The backend types a rebuilt backend is registered under, in order; later rounds redirect.
 _TYPES = ("CUSTOM", "UNDEFINED", "UCC", "MPI", "XCCL")
-ROUNDS = len(_TYPES)
+TYPE_ROUNDS = len(_TYPES)
 _DEFAULT = "default"
+#: From round TYPE_ROUNDS + 1 on: each rebuilt group (the object its holders keep) -> the
+#: ProcessGroup its collectives go to now; and the torch library of the redirecting kernels.
+_redirect: dict[Any, Any] = {}
+_library: list[Any] = []
 
 
 def _connections() -> set[tuple[int, Any, Any]]:
@@ -141,13 +153,11 @@ def rebuild(round_: int) -> str:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    if round_ > ROUNDS:
-        raise RuntimeError(f"the pool's process groups were rebuilt {ROUNDS} times already")
     cut()
     default = c10d._get_default_group()
     if not _gloo(default):
         raise RuntimeError("only gloo groups are rebuilt")
-    kind = _TYPES[round_ - 1]
+    kind = _TYPES[round_ - 1] if round_ <= TYPE_ROUNDS else "redirected"
     from air_magic.rank import collectives
 
     collectives.retire_groups()  # (the recorder's numbers of the backends replaced here)
@@ -156,29 +166,94 @@ def rebuild(round_: int) -> str:
             continue
         name = _DEFAULT if group is default else str(group.group_name)
         before = _connections()
-        _rebuild_one(group, store, round_, kind, default is group)
+        if round_ <= TYPE_ROUNDS:
+            _rebuild_one(group, store, round_, kind, default is group)
+        else:
+            _redirect_one(group, store, round_, default is group)
         note_links(before, name)
+    if round_ > TYPE_ROUNDS:
+        _install_redirect()
     for group in list(c10d._world.pg_map):
         if _gloo(group):
             dist.all_reduce(torch.zeros(1), group=group)  # every member is on the new backend
     return kind
 
 
-def _rebuild_one(group: Any, store: Any, round_: int, kind: str, default: bool) -> None:
+def _gloo_backend(group: Any, store: Any, round_: int, default: bool) -> Any:
+    """A new gloo backend for ``group``'s members, meeting under this round's prefix; the
+    backend it replaces is kept referenced."""
     import torch
     import torch.distributed.distributed_c10d as c10d
 
     c = torch._C._distributed_c10d
     base = getattr(store, "underlying_store", store) if default else store
-    old = group._get_backend(torch.device("cpu"))
+    old = (_redirect.get(group) or group)._get_backend(torch.device("cpu"))
     options = c.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     timeout = getattr(getattr(old, "options", None), "_timeout", None)
     options._timeout = (_timeout[0] if _timeout and default else timeout) or c10d.default_pg_timeout
     options._devices = [c.ProcessGroupGloo.create_default_device()]
-    backend = c.ProcessGroupGloo(
-        c.PrefixStore(f"air_magic-regroup-{round_}", base), group.rank(), group.size(), options
-    )
     _kept.append(old)
+    return c.ProcessGroupGloo(c.PrefixStore(f"air_magic-regroup-{round_}", base), group.rank(), group.size(), options)
+
+
+def _redirect_one(group: Any, store: Any, round_: int, default: bool) -> None:
+    """``group``'s collectives go to a new ProcessGroup of the same members from now on."""
+    import torch
+
+    c = torch._C._distributed_c10d
+    base = getattr(store, "underlying_store", store) if default else store
+    backend = _gloo_backend(group, store, round_, default)
+    new = c.ProcessGroup(c.PrefixStore(f"air_magic-regroup-{round_}-group", base), group.rank(), group.size())
+    new._register_backend(torch.device("cpu"), c.ProcessGroup.BackendType.GLOO, backend)
+    new._set_default_backend(c.ProcessGroup.BackendType.GLOO)
+    try:  # (the Flight Recorder's entries carry the group's name, as the hang report reads them)
+        new._set_group_name(group.group_name)
+        new._set_group_desc(group.group_desc)
+    except Exception:
+        pass
+    if group in _redirect:
+        _kept.append(_redirect[group])
+    _redirect[group] = new
+
+
+def _install_redirect() -> None:
+    """Once: a kernel for each c10d operator that gives it the group's new ProcessGroup."""
+    if _library:
+        return
+    import torch
+
+    from air_magic.rank.fence import OPERATORS
+
+    library = torch.library.Library("c10d", "IMPL")
+    for name in OPERATORS:
+        op = getattr(getattr(torch.ops.c10d, name, None), "default", None)
+        if op is None:
+            continue
+        where = [i for i, a in enumerate(op._schema.arguments) if str(a.type).endswith("c10d.ProcessGroup")]
+        if where:
+            library.impl(name, _redirecting(torch, op, where[0]), "Autograd")
+    _library.append(library)
+
+
+def _redirecting(torch: Any, op: Any, index: int) -> Any:
+    unbox = torch._C._distributed_c10d.ProcessGroup.unbox
+    below = torch._C._AutoDispatchBelowAutograd
+
+    def redirect(*args: Any, **kwargs: Any) -> Any:
+        new = _redirect.get(unbox(args[index])) if len(args) > index else None
+        if new is not None:
+            args = (*args[:index], new.boxed(), *args[index + 1 :])
+        with below():
+            return op(*args, **kwargs)
+
+    return redirect
+
+
+def _rebuild_one(group: Any, store: Any, round_: int, kind: str, default: bool) -> None:
+    import torch
+
+    c = torch._C._distributed_c10d
+    backend = _gloo_backend(group, store, round_, default)
     group._register_backend(torch.device("cpu"), getattr(c.ProcessGroup.BackendType, kind), backend)
     try:  # the new backend takes the group's name (the Flight Recorder's entries carry it)
         group._set_group_name(group.group_name)

@@ -132,3 +132,36 @@ def test_pool_sync_refuses_what_it_cannot_copy_with_one_line_each(ddp: Kernel) -
     ddp.ok("%%distributed --pool\ndel sharded")
     # Nothing was left half-way: the pool still trains.
     assert ddp.value("%%distributed --pool\nx, y = batch()\nloss_fn(model(x), y).backward()\nopt.step()\n1") == [1, 1]
+
+
+NOT_SENT = (
+    "you interrupted the pool's cell before it reached the ranks: nothing ran there, and the pool and its state "
+    "are as they were."
+)
+
+
+def test_ctrl_c_while_a_large_cell_is_pickled_or_sent_keeps_the_pool_in_step(ddp: Kernel) -> None:
+    """A cell that names 200 MB of the notebook's takes a second or more to pickle and send:
+    a Ctrl-C while it is pickled says nothing reached the ranks; one while it goes out is held
+    until every rank has it, then interrupts the call (a message cut half-way had left the
+    connections out of step: the next cell broke the pool).  One line either way, and the next
+    cell runs on the same model."""
+    ddp.ok("import numpy as np\nblob = np.ones(25 * 2**20)")
+    said = []
+    for delay in (0.05, 0.4, 0.8):
+        msg_id = ddp.execute("%%distributed --pool\nfloat(blob[:4].sum())")
+        time.sleep(delay)
+        ddp.km.interrupt_kernel()
+        res = ddp.collect(msg_id, timeout=120)
+        if res.error is not None:
+            assert res.error["ename"] == "KeyboardInterrupt" and res.error["evalue"] in (NOT_SENT, INTACT), (
+                res.error_text[-3000:]
+            )
+            assert res.error_text.splitlines()[0] == f"KeyboardInterrupt: {res.error['evalue']}", res.error_text
+            said.append(res.error["evalue"])
+        else:  # (the cell was done before the interrupt came)
+            said.append(res.result)
+        check = ddp.run(CHECK, timeout=120)
+        assert check.error is None, f"after a Ctrl-C {delay} s in ({said[-1]}): {check.error_text[-3000:]}"
+        assert not consistent(ast.literal_eval(check.result or "[]"))
+    ddp.ok("del blob")

@@ -57,3 +57,20 @@ def test_a_users_own_sigint_handler_is_left_alone() -> None:
         assert seen == [signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_while_a_pool_call_goes_out_is_held_until_every_rank_has_it() -> None:
+    """(``air_magic.kernel.pool._held_sigint``: a message cut half-way, or sent to some ranks
+    only, would leave the pool's connections out of step.)"""
+    from air_magic.kernel.pool import _held_sigint
+
+    sent = []
+    with _held_sigint() as came:
+        sent.append("rank 0")
+        _sigint()  # no KeyboardInterrupt here: the second rank still gets the call
+        sent.append("rank 1")
+    assert sent == ["rank 0", "rank 1"] and came == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with _held_sigint() as came:
+        pass
+    assert came == []
