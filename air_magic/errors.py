@@ -143,7 +143,7 @@ class RayClusterError(AirMagicError):
 
 
 class RayNotInstalledError(RayClusterError, ImportError):
-    """``ray_init()`` was called where Ray is not installed (``pip install 'air_magic[ray]'``)."""
+    """``ray_init()`` was called where Ray is not installed (``pip install 'ray[default]>=2.40'``)."""
 
 
 class RankTraceback(Exception):

@@ -367,7 +367,7 @@ def make_spec(
     if backend == "ray" and importlib.util.find_spec("ray") is None:  # said at decoration
         raise ConfigurationError(
             "backend='ray' needs Ray, which is not installed in the environment this kernel runs in: "
-            "pip install 'air_magic[ray]' (and the same on every node of the cluster)."
+            "pip install 'ray[default]>=2.40' (and the same on every node of the cluster)."
         )
     if not isinstance(wait, bool):
         raise ConfigurationError(f"wait must be True or False, got {wait!r}.")

@@ -108,3 +108,34 @@ def test_each_example_is_its_notebook_as_last_run(name: str) -> None:
         assert path not in text, f"docs/examples/{name} shows {path}"
     assert name[:-6] in (DOCS / "examples" / "index.md").read_text()
     assert f"scripts/run_notebook.py notebooks/{name}" in shown.cells[1].source  # how to run it, under its title
+
+
+def test_getting_started_s_install_lines_run_as_written_from_inside_a_clone(tmp_path: Path) -> None:
+    """Each ``pip install`` line of the first code block, run where the page says (inside the
+    clone, here a copy of the repository's files named ``air_magic``), resolves to this project
+    (``--dry-run``: pip reads the project's metadata and installs nothing)."""
+    import shutil
+    import subprocess
+
+    text = (DOCS / "getting-started.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block is not None
+    lines = [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.startswith("pip install")]
+    assert lines == ["pip install .", "pip install '.[ray]'"], lines
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    clone = tmp_path / "air_magic"
+    for name in files:
+        if (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, clone / name)
+    for line in lines:
+        target = line.removeprefix("pip install ").strip("'")
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-build-isolation", target],
+            cwd=clone,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, (line, done.stderr[-2000:])
+        assert "Would install air_magic" in done.stdout or "Would install air-magic" in done.stdout, done.stdout

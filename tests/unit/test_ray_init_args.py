@@ -48,7 +48,7 @@ def test_ray_not_installed_is_one_line_that_says_how_to_install_it() -> None:
         "RayNotInstalledError",
         "True",
         f"ray_init() needs Ray, which is not installed in this Python environment ({sys.executable}): "
-        "pip install 'air_magic[ray]' (in a notebook: %pip install 'air_magic[ray]').",
+        "pip install 'ray[default]>=2.40' (in a notebook: %pip install 'ray[default]>=2.40').",
     ]
     assert issubclass(RayNotInstalledError, (ImportError, RayClusterError))
 
@@ -70,7 +70,7 @@ def test_a_folder_named_ray_is_not_taken_for_ray() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (
         "ray_init() needs Ray, and `import ray` finds /home/me/notebooks/ray, which is not Ray: "
-        "pip install 'air_magic[ray]' (in a notebook: %pip install 'air_magic[ray]')."
+        "pip install 'ray[default]>=2.40' (in a notebook: %pip install 'ray[default]>=2.40')."
     )
 
 

@@ -29,7 +29,7 @@ def test_backend_ray_without_ray_says_how_to_install_it() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (
         "backend='ray' needs Ray, which is not installed in the environment this kernel runs in: "
-        "pip install 'air_magic[ray]' (and the same on every node of the cluster)."
+        "pip install 'ray[default]>=2.40' (and the same on every node of the cluster)."
     )
 
 

@@ -1,7 +1,7 @@
 """``ray_init()``: start or join the Ray cluster that air_magic's Ray launches run on.
 
 Ray is imported when ``ray_init()`` is first called, never by ``import air_magic``
-(``pip install 'air_magic[ray]'`` installs it).
+(``pip install 'ray[default]>=2.40'``, or ``pip install '.[ray]'`` in the clone, installs it).
 
 **Joining** (``address``, else ``RAY_ADDRESS``): Ray's own connection attempts retry for
 many minutes when nothing answers at the address, so a plain TCP connection is tried
@@ -258,14 +258,14 @@ def _import_ray() -> Any:
         if exc.name == "ray":
             raise RayNotInstalledError(
                 f"ray_init() needs Ray, which is not installed in this Python environment ({sys.executable}): "
-                "pip install 'air_magic[ray]' (in a notebook: %pip install 'air_magic[ray]')."
+                "pip install 'ray[default]>=2.40' (in a notebook: %pip install 'ray[default]>=2.40')."
             ) from None
         raise RayNotInstalledError(f"Ray is installed but cannot be imported: {exc}") from exc
     if not hasattr(ray, "init"):  # a folder named ray on sys.path, and no Ray
         where = ", ".join(getattr(ray, "__path__", None) or [str(getattr(ray, "__file__", "?"))])
         raise RayNotInstalledError(
             f"ray_init() needs Ray, and `import ray` finds {where}, which is not Ray: "
-            "pip install 'air_magic[ray]' (in a notebook: %pip install 'air_magic[ray]')."
+            "pip install 'ray[default]>=2.40' (in a notebook: %pip install 'ray[default]>=2.40')."
         )
     return ray
 
