@@ -13,25 +13,23 @@ The reference product's names (``UCVolumeDataset``, ``UCVolumeWriter``,
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from air_magic.data.checkpoint import (
-    async_save_checkpoint,
-    checkpoint_reader,
-    checkpoint_writer,
-    load_checkpoint,
-    load_training_state,
-    open_checkpoint,
-    save_checkpoint,
-    save_training_state,
-)
-from air_magic.data.dataset import DataError, StreamingDataset
-from air_magic.data.weights import save_safetensors
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
-try:
-    from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
-except ImportError:  # pragma: no cover - without torchdata, no mid-epoch resume with workers
-    from torch.utils.data import DataLoader  # type: ignore[assignment]
+    from air_magic.data.checkpoint import (
+        async_save_checkpoint,
+        checkpoint_reader,
+        checkpoint_writer,
+        load_checkpoint,
+        load_training_state,
+        open_checkpoint,
+        save_checkpoint,
+        save_training_state,
+    )
+    from air_magic.data.dataset import DataError, StreamingDataset
+    from air_magic.data.weights import save_safetensors
 
 __all__ = [
     "StreamingDataset",
@@ -52,14 +50,53 @@ __all__ = [
 ]
 
 
+#: Public names imported when first used (PEP 562): ``from air_magic.data import weights`` (the
+#: pool's model back) no longer imports ``torch.distributed.checkpoint`` (1.7 s) with them.
+_LAZY = {
+    "async_save_checkpoint": "air_magic.data.checkpoint",
+    "checkpoint_reader": "air_magic.data.checkpoint",
+    "checkpoint_writer": "air_magic.data.checkpoint",
+    "load_checkpoint": "air_magic.data.checkpoint",
+    "load_training_state": "air_magic.data.checkpoint",
+    "open_checkpoint": "air_magic.data.checkpoint",
+    "save_checkpoint": "air_magic.data.checkpoint",
+    "save_training_state": "air_magic.data.checkpoint",
+    "DataError": "air_magic.data.dataset",
+    "StreamingDataset": "air_magic.data.dataset",
+    "save_safetensors": "air_magic.data.weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "DataLoader":  # torchdata's StatefulDataLoader (resumable mid-epoch) where installed
+        try:
+            from torchdata.stateful_dataloader import StatefulDataLoader as value
+        except ImportError:  # pragma: no cover - without torchdata, no mid-epoch resume with workers
+            from torch.utils.data import DataLoader as value
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'air_magic.data' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | {"DataLoader"})
+
+
 def _moved(old: str, new: str) -> None:
     warnings.warn(
         f"{old} is the reference product's name; use air_magic.data.{new} instead.", FutureWarning, stacklevel=3
     )
 
 
-def UCVolumeDataset(path: str, **kwargs: Any) -> StreamingDataset:  # noqa: N802 - the old name
+def UCVolumeDataset(path: str, **kwargs: Any) -> "StreamingDataset":  # noqa: N802 - the old name
     """Deprecated name of :class:`StreamingDataset` (its files are no longer limited to /Volumes)."""
+    from air_magic.data.dataset import StreamingDataset
+
     _moved("UCVolumeDataset", "StreamingDataset")
     kwargs.setdefault("shuffle", False)  # the reference did not shuffle
     return StreamingDataset(path, **kwargs)
@@ -67,11 +104,15 @@ def UCVolumeDataset(path: str, **kwargs: Any) -> StreamingDataset:  # noqa: N802
 
 def UCVolumeWriter(path: str, **kwargs: Any) -> Any:  # noqa: N802
     """Deprecated name of :func:`checkpoint_writer`."""
+    from air_magic.data.checkpoint import checkpoint_writer
+
     _moved("UCVolumeWriter", "checkpoint_writer")
     return checkpoint_writer(path, **kwargs)
 
 
 def UCVolumeReader(path: str, **kwargs: Any) -> Any:  # noqa: N802
     """Deprecated name of :func:`checkpoint_reader`."""
+    from air_magic.data.checkpoint import checkpoint_reader
+
     _moved("UCVolumeReader", "checkpoint_reader")
     return checkpoint_reader(path, **kwargs)

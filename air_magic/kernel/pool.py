@@ -65,6 +65,7 @@ from air_magic.kernel.rank_output import (
 )
 from air_magic.kernel.request import working_directory
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Stop, UnpicklableRecord, ValueRecord
+from air_magic.settings import settings
 from air_magic.spec import LaunchSpec
 
 __all__ = [
@@ -298,6 +299,7 @@ class PoolEngine:
     def _start(self) -> _Ranks:
         launcher = self._launcher()
         launcher._ensure_session_folders()
+        _import_torch_meanwhile()
         backend = launcher.backend_for(self.spec.backend)
         authkey = os.urandom(32)
         placement = self.spec.resolve(backend.hardware())
@@ -1202,6 +1204,28 @@ def _watch(view: PoolCallView) -> list[Any]:
         if watcher is not None:
             watchers.append(watcher)
     return watchers
+
+
+def _import_torch_meanwhile() -> None:
+    """The kernel imports torch while the pool's ranks start (it waits for them anyway): the
+    pool's first ``state_dict``, ``model`` or ``pull`` of a tensor then costs what the next
+    does (torch's import was 1.5 s of the first, 11 s on a loaded machine).
+    ``AIR_MAGIC_WARM=0`` leaves it to the first use."""
+    if "torch" in sys.modules:
+        return
+    try:
+        if not settings.warm:
+            return
+    except Exception:  # (a bad setting is said by what reads it)
+        return
+
+    def work() -> None:
+        try:
+            import torch  # noqa: F401
+        except Exception:  # no torch here: what needs it says so
+            pass
+
+    threading.Thread(target=work, name="air_magic-import-torch", daemon=True).start()
 
 
 @contextlib.contextmanager
