@@ -642,6 +642,11 @@ class Launch:
         if self._stop_at is None:
             self._stop_at = at if at is not None else time.monotonic()
         self.status = "stopping"
+        # A rank the stop ended whose exit was told first (the helper's messages cross): stopped,
+        # not failed, as the cell says (a pool broken by its interrupt showed "r1 failed").
+        for state in self.ranks:
+            if state.returncode is not None and not state.stopped:
+                state.stopped = _outcome.is_stopped_exit(state.returncode, state.ended_at, self._stop_at)
 
     def finish(self) -> None:
         """Every rank has ended: the outcome, the observers' end, the files' cleanup.

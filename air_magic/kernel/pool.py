@@ -299,7 +299,7 @@ class PoolEngine:
     def _start(self) -> _Ranks:
         launcher = self._launcher()
         launcher._ensure_session_folders()
-        _import_torch_meanwhile()
+        importing = _import_torch_meanwhile()
         backend = launcher.backend_for(self.spec.backend)
         authkey = os.urandom(32)
         placement = self.spec.resolve(backend.hardware())
@@ -341,11 +341,15 @@ class PoolEngine:
                     _kill(launch)
                 for conn, _ in hello.values():
                     conn.close()
+                if importing is not None:
+                    importing.join()
                 raise
         ranks = _Ranks(launch, [hello[r][0] for r in range(len(hello))], [hello[r][1] for r in range(len(hello))])
         launch.cancel_instead = self.stop_call  # a panel's Stop interrupts the call; the ranks stay
         if launch.helper is not None:
             launch.helper.pool_started(launch.id)  # Ray: the agents' spares start now
+        if importing is not None:  # done before any call: a torch half imported is no torch
+            importing.join()
         self.start_seconds = time.monotonic() - began
         return ranks
 
@@ -1206,18 +1210,18 @@ def _watch(view: PoolCallView) -> list[Any]:
     return watchers
 
 
-def _import_torch_meanwhile() -> None:
-    """The kernel imports torch while the pool's ranks start (it waits for them anyway): the
-    pool's first ``state_dict``, ``model`` or ``pull`` of a tensor then costs what the next
-    does (torch's import was 1.5 s of the first, 11 s on a loaded machine).
-    ``AIR_MAGIC_WARM=0`` leaves it to the first use."""
+def _import_torch_meanwhile() -> threading.Thread | None:
+    """The kernel imports torch while the pool's ranks start (it waits for them anyway; the
+    start joins the thread before the first call, as code that finds torch half imported in
+    ``sys.modules`` fails): the pool's first ``state_dict``, ``model`` or ``pull`` of a tensor
+    then costs what the next does.  ``AIR_MAGIC_WARM=0`` leaves it to the first use."""
     if "torch" in sys.modules:
-        return
+        return None
     try:
         if not settings.warm:
-            return
+            return None
     except Exception:  # (a bad setting is said by what reads it)
-        return
+        return None
 
     def work() -> None:
         try:
@@ -1225,7 +1229,9 @@ def _import_torch_meanwhile() -> None:
         except Exception:  # no torch here: what needs it says so
             pass
 
-    threading.Thread(target=work, name="air_magic-import-torch", daemon=True).start()
+    thread = threading.Thread(target=work, name="air_magic-import-torch", daemon=True)
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager

@@ -247,6 +247,11 @@ class Zygote:
         elif isinstance(message, Stop):
             launch = self.launches.get(message.launch_id)
             if launch is not None and message.reason == "kill":
+                # Said first (unless a stop is under way already), so the kernel reads every exit
+                # that follows as stopped, not as a rank that failed; then SIGKILL at once.
+                if launch.stopping is None and launch.running:
+                    launch.stopping = "kill"
+                    self._send(Stopping(launch.launch_id, "kill", time.monotonic()))
                 self._signal(launch, signal.SIGKILL)
             elif launch is not None:
                 self._stop(launch, message.reason)
