@@ -6,6 +6,7 @@ Build: ``bash scripts/build_docs.sh`` (warnings are errors), then open
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -77,6 +78,7 @@ html_title = f"air_magic {release}"
 html_favicon = "_static/air_magic.svg"
 html_logo = "_static/air_magic.svg"
 html_static_path = ["_static"]
+html_search_scorer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_static", "scorer.js")  # guides first
 html_css_files = ["air_magic.css"]
 html_theme_options = {
     "navbar_align": "left",

@@ -31,6 +31,18 @@ PAGES = [
 ]
 
 
+#: A search, and the title the first result starts with.
+FIRST_FOUND = {
+    "pool": "Keep the ranks: a pool",
+    "hang": "Why is it stuck?",
+    "debug": "Debug a rank",
+    "breakpoint": "Debug a rank",
+    "model back": "Get the model back",
+    "gpu": "Run a cell on every GPU",
+    "mlflow": "MLflow tracking",
+}
+
+
 def _geometry(page: Page, selector: str) -> dict[str, float]:
     return page.evaluate(
         f"""(() => {{
@@ -107,6 +119,18 @@ def test_the_site_reads_in_a_browser(site: Path, tmp_path: Path) -> None:
         with serving(site) as url:
             page.goto(f"{url}/index.html")
             _search(page, shots)
+            # The task guide first for its words (not the benchmarks, the architecture or the
+            # errors table, which mention everything; not the API entry).
+            for query, guide in FIRST_FOUND.items():
+                page.goto(f"{url}/search.html?q={query.replace(' ', '+')}")
+                page.page.wait_for_selector("#search-results ul.search li", timeout=60_000)
+                page.page.wait_for_function(
+                    "document.querySelector('#search-results h2') && "
+                    "!document.querySelector('#search-results h2').innerText.includes('Searching')",
+                    timeout=60_000,
+                )
+                found = page.page.locator("#search-results ul.search li a").all_inner_texts()
+                assert found and found[0].startswith(guide), (query, found[:6])
 
         page.page.set_viewport_size({"width": 1024, "height": 768})
         page.goto((site / "index.html").as_uri())
