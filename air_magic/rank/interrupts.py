@@ -268,7 +268,9 @@ class _Peers:
         self.store, self.rank, self.world, self.groups, self.key = store, rank, world, groups, key
 
     def position(self) -> dict[str, int]:
-        return {str(g.group_name): int(g._get_sequence_number_for_group()) for g in self.groups}
+        from air_magic.rank import regroup
+
+        return {str(g.group_name): regroup.sequence_number(g) for g in self.groups}
 
 
 def _peers() -> _Peers | None:

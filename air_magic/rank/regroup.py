@@ -40,7 +40,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["note_links", "watch_new_groups", "cut", "rebuild", "set_timeout", "TYPE_ROUNDS"]
+__all__ = ["note_links", "watch_new_groups", "cut", "rebuild", "set_timeout", "sequence_number", "TYPE_ROUNDS"]
 
 #: The TCP connections (fd, local address, peer address) of each gloo group's current backend,
 #: by the group's name: what :func:`cut` shuts down.
@@ -57,6 +57,8 @@ _DEFAULT = "default"
 #: ProcessGroup its collectives go to now; and the torch library of the redirecting kernels.
 _redirect: dict[Any, Any] = {}
 _library: list[Any] = []
+#: The groups rebuilt at least once (their own sequence number is their first backend's).
+_rebuilt: list[Any] = []
 
 
 def _connections() -> set[tuple[int, Any, Any]]:
@@ -171,12 +173,26 @@ def rebuild(round_: int) -> str:
         else:
             _redirect_one(group, store, round_, default is group)
         note_links(before, name)
+        if not any(seen is group for seen in _rebuilt):
+            _rebuilt.append(group)
     if round_ > TYPE_ROUNDS:
         _install_redirect()
     for group in list(c10d._world.pg_map):
         if _gloo(group):
             dist.all_reduce(torch.zeros(1), group=group)  # every member is on the new backend
     return kind
+
+
+def sequence_number(group: Any) -> int:
+    """How many collectives ``group`` has issued, counted where they run now: a rebuilt group's
+    own number is its first backend's, frozen at the rebuild (the ranks then all looked even
+    while one of them had issued a collective more, and a pool's interrupt cut them)."""
+    if any(seen is group for seen in _rebuilt):
+        import torch
+
+        current = _redirect.get(group) or group
+        return int(current._get_backend(torch.device("cpu"))._get_sequence_number_for_group())
+    return int(group._get_sequence_number_for_group())
 
 
 def _gloo_backend(group: Any, store: Any, round_: int, default: bool) -> Any:

@@ -165,3 +165,21 @@ def test_ctrl_c_while_a_large_cell_is_pickled_or_sent_keeps_the_pool_in_step(ddp
         assert check.error is None, f"after a Ctrl-C {delay} s in ({said[-1]}): {check.error_text[-3000:]}"
         assert not consistent(ast.literal_eval(check.result or "[]"))
     ddp.ok("del blob")
+
+
+def test_after_a_rebuilt_group_q_stops_the_ranks_at_one_point_without_cutting_them(ddp: Kernel) -> None:
+    """A hang's Ctrl-C rebuilds the group; then ``q`` before ``loss.backward()`` on rank 1 stops
+    both ranks where they agree (rank 0 is not left in its gradient all-reduce and cut free):
+    the ranks compare the rebuilt group's own count of collectives, not the first backend's,
+    frozen at the rebuild (every interrupt after a rebuild had cut and rebuilt again, 2 s)."""
+    hang = ddp.execute("%%distributed --pool\nif dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(1))")
+    time.sleep(2.0)
+    ddp.km.interrupt_kernel()
+    res = ddp.collect(hang, timeout=60)
+    assert res.error is not None and "the process group was rebuilt" in res.error["evalue"], res.error_text
+    for _ in range(2):
+        ddp.ok("%%distributed --pool\nstop = (1, steps + 1, 'before_backward')")
+        res = ddp.run_with_stdin(TRAIN, ["q"], timeout=120)
+        assert res.error is not None and res.error["evalue"] == INTACT, res.error_text[-3000:]
+    check = ddp.run(CHECK, timeout=120)
+    assert check.error is None and not consistent(ast.literal_eval(check.result or "[]")), check.error_text

@@ -1,7 +1,9 @@
 """A pool's process groups rebuilt again and again (``air_magic.rank.regroup``), in two real
 gloo processes: 8 rounds, past the 5 backend types torch has to spare (rounds 6 to 8 hand each
 collective to a new ProcessGroup on its way through the dispatcher).  After every round the
-same DDP model trains on and the same ``new_group`` reduces, with the right numbers; in a
+same DDP model trains on and the same ``new_group`` reduces, with the right numbers, and each
+collective counts in the group's sequence number (what the ranks compare to stop at one
+point: a rebuilt group's own number had stayed where the rebuild left it); in a
 redirected round the fence still stops the next collective (and, disarmed, collectives go on),
 and cutting the connections still frees a rank left waiting in an all_reduce."""
 
@@ -36,10 +38,13 @@ for round_ in range(1, 9):
     model.zero_grad()
     model(x).sum().backward()  # DDP's reducer, in C++, on the old group object
     t = torch.ones(1) * (rank + 1)
+    default = dist.distributed_c10d._get_default_group()
+    before = regroup.sequence_number(default)
     dist.all_reduce(t)
+    counted = regroup.sequence_number(default) - before  # (what the ranks agree on to stop)
     u = torch.ones(1) * (rank + 1)
     dist.all_reduce(u, group=pair)
-    said["rounds"].append([kind, model.module.weight.grad.tolist(), t.item(), u.item()])
+    said["rounds"].append([kind, model.module.weight.grad.tolist(), t.item(), u.item(), counted])
 fence.arm("a test")
 try:
     dist.all_reduce(torch.ones(1))
@@ -95,7 +100,7 @@ def test_groups_are_rebuilt_past_the_backend_types_and_keep_working(tmp_path: Pa
     kinds = ["CUSTOM", "UNDEFINED", "UCC", "MPI", "XCCL", "redirected", "redirected", "redirected"]
     grad = [[3.0, 3.0, 3.0, 3.0]]  # (2 rows of 1s and of 2s: 2 + 4 summed, averaged over 2 ranks)
     for said in outs:
-        assert said["rounds"] == [[kind, grad, 3.0, 3.0] for kind in kinds], said
+        assert said["rounds"] == [[kind, grad, 3.0, 3.0, 1] for kind in kinds], said
         assert said["fenced"] == "stopped before a collective (all_reduce): a test", said
         assert said["after_fence"] == 2.0, said
         assert said["after_cut"] == ["redirected", 3.0], said
