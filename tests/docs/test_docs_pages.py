@@ -139,3 +139,58 @@ def test_getting_started_s_install_lines_run_as_written_from_inside_a_clone(tmp_
         )
         assert done.returncode == 0, (line, done.stderr[-2000:])
         assert "Would install air_magic" in done.stdout or "Would install air-magic" in done.stdout, done.stdout
+
+
+def _prints_nothing(code: str, lang: str, in_ranks: bool = False) -> bool:
+    """Whether a block, run, shows nothing: only imports, ``%load_ext``, definitions and
+    assignments of values that are not calls (a launch shows its panel), and in a
+    ``%%distributed`` cell's body any assignment (IPython's syntax is translated first)."""
+    import ast
+
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    if lang != "python":
+        return False
+    if code.lstrip().startswith("%%distributed"):  # the ranks' code: what it shows is the cell's
+        return _prints_nothing(code.lstrip().split("\n", 1)[1] if "\n" in code.strip() else "", lang, True)
+    if code.lstrip().startswith("%%"):
+        return False
+    try:
+        tree = ast.parse(TransformerManager().transform_cell(code))
+    except SyntaxError:
+        return False
+    quiet = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    for node in tree.body:
+        if (
+            isinstance(node, quiet)
+            or isinstance(node, ast.Assign)
+            and (in_ranks or not isinstance(node.value, ast.Call))
+        ):
+            continue
+        call = node.value if isinstance(node, ast.Expr) else None
+        if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("run_line_magic"):
+            if ast.literal_eval(call.args[0]) == "load_ext":
+                continue
+        return False
+    return True
+
+
+def test_each_guide_is_in_titled_sections_and_each_block_shows_its_output() -> None:
+    """A manual, not a list: every guide has sections (``##``), and every block of code it
+    shows is followed by the output it gives (a plain or ``text`` block), but the blocks that
+    show nothing (imports, definitions, ``%load_ext``)."""
+    for path in sorted((DOCS / "guides").glob("*.md")):
+        if path.name == "index.md":
+            continue
+        text = path.read_text()
+        assert len(re.findall(r"^## ", text, re.M)) >= 2, f"{path.name}: fewer than two sections"
+        blocks = list(re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M))
+        for i, block in enumerate(blocks):
+            lang, code = block.group(1), block.group(2)
+            if lang not in ("python", "bash") or _prints_nothing(code, lang):
+                continue
+            after = blocks[i + 1] if i + 1 < len(blocks) else None
+            between = text[block.end() : after.start()] if after else ""
+            assert after is not None and after.group(1) in ("", "text") and not between.strip(), (
+                f"{path.name}: no output after the block that starts {code.splitlines()[0]!r}"
+            )
