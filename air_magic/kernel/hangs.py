@@ -48,6 +48,9 @@ OUTSIDE = "not in a collective"  # (its activity unknown: a Ray rank, a GPU rank
 PAUSED = "paused in the debugger"
 ENDED = "ended"
 SILENT = "not answering"
+#: Seconds a report waits for the ranks' full reads (their first: torch loads its symbols).
+READ = 3.0
+FIRST_READ = 10.0
 
 #: The share of one core a rank's process used since the last look above which it computes (a
 #: rank waiting in a gloo collective, asleep, or reading a pipe uses next to none).
@@ -515,7 +518,11 @@ class HangWatch:
         ended = dict(self.ended() if ended is None else ended)
         live = [r for r in range(self.world_size) if r not in ended]
         unanswered: set[int] = set()
-        seen = dict(self.ask(live, timeout=3.0, unanswered=unanswered, how="r"))
+        # A rank's first full read costs it a second of CPU (torch loads its symbols for the
+        # stack traces): on a loaded machine more than 3 s, and a rank never read would show as
+        # "not answering". Its first read is waited for longer.
+        first = any(rank not in self._said for rank in live)
+        seen = dict(self.ask(live, timeout=FIRST_READ if first else READ, unanswered=unanswered, how="r"))
         self.unsure = bool(unanswered)  # (a rank's thread still busy: ask again, it is not over)
         self._seen = dict(seen)
         now = time.monotonic()

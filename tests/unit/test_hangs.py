@@ -179,6 +179,25 @@ def test_a_rank_that_answered_before_keeps_its_answer_when_a_look_goes_unanswere
     assert second.rows[0].read == "Flight Recorder"
 
 
+def test_the_first_report_waits_longer_for_a_rank_s_first_full_read(tmp_path: Any) -> None:
+    """A rank's first full read loads torch's symbols (a second of CPU; more than 3 s on a loaded
+    machine, where it showed as "not answering"): the report waits up to FIRST_READ for it, and
+    READ once every rank has answered one."""
+    from air_magic.kernel.hangs import FIRST_READ, READ, HangWatch
+
+    waited: list[float] = []
+
+    def ask(ranks: list[int], **kwargs: Any) -> dict[int, Any]:
+        if kwargs.get("how") != "r":
+            return {}
+        waited.append(kwargs["timeout"])
+        return {0: seen(3, 2, entry(3)), 1: seen(2, 2, last_where="train.py:5 in <module>")}
+
+    watch = HangWatch(str(tmp_path), 2, 5.0, ended=dict, show=lambda made: None, ask=ask)
+    assert watch.look(ended={}) is not None and watch.look(ended={}) is not None
+    assert waited == [FIRST_READ, READ] and FIRST_READ > READ == 3.0
+
+
 def _watch_looks(
     tmp_path: Any, monkeypatch: Any, completed: list[int | None], quiet: tuple[int, ...] = (0, 1)
 ) -> tuple[list[str], list[Any]]:
