@@ -32,14 +32,15 @@ from air_magic.errors import (
     attach_rank_rendering,
 )
 from air_magic.hints import hints_for
-from air_magic.protocol import FINAL_STACK_SIGNAL, TRACEBACK_MARK, ErrorRecord, UnpicklableRecord
+from air_magic.protocol import FINAL_STACK_SIGNAL, INTERRUPTED_EXIT, TRACEBACK_MARK, ErrorRecord, UnpicklableRecord
 
 #: A rank's entry in ``records`` when it left no result file.
 MISSING = object()
 
-#: Exit codes of a rank that air_magic's own stop ended (SIGINT, SIGTERM, SIGKILL, and the
-#: timeout's last request for stacks).
-STOP_EXITS = (-signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL, -FINAL_STACK_SIGNAL)
+#: Exit codes of a rank that air_magic's own stop ended (SIGINT, SIGTERM, SIGKILL, the
+#: timeout's last request for stacks, and 130: the KeyboardInterrupt its SIGINT raised in the
+#: rank's code, which the rank reports as a shell does).
+STOP_EXITS = (-signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL, -FINAL_STACK_SIGNAL, INTERRUPTED_EXIT)
 
 _SIGNAL_NOTES = {
     signal.SIGKILL: "possibly out of memory (the kernel's OOM killer sends SIGKILL)",

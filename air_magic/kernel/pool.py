@@ -62,6 +62,7 @@ from air_magic.kernel.rank_output import (
     describe_stacks,
     read_stacks,
     request_stacks,
+    user_frame,
 )
 from air_magic.kernel.request import working_directory
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Stop, UnpicklableRecord, ValueRecord
@@ -968,8 +969,17 @@ class PoolEngine:
         try:
             if launch.local_processes:
                 running = {r: launch.ranks[r].pid for r in pending if launch.ranks[r].pid}
-                request_stacks(launch.work_dir, running, 1.0)  # type: ignore[arg-type]
-                stacks = read_stacks(launch.work_dir, running, {**self.sources, **call.sources})
+                stacks = {}
+                for _look in range(3):
+                    # A rank read on its way (between the call's start and the cell's first line,
+                    # or a busy machine's late answer) shows neither the cell nor a collective:
+                    # looked at again, twice at most.
+                    request_stacks(launch.work_dir, running, 1.0)  # type: ignore[arg-type]
+                    stacks.update(read_stacks(launch.work_dir, running, {**self.sources, **call.sources}))
+                    running = {r: pid for r, pid in running.items() if user_frame(stacks.get(r, "")) == ("", False)}
+                    if not running:
+                        break
+                    time.sleep(0.3)
             else:
                 stacks = {r: s for r, s in launch.stacks(timeout=1.0).items() if r in pending}
                 for filename, (display, _) in {**self.sources, **call.sources}.items():

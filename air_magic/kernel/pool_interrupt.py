@@ -35,6 +35,7 @@ from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_state as _state
 from air_magic.kernel.debugger import BreakpointDesk
 from air_magic.kernel.pool_call import Call, Ranks
+from air_magic.protocol import ErrorRecord
 
 __all__ = ["Interrupt", "GRACE", "STUCK_LOOK", "INTACT"]
 
@@ -123,7 +124,7 @@ class Interrupt:
         if not stuck:
             return False
         self.cut = stuck
-        self.cut_why = f"a collective that {_ranks(sorted(back))} had stopped before"
+        self.cut_why = _not_made_by(back, self.records)
         pool_regroup.cut(self.launch.work_dir, self.n)
         return True
 
@@ -208,6 +209,22 @@ def headline(rebuilt: str, check: _state.StateCheck) -> str:
 
 def _differs(check: _state.StateCheck) -> str:
     return "; ".join(check.differs) + f". {check.repair_hint()}."
+
+
+def _not_made_by(back: set[int], records: dict[int, Any]) -> str:
+    """``a collective that rank 1 had stopped before``: what the ranks back from the call did
+    instead of the collective the others wait in (stopped by the interrupt, finished the
+    call, or failed)."""
+    how: dict[str, list[int]] = {}
+    for rank in sorted(back):
+        record = records.get(rank)
+        if isinstance(record, ErrorRecord) and record.type_name == "KeyboardInterrupt":
+            how.setdefault("had stopped before", []).append(rank)
+        elif isinstance(record, ErrorRecord):
+            how.setdefault("had failed before", []).append(rank)
+        else:
+            how.setdefault("never made (it had finished the call)", []).append(rank)
+    return "a collective that " + " and ".join(f"{_ranks(ranks)} {words}" for words, ranks in how.items())
 
 
 def _ranks(ranks: list[int]) -> str:

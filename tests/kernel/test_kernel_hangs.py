@@ -280,8 +280,9 @@ def test_a_ddp_step_one_rank_skipped_is_reported_at_the_user_s_line_and_ctrl_c_k
     assert re.search(r"\n  0 +in collective .*Cell In\[\d+\]:8 in step \(DDP's gradient all-reduce\)", report), report
     assert took < 12, took  # AIR_MAGIC_HANG_SECONDS=2 here; benchmarks/hang times the default's 5 s
     assert rest.error is not None and rest.error["evalue"] == (
-        "you interrupted the pool's cell; rank 0 waited in a collective that rank 1 had stopped before, so it was "
-        "stopped there: the process group was rebuilt; your names are kept, and their state is intact."
+        "you interrupted the pool's cell; rank 0 waited in a collective that rank 1 never made (it had finished "
+        "the call), so it was stopped there: the process group was rebuilt; your names are kept, and their state "
+        "is intact."
     ), rest.error_text
     assert (
         "[air_magic] put back: model: DDP's reducer reset and the interrupted step's gradients cleared (every rank)."

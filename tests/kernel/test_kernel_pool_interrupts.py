@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 from harness import Kernel, kernel_with_a_pool, the_pool_stays
-from pool_training import CHECK, INTACT, SETUP, TRAIN, consistent
+from pool_training import CHECK, INTACT, INTACT_REBUILT, SETUP, TRAIN, consistent
 
 pytestmark = pytest.mark.kernel
 
@@ -47,9 +47,12 @@ def test_ctrl_c_or_q_anywhere_in_training_leaves_one_model_on_every_rank(kernel_
             for mode in ("ctrl-c", "q-before-backward", "q-before-step"):
                 res = _stop(kernel, mode, rng)
                 assert res.error is not None, f"{mode}, try {n + 1}: the cell did not stop"
-                assert (res.error["ename"], res.error["evalue"]) == ("KeyboardInterrupt", INTACT), (
-                    f"{mode}, try {n + 1}: {res.error_text[-3000:]}"
-                )
+                assert res.error["ename"] == "KeyboardInterrupt", f"{mode}, try {n + 1}: {res.error_text[-3000:]}"
+                said = res.error["evalue"]
+                # q stops every rank at its breakpoint's step; a Ctrl-C may find a rank already
+                # waiting in a collective its peer stopped before (cut free, the group rebuilt).
+                cut = mode == "ctrl-c" and INTACT_REBUILT.fullmatch(said) is not None
+                assert said == INTACT or cut, f"{mode}, try {n + 1}: {res.error_text[-3000:]}"
                 # What the pool checked, said once under the headline.
                 assert re.search(r"\[air_magic\] .*checked on every rank: .*model \(", res.error_text), res.error_text
                 check = kernel.run(CHECK, timeout=120)

@@ -23,6 +23,7 @@ import cloudpickle
 import pytest
 
 from air_magic.protocol import (
+    INTERRUPTED_EXIT,
     STOP_MARK,
     Done,
     Exited,
@@ -128,7 +129,7 @@ def test_an_interrupt_before_the_ranks_are_set_up_stops_them_as_keyboard_interru
     helper: Helper, tmp_path: Path
 ) -> None:
     request = helper.launch(tmp_path, world_size=2)
-    assert stop_at_once(helper, "cancel") == {0: 1, 1: 1}
+    assert stop_at_once(helper, "cancel") == {0: INTERRUPTED_EXIT, 1: INTERRUPTED_EXIT}  # 130, as a shell says it
     assert not (tmp_path / "ran").exists()
     for rank in range(2):
         record = read_record(result_path(request.work_dir, rank))

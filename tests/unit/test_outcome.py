@@ -195,6 +195,8 @@ def test_a_rank_that_left_no_result_without_a_failure_seen() -> None:
 def test_stopped_exits_and_describe_exit() -> None:
     assert _outcome.is_stopped_exit(-15, 5.0, 4.0) and not _outcome.is_stopped_exit(-15, 3.0, 4.0)
     assert not _outcome.is_stopped_exit(1, 5.0, 4.0) and not _outcome.is_stopped_exit(-9, 5.0, None)
+    # 130: the rank's code raised the KeyboardInterrupt the stop's SIGINT made (a cancel, a failure elsewhere)
+    assert _outcome.is_stopped_exit(130, 5.0, 4.0) and not _outcome.is_stopped_exit(130, 3.0, 4.0)
     assert describe_exit(-11).startswith("was killed by SIGSEGV (exit -11): a segmentation fault")
     assert describe_exit(-200) == "was killed by signal 200 (exit -200)"
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from air_magic.kernel import pool_state
 from air_magic.kernel.collectives import stuck, uneven
-from air_magic.kernel.pool_interrupt import INTACT, headline
+from air_magic.kernel.pool_interrupt import INTACT, _not_made_by, headline
+from air_magic.protocol import ErrorRecord, ValueRecord
 
 
 def quick(*groups: tuple[str, int, int]) -> dict[str, Any]:
@@ -135,4 +136,14 @@ def test_after_a_rebuilt_group_the_headline_says_why_and_still_judges_the_state(
     assert headline(why, check) == (
         "you interrupted the pool's cell; rank 0 waited in a collective that rank 1 had stopped before, so it was "
         "stopped there: the process group was rebuilt; your names are kept, and their state is intact."
+    )
+
+
+def test_the_cut_names_what_the_ranks_back_from_the_call_did_instead_of_the_collective() -> None:
+    stopped = ErrorRecord(None, "KeyboardInterrupt", "", "", 0.0)
+    failed = ErrorRecord(None, "RuntimeError", "x", "", 0.0)
+    assert _not_made_by({1}, {1: stopped}) == "a collective that rank 1 had stopped before"
+    assert _not_made_by({1}, {1: ValueRecord(None)}) == "a collective that rank 1 never made (it had finished the call)"
+    assert _not_made_by({1, 2, 3}, {1: stopped, 2: failed, 3: stopped}) == (
+        "a collective that ranks 1, 3 had stopped before and rank 2 had failed before"
     )
