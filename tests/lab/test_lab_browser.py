@@ -491,7 +491,13 @@ def test_a_hang_report_reads_in_the_cell_without_scrolling_sideways(lab: dict[st
     tools.evaluate(INTERRUPT)
     # rank 1 had finished the call: rank 0 is cut free of the all_reduce it waited in, the group rebuilt
     kept = "rank 0 waited in a collective that rank 1 never made (it had finished the call)"
-    _poll(tools, [], lambda s: kept in s["cells"][2]["text"] and "their state is intact" in s["cells"][2]["text"], 60, "Ctrl-C's line")
+    _poll(
+        tools,
+        [],
+        lambda s: kept in s["cells"][2]["text"] and "their state is intact" in s["cells"][2]["text"],
+        60,
+        "Ctrl-C's line",
+    )
     assert not tools.errors, tools.errors
 
 
