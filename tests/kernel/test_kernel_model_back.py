@@ -389,6 +389,15 @@ def test_each_bad_input_gets_a_clear_error_before_anything_is_copied(k: Kernel) 
         error("pool.pull('small', rank=2)") == "ValueError: pool.pull: rank 2 is not one of the pool's ranks (0 to 1)"
     )
     assert error("pool.pull('small', rank=0, ranks=[1])") == "TypeError: pool.pull takes rank= or ranks=, not both"
+    # FSDP (version 1), real: its full state dict needs a collective of its own; refused, never empty.
+    k.ok(
+        "%%distributed --pool\nfrom torch.distributed.fsdp import FullyShardedDataParallel\n"
+        "fsdp1 = FullyShardedDataParallel(Net(), device_id=torch.device('cpu'))"
+    )
+    assert error("pool.state_dict('fsdp1')") == (
+        "ModelBackError: 'fsdp1' is wrapped in FSDP (version 1), whose state dict needs a collective; use FSDP2 "
+        "(torch.distributed.fsdp.fully_shard), or save it from the ranks with its own state_dict_type"
+    )
     unpicklable = k.run(
         "%%distributed --pool\nimport threading\nlock_module = torch.nn.Module()\nlock_module.l = threading.Lock()"
     )
