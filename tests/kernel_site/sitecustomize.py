@@ -15,18 +15,31 @@ if _path:
 
 # ``AIR_MAGIC_TEST_SLOW_MLFLOW=S``: the kernel's ``import mlflow`` takes S seconds more (for a
 # test of a kernel killed before its MLflow store exists).  Popped too: not the helper's.
+# The time is spent running the module, as a slow import spends it: only the importing thread
+# waits, and others that import ``mlflow`` (a finder that sleeps would hold Python's global
+# import lock, and every import of every thread would wait).
 _slow = os.environ.pop("AIR_MAGIC_TEST_SLOW_MLFLOW", None)
 if _slow:
     import importlib.abc
+    import importlib.machinery
     import sys
     import time
 
     class _SlowMlflow(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
-            if fullname == "mlflow":
-                sys.meta_path.remove(self)
-                time.sleep(float(_slow))
-            return None
+            if fullname != "mlflow":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None:
+                real = spec.loader.exec_module
+
+                def exec_module(module):  # type: ignore[no-untyped-def]
+                    time.sleep(float(_slow))
+                    real(module)
+
+                spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
 
     sys.meta_path.insert(0, _SlowMlflow())
 
