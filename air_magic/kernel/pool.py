@@ -50,6 +50,7 @@ from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool_call import Call as _Call
+from air_magic.kernel.pool_call import RankCallState
 from air_magic.kernel.pool_call import Ranks as _Ranks
 from air_magic.kernel.pool_interrupt import GRACE, Interrupt
 from air_magic.kernel.pool_listener import greet as _greet
@@ -252,7 +253,7 @@ class PoolEngine:
     def busy(self) -> set[int]:
         """The ranks still in the current call."""
         call = self._call_now
-        return {r for r, s in call.states.items() if s == "running"} if call is not None else set()
+        return {r for r, s in call.states.items() if s is RankCallState.RUNNING} if call is not None else set()
 
     def rank_state(self, rank: int) -> str:
         """One rank's state: the pool's, or during a call, what the rank did of it (and for a
@@ -654,7 +655,7 @@ class PoolEngine:
         desk = None  # breakpoint(): a prompt in this cell; from what the ranks say after this
         if not background and launch.local_processes:
             desk = BreakpointDesk(launch.work_dir, len(ranks.conns), from_now=True)
-        call.states = {r: "running" for r in range(len(ranks.conns))}
+        call.states = {r: RankCallState.RUNNING for r in range(len(ranks.conns))}
         self._call_now = self._last_call = call
         if kind in ("cell", "call"):
             launch.set_machine_state(f"running {label}")
@@ -910,7 +911,7 @@ class PoolEngine:
         if ranks.launch.local_processes and ranks.launch.stopped_from_outside():
             # air-magic stop (or the sidebar's Stop) ended its ranks: a stop, said with who asked.
             for rank in pending:
-                call.states[rank] = "stopped"
+                call.states[rank] = RankCallState.STOPPED
             self.break_ranks(ranks, f"it was stopped from outside: {ranks.launch.stopped_by}")
             n = len(ranks.conns)
             raise PoolBrokenError(
@@ -935,7 +936,7 @@ class PoolEngine:
                 ended[rank] = code
         where = self._where(call, pending, records)
         for rank in pending:
-            call.states[rank] = "ended" if rank in ended else "stopped"
+            call.states[rank] = RankCallState.ENDED if rank in ended else RankCallState.STOPPED
         self.break_ranks(ranks, because)
         n = len(ranks.conns)
         tail = (
@@ -1168,11 +1169,11 @@ def _tell_forked(call: _Call) -> None:
     )
 
 
-def _state_of(record: Any) -> str:
+def _state_of(record: Any) -> RankCallState:
     """What a rank did of the call, from its reply."""
     if isinstance(record, ErrorRecord):
-        return "interrupted" if record.type_name == "KeyboardInterrupt" else "failed"
-    return "done"
+        return RankCallState.INTERRUPTED if record.type_name == "KeyboardInterrupt" else RankCallState.FAILED
+    return RankCallState.DONE
 
 
 def _ended_call(record: Any) -> str:

@@ -4,6 +4,7 @@ share of them."""
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,22 @@ from typing import Any
 from air_magic.kernel.hangs import HangWatch
 from air_magic.kernel.launch import Launch
 
-__all__ = ["Ranks", "Call"]
+__all__ = ["Ranks", "Call", "RankCallState"]
+
+
+class RankCallState(str, enum.Enum):
+    """What one rank did of a pool call: the engine's word for it (a ``str``, so status dicts
+    and their JSON carry the plain word).  A launch's rank says it as ``PoolRankView.state``."""
+
+    RUNNING = "running"  # still in the call
+    DONE = "done"  # answered with a value
+    FAILED = "failed"  # answered with an error of its code
+    INTERRUPTED = "interrupted"  # answered with the KeyboardInterrupt of an interrupt (or cut free by one)
+    STOPPED = "stopped"  # did not answer: air_magic stopped it (stuck, the pool broken under it)
+    ENDED = "ended"  # did not answer: its process had ended by itself when the pool broke
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(eq=False)
@@ -38,8 +54,7 @@ class Call:
     label: str
     sources: dict[str, tuple[str, str]]
     began: float = field(default_factory=time.monotonic)
-    #: rank -> "running", "done", "failed", "interrupted" or "stopped" (stuck, killed by air_magic)
-    states: dict[int, str] = field(default_factory=dict)
+    states: dict[int, RankCallState] = field(default_factory=dict)
     forked: dict[int, list[int]] = field(default_factory=dict)  # rank -> pids its code forked
     closed: dict[int, float] = field(default_factory=dict)  # rank -> when its connection was seen closed
     ended: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of its answer

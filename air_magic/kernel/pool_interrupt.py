@@ -34,7 +34,7 @@ from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_state as _state
 from air_magic.kernel.debugger import BreakpointDesk
-from air_magic.kernel.pool_call import Call, Ranks
+from air_magic.kernel.pool_call import Call, RankCallState, Ranks
 from air_magic.protocol import ErrorRecord
 
 __all__ = ["Interrupt", "GRACE", "STUCK_LOOK", "INTACT"]
@@ -150,7 +150,7 @@ class Interrupt:
 
     def _finish(self) -> NoReturn:
         for rank in self.cut:  # (its collective raised because it was cut: the interrupt stopped it)
-            self.call.states[rank] = "interrupted"
+            self.call.states[rank] = RankCallState.INTERRUPTED
         why_rebuilt = self._why_rebuild()
         if why_rebuilt:
             why = self.engine.rebuild_group(self.call)

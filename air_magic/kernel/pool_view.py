@@ -26,6 +26,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from air_magic.kernel.pool_call import RankCallState
 from air_magic.kernel.rank_output import file_size
 from air_magic.protocol import spool_file
 
@@ -37,11 +38,12 @@ __all__ = ["PoolCallView", "PoolRankView", "CALL_STATES"]
 
 #: What a rank did of a call (the engine's words) as a launch's rank says it.
 CALL_STATES = {
-    "running": "running",
-    "done": "finished",
-    "failed": "failed",
-    "interrupted": "stopped",
-    "stopped": "stopped",
+    RankCallState.RUNNING: "running",
+    RankCallState.DONE: "finished",
+    RankCallState.FAILED: "failed",
+    RankCallState.INTERRUPTED: "stopped",
+    RankCallState.STOPPED: "stopped",
+    RankCallState.ENDED: "ended",
 }
 
 
@@ -70,12 +72,13 @@ class PoolRankView:
 
     @property
     def state(self) -> str:
-        """``running``, ``finished``, ``failed`` or ``stopped`` (interrupted, or stopped by air_magic)."""
-        said = self._view.call_states.get(self.rank, "running")
-        if said == "running" and self._view.ended_at is not None:
+        """``running``, ``finished``, ``failed``, ``stopped`` (interrupted, or stopped by air_magic) or
+        ``ended`` (its process ended by itself while the pool broke)."""
+        said = self._view.call_states.get(self.rank, RankCallState.RUNNING)
+        if said is RankCallState.RUNNING and self._view.ended_at is not None:
             # The call ended without this rank's answer: the pool broke under it.
             return "stopped" if self._view.status in ("cancelled", "failed") else "finished"
-        return CALL_STATES.get(said, said)
+        return CALL_STATES[said]
 
     @property
     def took(self) -> float | None:
@@ -122,7 +125,7 @@ class PoolCallView:
     # -- what the call's engine knows --------------------------------------------------------
 
     @property
-    def call_states(self) -> dict[int, str]:
+    def call_states(self) -> dict[int, RankCallState]:
         return dict(self.call.states)
 
     @property
