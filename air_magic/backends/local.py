@@ -108,7 +108,7 @@ class Helper:
         return {}  # local ranks are asked directly (Launch.stacks)
 
     def collectives(self, launch_id: str, ranks: list[int], how: str, timeout: float) -> dict[int, Any]:
-        return {rank: None for rank in ranks}  # local ranks are asked directly (air_magic.kernel.collectives)
+        return {rank: None for rank in ranks}  # local ranks are asked directly (air_magic.kernel.inspect.collectives)
 
     def signal_ranks(self, launch_id: str, ranks: list[int], signum: int) -> None:
         pass  # local ranks are signalled directly (Launch.signal_ranks)

@@ -30,8 +30,8 @@ from air_magic.capture import Payload
 from air_magic.errors import LaunchCancelledError, LaunchError, interrupted
 from air_magic.kernel import logs as _logs
 from air_magic.kernel import outcome as _outcome
-from air_magic.kernel.debugger import BreakpointDesk
-from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown, watch_launch
+from air_magic.kernel.inspect.debugger import BreakpointDesk
+from air_magic.kernel.inspect.hangs import HangReport, HangWatch, ReportShown, watch_launch
 from air_magic.kernel.outcome import RankState, describe_exit
 from air_magic.kernel.rank_output import (
     OutputPump,
@@ -396,7 +396,7 @@ class Launch:
         ended: Callable[[], Mapping[int, str]] | None = None,
         sources: dict[str, tuple[str, str]] | None = None,
     ) -> HangWatch:
-        """A :class:`~air_magic.kernel.hangs.HangWatch` of this launch's ranks (``sources``:
+        """A :class:`~air_magic.kernel.inspect.hangs.HangWatch` of this launch's ranks (``sources``:
         the cells whose names its report says; a pool's call has its own)."""
         return watch_launch(self, show, ended, self.sources if sources is None else sources)
 

@@ -45,8 +45,8 @@ from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, Res
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_status as _status
-from air_magic.kernel.debugger import BreakpointDesk, post_mortem_on
-from air_magic.kernel.hangs import HangReport, HangWatch, ReportShown
+from air_magic.kernel.inspect.debugger import BreakpointDesk, post_mortem_on
+from air_magic.kernel.inspect.hangs import HangReport, HangWatch, ReportShown
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool_call import Call as _Call

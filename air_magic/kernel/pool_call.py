@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from air_magic.kernel.hangs import HangWatch
+from air_magic.kernel.inspect.hangs import HangWatch
 from air_magic.kernel.launch import Launch
 
 __all__ = ["Ranks", "Call", "RankCallState"]

@@ -30,10 +30,10 @@ from multiprocessing.connection import Connection
 from typing import Any, NoReturn, Protocol
 
 from air_magic.errors import interrupted
-from air_magic.kernel import collectives as _collectives
 from air_magic.kernel import pool_regroup
 from air_magic.kernel import pool_state as _state
-from air_magic.kernel.debugger import BreakpointDesk
+from air_magic.kernel.inspect import collectives as _collectives
+from air_magic.kernel.inspect.debugger import BreakpointDesk
 from air_magic.kernel.pool_call import Call, RankCallState, Ranks
 from air_magic.protocol import ErrorRecord
 

@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from air_magic.errors import LaunchError
-from air_magic.kernel.debugger import post_mortem_on
+from air_magic.kernel.inspect.debugger import post_mortem_on
 from air_magic.protocol import LAUNCH_ID_ENV, LaunchRequest
 from air_magic.protocol.debugging import BACKGROUND_WAIT, BREAKPOINT_WAIT_ENV, POSTMORTEM_ENV
 from air_magic.settings import settings

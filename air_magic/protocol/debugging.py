@@ -2,7 +2,7 @@
 
 Both ends live in the launch's private folder (0700), one pair per rank::
 
-    rank (air_magic.rank.debugger)                 kernel (air_magic.kernel.debugger)
+    rank (air_magic.rank.inspect.debugger)                 kernel (air_magic.kernel.inspect.debugger)
     ------------------------------                 ----------------------------------
     breakpoint(): debug-<rank>.in (a FIFO) made
     {"kind": "stop", "first": true, "where",

@@ -48,7 +48,7 @@ def stack_request_path(work_dir: str, rank: int) -> str:
 
 def collectives_path(work_dir: str, rank: int) -> str:
     """Where ``rank``'s stack thread writes its collectives when asked (see
-    :mod:`air_magic.rank.collectives`)."""
+    :mod:`air_magic.rank.inspect.collectives`)."""
     return os.path.join(work_dir, f"collectives-{rank}.json")
 
 

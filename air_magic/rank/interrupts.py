@@ -97,7 +97,9 @@ def _debugger_files() -> frozenset[str]:
     import cmd
     import pdb
 
-    ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), "debugger.py")  # (it imports this module)
+    ours = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "inspect", "debugger.py"
+    )  # (it imports this module)
     return frozenset([ours] + [str(getattr(m, "__file__", "") or "") for m in (bdb, cmd, pdb)])
 
 

@@ -64,10 +64,10 @@ from air_magic.protocol import (
     stderr_ranges_path,
 )
 from air_magic.protocol.debugging import POSTMORTEM_ENV
-from air_magic.rank import debugger as _debugger
 from air_magic.rank import groups as _groups
 from air_magic.rank import results as _results
 from air_magic.rank import tracking_shim as _rank_tracking
+from air_magic.rank.inspect import debugger as _debugger
 
 # Where they were defined before the protocol had a module of its own.
 __all__ = ["child_main", "format_user_traceback", "RESULT_NAME", "STACK_SIGNAL", "TRACEBACK_MARK"]
@@ -253,7 +253,7 @@ def _dump_stacks_on_request(work_dir: str, rank: int) -> None:
 def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None:
     """A thread that waits on the rank's stack pipe and answers what is asked: its stacks
     (``?``), or its collectives (``c``, ``q`` or ``r`` and a token:
-    :func:`air_magic.rank.collectives.answer`), or cuts a pool's group's connections (``x``:
+    :func:`air_magic.rank.inspect.collectives.answer`), or cuts a pool's group's connections (``x``:
     :func:`air_magic.rank.regroup.cut`).
     A request the thread answers leaves the user's code alone (no signal interrupts its
     system calls).  It costs nothing while idle (blocked in ``open``/``read``) and is not
@@ -276,7 +276,7 @@ def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None
                     os.close(fd)
                 if asked[:1] in (b"c", b"q", b"r"):  # collectives: as a pool's Ctrl-C, a look, a report
                     try:
-                        from air_magic.rank import collectives
+                        from air_magic.rank.inspect import collectives
 
                         collectives.answer(work_dir, rank, asked[1:].decode("ascii", "replace"), asked[:1].decode())
                     except Exception:  # no answer: the kernel reads the rank as one it cannot ask

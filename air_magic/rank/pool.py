@@ -51,11 +51,11 @@ from typing import Any, Callable
 import cloudpickle
 
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableRecord, ValueRecord, printable
-from air_magic.rank import debugger as _debugger
 from air_magic.rank import interrupts as _interrupts
 from air_magic.rank import results as _results
 from air_magic.rank import state as _state
 from air_magic.rank import tracking_shim as _tracking
+from air_magic.rank.inspect import debugger as _debugger
 
 __all__ = ["serve"]
 

@@ -160,7 +160,7 @@ def rebuild(round_: int) -> str:
     if not _gloo(default):
         raise RuntimeError("only gloo groups are rebuilt")
     kind = _TYPES[round_ - 1] if round_ <= TYPE_ROUNDS else "redirected"
-    from air_magic.rank import collectives
+    from air_magic.rank.inspect import collectives
 
     collectives.retire_groups()  # (the recorder's numbers of the backends replaced here)
     for group, (_backend, store) in list(c10d._world.pg_map.items()):

@@ -660,7 +660,7 @@ def _look(looks: int) -> float:
     import tempfile
     import time
 
-    from air_magic.rank import collectives
+    from air_magic.rank.inspect import collectives
 
     folder = tempfile.mkdtemp()
     began = time.perf_counter()
@@ -672,7 +672,7 @@ def _look(looks: int) -> float:
 
 def _enqueued() -> int:
     """On a rank: the collectives its recorder has seen enqueued, every group together."""
-    from air_magic.rank import collectives
+    from air_magic.rank.inspect import collectives
 
     found = collectives.dump("q") or {"groups": {}}
     return sum(group["enqueued"] for group in found["groups"].values())

@@ -1,5 +1,5 @@
 """The hang report's verdicts, from what ranks' Flight Recorders say (the shapes of
-:func:`air_magic.rank.collectives.dump`'s answers): who is behind, who disagrees, who has
+:func:`air_magic.rank.inspect.collectives.dump`'s answers): who is behind, who disagrees, who has
 ended, and every rank in one collective."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from air_magic.kernel.hangs import BLOCKED, COMPUTING, ENDED, IN_COLLECTIVE, OUTSIDE, PAUSED, report
+from air_magic.kernel.inspect.hangs import BLOCKED, COMPUTING, ENDED, IN_COLLECTIVE, OUTSIDE, PAUSED, report
 
 
 def seen(enqueued: int, completed: int, *pending: dict[str, Any], last_where: str = "") -> dict[str, Any]:
@@ -158,7 +158,7 @@ def test_a_rank_that_holds_the_gil_is_read_by_py_spy_where_it_is_installed(tmp_p
 def test_a_rank_that_answered_before_keeps_its_answer_when_a_look_goes_unanswered(tmp_path: Any) -> None:
     """On a loaded machine a rank's thread may miss one look's 3 s: its row keeps what it said
     last (with its age), so the verdict does not flip to "it does not answer" and back."""
-    from air_magic.kernel.hangs import HangWatch
+    from air_magic.kernel.inspect.hangs import HangWatch
 
     answers = [
         {0: seen(3, 2, entry(3)), 1: seen(2, 2, last_where="train.py:5 in <module>")},
@@ -183,7 +183,7 @@ def test_the_first_report_waits_longer_for_a_rank_s_first_full_read(tmp_path: An
     """A rank's first full read loads torch's symbols (a second of CPU; more than 3 s on a loaded
     machine, where it showed as "not answering"): the report waits up to FIRST_READ for it, and
     READ once every rank has answered one."""
-    from air_magic.kernel.hangs import FIRST_READ, READ, HangWatch
+    from air_magic.kernel.inspect.hangs import FIRST_READ, READ, HangWatch
 
     waited: list[float] = []
 
@@ -205,7 +205,7 @@ def _watch_looks(
     clock; each look finds both ranks in a collective, having completed ``completed[i]``
     (None: the ranks in ``quiet`` do not answer that look in time).
     Returns what the ranks were asked, in order, and the reports shown."""
-    from air_magic.kernel import hangs
+    from air_magic.kernel.inspect import hangs
 
     clock = [1000.0]
     asked: list[str] = []

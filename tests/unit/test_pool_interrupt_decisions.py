@@ -1,7 +1,7 @@
 """What a pool's interrupt decides, without processes: which ranks are left in collectives
 that cannot complete (and only those are cut free), which groups the ranks left uneven, and
 what the cell says of the ranks' state once they compared it (the shapes of
-:func:`air_magic.rank.collectives.dump`'s and :func:`air_magic.rank.state.fingerprint`'s
+:func:`air_magic.rank.inspect.collectives.dump`'s and :func:`air_magic.rank.state.fingerprint`'s
 answers)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from air_magic.kernel import pool_state
-from air_magic.kernel.collectives import stuck, uneven
+from air_magic.kernel.inspect.collectives import stuck, uneven
 from air_magic.kernel.pool_interrupt import INTACT, _not_made_by, headline
 from air_magic.protocol import ErrorRecord, ValueRecord
 

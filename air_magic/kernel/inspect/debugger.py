@@ -3,7 +3,7 @@ served in the cell that waits for them, through the kernel's own stdin.
 
 The loop that waits for a launch (:meth:`Launch.wait_streaming`) or for a pool's call
 (``PoolEngine._collect``) calls :meth:`BreakpointDesk.poll` between its looks; the rank's
-side is :mod:`air_magic.rank.debugger`, the exchange :mod:`air_magic.protocol.debugging`::
+side is :mod:`air_magic.rank.inspect.debugger`, the exchange :mod:`air_magic.protocol.debugging`::
 
     poll():  each rank's events file, from where it was read last (a stat when nothing came)
              "stop"    -> the rank waits; the lowest such rank is served now:

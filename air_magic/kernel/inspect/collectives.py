@@ -1,5 +1,5 @@
 """The ranks' collectives, kernel side: ask each rank what torch's Flight Recorder saw (the
-rank side is :mod:`air_magic.rank.collectives`), and judge what an interrupt left::
+rank side is :mod:`air_magic.rank.inspect.collectives`), and judge what an interrupt left::
 
     ask(work_dir, ranks) --"c<token>" on each rank's stack pipe--> collectives-<rank>.json
         -> {rank: {"groups": {pg: {name, enqueued, completed, ranks}}, "pending": [entry...]}}

@@ -1,6 +1,6 @@
 """Why is it stuck: a report of the ranks' collectives, once they stop completing.
 
-The ranks' side is :mod:`air_magic.rank.collectives` (torch's Flight Recorder, read by each
+The ranks' side is :mod:`air_magic.rank.inspect.collectives` (torch's Flight Recorder, read by each
 rank's stack thread without touching the thread that waits); this module decides and says::
 
     HangWatch.check()        each poll of the cell's wait; one look a second
@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
-from air_magic.kernel import collectives as _collectives
+from air_magic.kernel.inspect import collectives as _collectives
 from air_magic.protocol import ask_for_collectives
 from air_magic.protocol.debugging import paused_at
 

@@ -1,0 +1,6 @@
+"""rank/inspect/: looking inside a running rank, the rank's half; it imports protocol/ and the
+rank's own interrupts and patching, nothing of the rank's launch or pool.
+
+pdb at a breakpoint with its prompt in the notebook (``debugger``), and the rank's collectives
+read from torch's Flight Recorder for the kernel (``collectives``).  The kernel's half is
+:mod:`air_magic.kernel.inspect`."""
