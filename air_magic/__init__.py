@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from air_magic.backends.ray.ray_init import ray_init
     from air_magic.data.weights import save_safetensors
     from air_magic.decorator import DistributedFunction, distributed
-    from air_magic.kernel.claims import GPUClaimsError, GPUsBusyError
     from air_magic.kernel.launcher import Launch
+    from air_magic.kernel.machine.claims import GPUClaimsError, GPUsBusyError
     from air_magic.kernel.model_back import ModelBackError
     from air_magic.pool import Pool, PoolBrokenError, PoolBusyError, PoolCall
 
@@ -98,8 +98,8 @@ _LAZY = {
     # what pool.state_dict/model/save refuse
     "ModelBackError": "air_magic.kernel.model_back",
     # a launch told not to wait for GPUs another one holds
-    "GPUsBusyError": "air_magic.kernel.claims",
-    "GPUClaimsError": "air_magic.kernel.claims",
+    "GPUsBusyError": "air_magic.kernel.machine.claims",
+    "GPUClaimsError": "air_magic.kernel.machine.claims",
 }
 
 
@@ -168,8 +168,8 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
     """The Jupyter server extension: the lab extension's migration command (``air_magic.lint.server``)
-    and its list of the machine's launches and pools (``air_magic.kernel.machine_server``)."""
-    return [{"module": "air_magic.lint.server"}, {"module": "air_magic.kernel.machine_server"}]
+    and its list of the machine's launches and pools (``air_magic.kernel.machine.server``)."""
+    return [{"module": "air_magic.lint.server"}, {"module": "air_magic.kernel.machine.server"}]
 
 
 # In a kernel: the comm target the JupyterLab extension opens its comm to (the list of

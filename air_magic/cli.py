@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def machine_verb(args: argparse.Namespace) -> int:
     """``air-magic ps`` and ``air-magic stop ID``."""
-    from air_magic.kernel import machine
+    from air_magic.kernel.machine import ps as machine
 
     try:
         if args.verb == "stop":
@@ -302,7 +302,7 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
         warm_in_background(launcher.session_dir)
     if args.address is not None:
         os.environ["RAY_ADDRESS"] = args.address  # read by the Ray backend, and by the ranks
-    from air_magic.kernel import claims
+    from air_magic.kernel.machine import claims
 
     claims.FRONT = "run"  # what this process's launch is in the machine's list
     with _first_on_sys_path(path_first):  # the ranks take sys.path as it is at the start

@@ -288,7 +288,7 @@ class DistributedMagics(Magics):
             0003-5f2c91ab  alice  pool  4      0,1,2,3  9.1G ...  2.3G ...   running  12m  train.ipynb
         """
         args = self.distributed_ps.parser.parse_args(words(line, "%distributed_ps"))  # type: ignore[attr-defined]
-        from air_magic.kernel import machine
+        from air_magic.kernel.machine import ps as machine
 
         if args.stop:
             try:

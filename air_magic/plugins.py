@@ -171,8 +171,8 @@ def register() -> None:
         if _registered:
             return
         from air_magic.kernel import pool as _pool
-        from air_magic.kernel.claims import claim_observer
         from air_magic.kernel.launcher import Launch, Launcher
+        from air_magic.kernel.machine.claims import claim_observer
 
         Launch.render = panel_mimebundle
         _pool.CALL_WATCHERS.append(pool_panel)

@@ -78,7 +78,7 @@ class FakeLaunch:
 
 def _claim_and_hold(launch_id: str, ranks: int, ready: Any, go: Any, out: Any, release: Any) -> None:
     fake_nvml()
-    from air_magic.kernel.claims import ClaimObserver
+    from air_magic.kernel.machine.claims import ClaimObserver
 
     observer = ClaimObserver(FakeLaunch(launch_id, ranks))  # type: ignore[arg-type]
     observer.launch.spec.wait = False  # type: ignore[attr-defined]
@@ -142,7 +142,7 @@ def overlap(pairs: int, crowd: int) -> dict[str, Any]:
 
 
 def ps_time(records: int) -> dict[str, Any]:
-    from air_magic.kernel import machine
+    from air_magic.kernel.machine import ps as machine
     from air_magic.protocol import registry
 
     me = os.getpid()
@@ -185,7 +185,7 @@ def ps_time(records: int) -> dict[str, Any]:
 
 
 def refusal() -> dict[str, Any]:
-    from air_magic.kernel.claims import ClaimObserver, GPUsBusyError
+    from air_magic.kernel.machine.claims import ClaimObserver, GPUsBusyError
 
     holder = ClaimObserver(FakeLaunch("hold-all", GPUS))  # type: ignore[arg-type]
     holder.before_start(holder.launch, {})  # type: ignore[arg-type]
@@ -206,7 +206,7 @@ def refusal() -> dict[str, Any]:
 
 def _hold_everything(ready: Any) -> None:
     fake_nvml()
-    from air_magic.kernel.claims import ClaimObserver
+    from air_magic.kernel.machine.claims import ClaimObserver
 
     observer = ClaimObserver(FakeLaunch("doomed", GPUS))  # type: ignore[arg-type]
     observer.before_start(observer.launch, {})  # type: ignore[arg-type]
@@ -215,7 +215,7 @@ def _hold_everything(ready: Any) -> None:
 
 
 def dead_holder(rounds: int) -> dict[str, Any]:
-    from air_magic.kernel.claims import ClaimObserver
+    from air_magic.kernel.machine.claims import ClaimObserver
 
     ctx = multiprocessing.get_context("fork")
     delays = []
@@ -246,7 +246,7 @@ def dead_holder(rounds: int) -> dict[str, Any]:
 
 
 def added() -> dict[str, Any]:
-    from air_magic.kernel.claims import ClaimObserver
+    from air_magic.kernel.machine.claims import ClaimObserver
 
     out = {}
     for device in ("cpu", "cuda"):

@@ -3,7 +3,7 @@
  * every user's, with Stop on yours.
  *
  *   every 5 s while the sidebar is shown (and at once when it is shown again)
- *     --GET <base>/air-magic/machine--> the server extension (air_magic/kernel/machine_server.py:
+ *     --GET <base>/air-magic/machine--> the server extension (air_magic/kernel/machine/server.py:
  *       the rows `air-magic ps --json` prints, and GPU memory no launch holds) --> render()
  *   Stop (yours only), after a confirmation
  *     --POST <base>/air-magic/machine/stop {id}--> SIGTERM, then SIGKILL after 5 s; the launch's

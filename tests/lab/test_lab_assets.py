@@ -52,7 +52,7 @@ def test_the_built_extension_is_complete_and_found_by_jupyter() -> None:
     assert air_magic._jupyter_labextension_paths() == [{"src": "labextension", "dest": "air-magic-labextension"}]
     assert air_magic._jupyter_server_extension_points() == [
         {"module": "air_magic.lint.server"},  # Migrate
-        {"module": "air_magic.kernel.machine_server"},  # the sidebar's list of the machine's launches
+        {"module": "air_magic.kernel.machine.server"},  # the sidebar's list of the machine's launches
     ]
     pyproject = (ROOT / "pyproject.toml").read_text()
     for path in ("share/jupyter/labextensions/air-magic-labextension", "etc/jupyter/jupyter_server_config.d"):

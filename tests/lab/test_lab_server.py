@@ -106,8 +106,8 @@ def test_the_machine_list_is_what_air_magic_ps_json_prints(jupyter: dict[str, An
     is not running, in one line each (a real stop: tests/lab/test_lab_browser.py)."""
     import os
 
-    from air_magic.kernel import machine
-    from air_magic.kernel import machine_server as _machine_server
+    from air_magic.kernel.machine import ps as machine
+    from air_magic.kernel.machine import server as _machine_server
     from air_magic.protocol import registry
 
     me = os.getpid()

@@ -11,7 +11,7 @@ import pytest
 
 from air_magic import accelerators
 from air_magic.hints import hints_for
-from air_magic.kernel.claims import GPU, describe_holders, visible_gpus
+from air_magic.kernel.machine.claims import GPU, describe_holders, visible_gpus
 
 
 class NVMLError(Exception):

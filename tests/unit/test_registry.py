@@ -1,5 +1,5 @@
 """The machine's list of launches (``air_magic.protocol.registry``) and the GPU claims made from
-it (``air_magic.kernel.claims``): a record lives as long as its holder, a forged or broken one is
+it (``air_magic.kernel.machine.claims``): a record lives as long as its holder, a forged or broken one is
 skipped with a line, concurrent claims never share a GPU, and who holds what is said in words."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from air_magic.kernel import claims
+from air_magic.kernel.machine import claims
 from air_magic.protocol import gpu_locks, registry
 
 

@@ -9,7 +9,7 @@ notebook whose kernel never loaded air_magic)::
         --POST <base>/air-magic/machine/stop {"id"}-->  kernel.machine.stop(id, via="the JupyterLab sidebar")
                                             --> 200 {"message"} | 400 / 409 {"message"}
 
-Beside ``kernel/machine.py`` (the list ``air-magic ps`` and ``%distributed_ps`` read), not in
+Beside ``kernel/machine/ps.py`` (the list ``air-magic ps`` and ``%distributed_ps`` read), not in
 ``panel/``: the Jupyter server imports it at start, and it needs the machine's list only, none of
 the panel's modules.
 
@@ -37,7 +37,7 @@ VIA = "the JupyterLab sidebar"
 
 def machine_reply() -> tuple[int, dict[str, Any]]:
     """Every launch and pool on this machine, and GPU memory no launch holds."""
-    from air_magic.kernel import machine
+    from air_magic.kernel.machine import ps as machine
     from air_magic.protocol import registry
 
     try:
@@ -51,7 +51,7 @@ def machine_reply() -> tuple[int, dict[str, Any]]:
 
 def stop_reply(body: bytes) -> tuple[int, dict[str, Any]]:
     """Stop one launch or pool of this server's user, as ``air-magic stop ID`` does."""
-    from air_magic.kernel import machine
+    from air_magic.kernel.machine import ps as machine
 
     try:
         launch_id = json.loads(body or b"{}")["id"]
