@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from air_magic.decorator import DistributedFunction, distributed
     from air_magic.kernel.launcher import Launch
     from air_magic.kernel.machine.claims import GPUClaimsError, GPUsBusyError
-    from air_magic.kernel.model_back import ModelBackError
+    from air_magic.kernel.pool.model_back import ModelBackError
     from air_magic.pool import Pool, PoolBrokenError, PoolBusyError, PoolCall
 
 __all__ = [
@@ -96,7 +96,7 @@ _LAZY = {
     "PoolBrokenError": "air_magic.pool",
     "PoolBusyError": "air_magic.pool",
     # what pool.state_dict/model/save refuse
-    "ModelBackError": "air_magic.kernel.model_back",
+    "ModelBackError": "air_magic.kernel.pool.model_back",
     # a launch told not to wait for GPUs another one holds
     "GPUsBusyError": "air_magic.kernel.machine.claims",
     "GPUClaimsError": "air_magic.kernel.machine.claims",

@@ -229,7 +229,7 @@ class DistributedMagics(Magics):
             if engine is None:
                 raise UsageError("%distributed_pool: this kernel has no pool; start one with %distributed_pool -n N.")
             if args.stop:
-                from air_magic.kernel.pool import close_all
+                from air_magic.kernel.pool.engine import close_all
 
                 stopped = close_all()
                 print(
@@ -319,7 +319,7 @@ class DistributedMagics(Magics):
         ``%pdb on`` opens it on its own as a rank raises, in launches too.
         """
         args = self.distributed_debug.parser.parse_args(words(line, "%distributed_debug"))  # type: ignore[attr-defined]
-        from air_magic.kernel.pool import current_pool
+        from air_magic.kernel.pool.engine import current_pool
 
         engine = current_pool()
         if engine is None:

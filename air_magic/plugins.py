@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from air_magic.kernel.launcher import Launch, Launcher, LaunchObserver
-    from air_magic.kernel.pool_view import PoolCallView
+    from air_magic.kernel.pool.view import PoolCallView
 
 #: The comm target the JupyterLab extension (labextension/src/channel.ts) opens its comm to.
 LAB_TARGET = "air_magic"
@@ -170,9 +170,9 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        from air_magic.kernel import pool as _pool
         from air_magic.kernel.launcher import Launch, Launcher
         from air_magic.kernel.machine.claims import claim_observer
+        from air_magic.kernel.pool import engine as _pool
 
         Launch.render = panel_mimebundle
         _pool.CALL_WATCHERS.append(pool_panel)
@@ -214,7 +214,7 @@ def _end_pools_at_exit() -> None:
 
 
 def _close_pools_and_store() -> None:
-    pool = sys.modules.get("air_magic.kernel.pool")
+    pool = sys.modules.get("air_magic.kernel.pool.engine")
     if pool is not None and pool.open_pools():
         pool.close_all()
         observer = sys.modules.get("air_magic.tracking.observer")

@@ -1,5 +1,5 @@
 """``air_magic.Pool``: ranks that stay across cells (the front; the engine is
-:mod:`air_magic.kernel.pool`, the rank side :mod:`air_magic.rank.pool`).
+:mod:`air_magic.kernel.pool.engine`, the rank side :mod:`air_magic.rank.pool`).
 
 >>> pool = air_magic.Pool(2)                          # doctest: +SKIP
 >>> pool.push(lr=0.01)                                # doctest: +SKIP
@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, Callable, overload
 
-from air_magic.kernel.pool import PoolBrokenError, PoolBusyError, PoolCall, PoolEngine, current_pool, open_pools
+from air_magic.kernel.pool.engine import PoolBrokenError, PoolBusyError, PoolCall, PoolEngine, current_pool, open_pools
 from air_magic.spec import AcceleratorArg, check_timeout, make_spec
 
 __all__ = ["Pool", "PoolBrokenError", "PoolBusyError", "PoolCall", "current_pool"]
@@ -210,7 +210,7 @@ class Pool:
             sd = air_magic.Pool.current().state_dict("model")
             torch.save(sd, "model.pt")
         """
-        from air_magic.kernel import model_back
+        from air_magic.kernel.pool import model_back
 
         return model_back.state_dict(self._engine, name, dtype)
 
@@ -247,7 +247,7 @@ class Pool:
 
             model = pool.model("model", MyNet)
         """
-        from air_magic.kernel import model_back
+        from air_magic.kernel.pool import model_back
 
         return model_back.model(self._engine, name, factory, dtype)
 
@@ -282,7 +282,7 @@ class Pool:
 
             pool.save("model", "out/", max_shard_size="2GB")
         """
-        from air_magic.kernel import model_back
+        from air_magic.kernel.pool import model_back
 
         return model_back.save(self._engine, name, folder, max_shard_size, dtype)
 

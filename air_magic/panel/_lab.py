@@ -120,7 +120,7 @@ def _closed(described: dict[str, Any]) -> dict[str, Any]:
 def _pool_facts(launch: "Launch") -> dict[str, Any]:
     """A pool's launch: the pool's own state (what ``pool.state`` and ``%distributed_pool``
     say), its restarts and its cells; ``closed`` once no open pool runs on it."""
-    from air_magic.kernel.pool import pool_of
+    from air_magic.kernel.pool.engine import pool_of
 
     engine = pool_of(launch.id)
     if engine is None:
@@ -163,7 +163,7 @@ class LabChannel:
     def launches(self) -> list[dict[str, Any]]:
         """The running launches (newest first), then the ended ones: one item each, a pool's
         starts one item (the newest start's), and a pool no longer open said ``closed``."""
-        from air_magic.kernel.pool import open_pools
+        from air_magic.kernel.pool.engine import open_pools
 
         with self._lock:
             running = [self._describe(launch, cell) for launch, cell in self.running.values()]
@@ -325,7 +325,7 @@ class LabChannel:
         # Listed as running until its observers are told of its end, but over (cancel() says
         # so) once its outcome is known: what the list may already show.
         if entry is None or not entry[0].cancel():  # a pool's launch: cancel() interrupts its call
-            from air_magic.kernel.pool import pool_of
+            from air_magic.kernel.pool.engine import pool_of
 
             if entry is not None and pool_of(launch_id) is not None:
                 return {
@@ -340,7 +340,7 @@ class LabChannel:
     def close_pool(self, launch_id: str) -> dict[str, Any]:
         """The sidebar's Close on a pool: its ranks end and their names are lost (the front end
         asked the user first); a cell running on it ends saying the sidebar closed the pool."""
-        from air_magic.kernel.pool import pool_of
+        from air_magic.kernel.pool.engine import pool_of
 
         engine = pool_of(launch_id)
         if engine is None:
@@ -449,7 +449,7 @@ def lab_observer(launch: "Launch") -> _LabObserver | None:
 
 
 class _LabCallWatcher:
-    """A pool's call, told to the channel (kernel/pool.py's CALL_WATCHERS): the sidebar's pool
+    """A pool's call, told to the channel (kernel/pool/engine.py's CALL_WATCHERS): the sidebar's pool
     item shows the running cell, its clock and its ranks' progress."""
 
     def __init__(self, lab: LabChannel, view: Any) -> None:

@@ -1,7 +1,7 @@
 """The panel of a pool's call: a launch's panel, drawn on the call seen as a launch.
 
-The pool's engine (:mod:`air_magic.kernel.pool`) makes a
-:class:`~air_magic.kernel.pool_view.PoolCallView` as a call begins and calls the factory
+The pool's engine (:mod:`air_magic.kernel.pool.engine`) makes a
+:class:`~air_magic.kernel.pool.view.PoolCallView` as a call begins and calls the factory
 registered in ``CALL_WATCHERS`` with it; ``end()`` once the view says how the call ended::
 
     call begins   --> PoolCallPanel; the cell's own wait loop calls tick(), which does nothing
@@ -29,7 +29,7 @@ from air_magic.panel._frontend import _shell, panel_mode
 from air_magic.panel._observer import PanelObserver
 
 if TYPE_CHECKING:
-    from air_magic.kernel.pool_view import PoolCallView
+    from air_magic.kernel.pool.view import PoolCallView
 
 __all__ = ["PoolCallPanel", "pool_call_panel", "SHOW_AFTER"]
 

@@ -18,7 +18,7 @@ from air_magic.panel._format import _CELL, _FONT, _STATUS_STYLE, _esc
 from air_magic.panel._render import _run_command_html, _run_html
 
 if TYPE_CHECKING:
-    from air_magic.kernel.pool_status import PoolEngine, PoolFacts
+    from air_magic.kernel.pool.status import PoolEngine, PoolFacts
 
 __all__ = ["bundle", "html", "STATE_STYLE"]
 
@@ -81,7 +81,7 @@ def html(facts: "PoolFacts") -> str:
 
 def bundle(engine: "PoolEngine") -> dict[str, str]:
     """The pool's status as the notebook displays it: text and HTML from one model."""
-    from air_magic.kernel import pool_status
+    from air_magic.kernel.pool import status as pool_status
 
     facts = pool_status.facts(engine)
     return {"text/plain": pool_status.text(engine, facts), "text/html": html(facts)}

@@ -67,7 +67,7 @@ def _title_html(state: LaunchState) -> str:
 
 
 def _noun(launch: Any) -> str:
-    """What the panel calls it: ``launch``, or ``pool call`` (kernel/pool_view.py)."""
+    """What the panel calls it: ``launch``, or ``pool call`` (kernel/pool/view.py)."""
     return str(getattr(launch, "noun", "launch"))
 
 

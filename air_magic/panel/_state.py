@@ -204,10 +204,10 @@ def paused_where(launch: "Launch", rank: int) -> str | None:
 def _rank_state(launch: "Launch", rank: int) -> str:
     state = launch.ranks[rank]
     status = launch.status
-    if launch.kind == "pool call":  # what the rank did of the call (kernel/pool_view.py)
+    if launch.kind == "pool call":  # what the rank did of the call (kernel/pool/view.py)
         return str(state.state)
     if launch.kind == "pool" and status == "running":  # the pool's ranks: idle, or what they do of its call
-        from air_magic.kernel.pool import pool_of
+        from air_magic.kernel.pool.engine import pool_of
 
         engine = pool_of(launch.id)
         if engine is not None:

@@ -35,7 +35,7 @@ STOP_NOTE_BLOCKING = (
     "interrupt the kernel to stop (■ in the toolbar): a click cannot reach a kernel busy with this cell"
 )
 #: What Stop does, said where it works while the cell runs (the front end sends clicks on a
-#: kernel subshell): for a launch, and for a pool's call (kernel/pool_view.py's noun).
+#: kernel subshell): for a launch, and for a pool's call (kernel/pool/view.py's noun).
 STOP_NOTE_SUBSHELL = "Stop ends this launch and its ranks, as ■ does"
 STOP_NOTE_POOL = "Stop interrupts this cell on every rank, as ■ does; the pool and its state stay"
 

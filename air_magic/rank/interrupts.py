@@ -95,11 +95,12 @@ def _debugger_files() -> frozenset[str]:
     (the rank goes on from the user's own line)."""
     import bdb
     import cmd
+    import importlib.util
     import pdb
 
-    ours = os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "inspect", "debugger.py"
-    )  # (it imports this module)
+    # Found, not imported (it imports this module), wherever its room is.
+    spec = importlib.util.find_spec("air_magic.rank.inspect.debugger")
+    ours = os.path.abspath(spec.origin) if spec is not None and spec.origin else ""
     return frozenset([ours] + [str(getattr(m, "__file__", "") or "") for m in (bdb, cmd, pdb)])
 
 

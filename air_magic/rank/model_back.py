@@ -1,6 +1,6 @@
 """The model back, rank side: what a module's state dict holds here, and its bytes written
 straight to their place in a file the kernel made (the kernel side is
-:mod:`air_magic.kernel.model_back`)::
+:mod:`air_magic.kernel.pool.model_back`)::
 
     kernel                                         rank r (a pool rank; no collective, no group)
     ------                                         ------

@@ -1,6 +1,6 @@
 """A pool rank: the process group once, then the kernel's cells until it closes the pool.
 
-A pool is a launch whose ranks stay (:mod:`air_magic.kernel.pool` is its kernel side).
+A pool is a launch whose ranks stay (:mod:`air_magic.kernel.pool.engine` is its kernel side).
 Each rank keeps one namespace (its ``__main__``) across cells, joins the default
 process group once, and waits between cells on its connection to the kernel (a Unix
 socket in the kernel's private session folder, or a TCP port of the kernel's machine for

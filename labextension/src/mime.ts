@@ -37,7 +37,7 @@ interface ISummary {
   charts: { [key: string]: { [rank: string]: [number, number][] } };
   tracking: boolean;
   run: { id: string; name: string; url: string; command: string } | null;
-  /** "launch", or "pool call" for a call of a pool (air_magic/kernel/pool_view.py). */
+  /** "launch", or "pool call" for a call of a pool (air_magic/kernel/pool/view.py). */
   noun?: string;
   /** A pool call's pool, said on a line above the title ('' for a launch). */
   context?: string;

@@ -151,7 +151,7 @@ def test_fsdp2_and_tensor_parallel_shards_are_put_together_without_a_collective(
     assert k.value("same('tp', %s)" % (full % "tp"))
     # An area of many parts (a file each, a key each here): the ranks write them in turn.
     k.ok(
-        "import air_magic.kernel.model_back as model_back\n"
+        "import air_magic.kernel.pool.model_back as model_back\n"
         "model_back.PART_BYTES, part_bytes = 1, model_back.PART_BYTES\n"
         "try:\n"
         "    sd = pool.state_dict('fsdp')\n"

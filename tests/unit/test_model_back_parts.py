@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from air_magic.kernel import model_back
-from air_magic.kernel.model_back import Layout, parts
+from air_magic.kernel.pool import model_back
+from air_magic.kernel.pool.model_back import Layout, parts
 from air_magic.rank.model_back import _in_turn
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from air_magic.kernel.pool_call import RankCallState
-from air_magic.kernel.pool_view import CALL_STATES
+from air_magic.kernel.pool.call import RankCallState
+from air_magic.kernel.pool.view import CALL_STATES
 
 
 def test_every_state_a_rank_can_be_in_has_the_word_a_launch_s_rank_says() -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from air_magic.kernel import pool_state
 from air_magic.kernel.inspect.collectives import stuck, uneven
-from air_magic.kernel.pool_interrupt import INTACT, _not_made_by, headline
+from air_magic.kernel.pool import state as pool_state
+from air_magic.kernel.pool.interrupt import INTACT, _not_made_by, headline
 from air_magic.protocol import ErrorRecord, ValueRecord
 
 

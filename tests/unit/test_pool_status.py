@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from air_magic.kernel.pool import PoolEngine, _Ranks
+from air_magic.kernel.pool.engine import PoolEngine, _Ranks
 from air_magic.spec import make_spec
 
 

@@ -36,6 +36,7 @@ import time
 import types
 from typing import Any
 
+import air_magic.protocol
 from air_magic.protocol.debugging import (
     ANSWER_EOF,
     ANSWER_ERROR,
@@ -303,7 +304,7 @@ def _ask_seconds() -> float:
 
 
 #: air_magic's own folder: frames of files under it run the rank, they are not the user's.
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(air_magic.protocol.__file__))) + os.sep
 
 
 def _runs_the_rank(frame: types.FrameType) -> bool:

@@ -1,8 +1,8 @@
 """A pool of ranks that stays across cells: the kernel side (the rank side is
-:mod:`air_magic.rank.pool`; what travels between them, :mod:`air_magic.kernel.pool_wire`;
-what the pool says of itself, :mod:`air_magic.kernel.pool_status`; a call seen as a
-launch, for the panel, :mod:`air_magic.kernel.pool_view`; where the ranks connect and how
-each is known as one of the pool's, :mod:`air_magic.kernel.pool_listener`).
+:mod:`air_magic.rank.pool`; what travels between them, :mod:`air_magic.kernel.pool.wire`;
+what the pool says of itself, :mod:`air_magic.kernel.pool.status`; a call seen as a
+launch, for the panel, :mod:`air_magic.kernel.pool.view`; where the ranks connect and how
+each is known as one of the pool's, :mod:`air_magic.kernel.pool.listener`).
 
 A pool is a launch that stays: its ranks are forked by the helper as for any launch (so a
 kernel's shutdown, restart or death takes them along), join the default process group
@@ -43,20 +43,20 @@ import cloudpickle
 from air_magic import capture
 from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, ResultError, interrupted
 from air_magic.kernel import outcome as _outcome
-from air_magic.kernel import pool_regroup
-from air_magic.kernel import pool_status as _status
 from air_magic.kernel.inspect.debugger import BreakpointDesk, post_mortem_on
 from air_magic.kernel.inspect.hangs import HangReport, HangWatch, ReportShown
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
-from air_magic.kernel.pool_call import Call as _Call
-from air_magic.kernel.pool_call import RankCallState
-from air_magic.kernel.pool_call import Ranks as _Ranks
-from air_magic.kernel.pool_interrupt import GRACE, Interrupt
-from air_magic.kernel.pool_listener import greet as _greet
-from air_magic.kernel.pool_listener import listener as _listener
-from air_magic.kernel.pool_view import PoolCallView
-from air_magic.kernel.pool_wire import OutOfStep, replies
+from air_magic.kernel.pool import regroup as pool_regroup
+from air_magic.kernel.pool import status as _status
+from air_magic.kernel.pool.call import Call as _Call
+from air_magic.kernel.pool.call import RankCallState
+from air_magic.kernel.pool.call import Ranks as _Ranks
+from air_magic.kernel.pool.interrupt import GRACE, Interrupt
+from air_magic.kernel.pool.listener import greet as _greet
+from air_magic.kernel.pool.listener import listener as _listener
+from air_magic.kernel.pool.view import PoolCallView
+from air_magic.kernel.pool.wire import OutOfStep, replies
 from air_magic.kernel.rank_output import (
     OutputPump,
     bound_log_in_place,
@@ -89,7 +89,7 @@ POOL_START_TIMEOUT = 300.0
 #: the closed connection itself is the reason the pool breaks.
 _CLOSED_GRACE = 1.0
 #: Factories called as a pool's cell or call begins in the caller's thread (not a
-#: ``submit``), with the call seen as a launch (:class:`~air_magic.kernel.pool_view.PoolCallView`):
+#: ``submit``), with the call seen as a launch (:class:`~air_magic.kernel.pool.view.PoolCallView`):
 #: each returns a watcher, or None.  Its ``tick()`` is called from the call's wait loop (every
 #: few tens of ms: it must be cheap) and its ``end()`` once the call is over and the view says
 #: how (the live panel registers one: :mod:`air_magic.panel._pool`; plugins.py wires it).

@@ -18,7 +18,7 @@ checked (the rank side is :mod:`air_magic.rank.interrupts`, :mod:`air_magic.rank
           modules', optimizers' and engines' fingerprints
         compare() -> "intact", or what differs and how to repair it (pool.sync)
 
-The engine (:class:`air_magic.kernel.pool.PoolEngine`) owns the ranks; this object owns one
+The engine (:class:`air_magic.kernel.pool.engine.PoolEngine`) owns the ranks; this object owns one
 interrupt of one call.
 """
 
@@ -30,11 +30,11 @@ from multiprocessing.connection import Connection
 from typing import Any, NoReturn, Protocol
 
 from air_magic.errors import interrupted
-from air_magic.kernel import pool_regroup
-from air_magic.kernel import pool_state as _state
 from air_magic.kernel.inspect import collectives as _collectives
 from air_magic.kernel.inspect.debugger import BreakpointDesk
-from air_magic.kernel.pool_call import Call, RankCallState, Ranks
+from air_magic.kernel.pool import regroup as pool_regroup
+from air_magic.kernel.pool import state as _state
+from air_magic.kernel.pool.call import Call, RankCallState, Ranks
 from air_magic.protocol import ErrorRecord
 
 __all__ = ["Interrupt", "GRACE", "STUCK_LOOK", "INTACT"]
@@ -49,7 +49,7 @@ INTACT = "you interrupted the pool's cell; every rank stopped it, and the pool a
 
 
 class Engine(Protocol):
-    """What an interrupt asks of the pool's engine (:class:`air_magic.kernel.pool.PoolEngine`)."""
+    """What an interrupt asks of the pool's engine (:class:`air_magic.kernel.pool.engine.PoolEngine`)."""
 
     def interrupt(self, ranks: list[int]) -> None: ...
     def take_replies(self, call: Call, pending: dict[int, Connection], records: dict[int, Any]) -> list[Any]: ...

@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from air_magic import capture
-from air_magic.kernel.pool_wire import OutOfStep, replies
+from air_magic.kernel.pool.wire import OutOfStep, replies
 from air_magic.protocol import ErrorRecord, ValueRecord, ask_to_cut
 
 __all__ = ["cut", "rebuild", "can_rebuild", "broke_the_group", "REBUILT"]

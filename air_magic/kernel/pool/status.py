@@ -1,6 +1,6 @@
 """What a pool says of itself: its ranks, their memory, the call they run, how it stands
 (``%distributed_pool``, ``Pool.current()``, ``pool.status()``; the engine is
-:mod:`air_magic.kernel.pool`).  One model, drawn as text here and as HTML by
+:mod:`air_magic.kernel.pool.engine`).  One model, drawn as text here and as HTML by
 :mod:`air_magic.panel._pool_status`, so every place says the same thing in the same words::
 
     engine (ranks, the call running, its per-rank states) --status()--> a dict
@@ -24,7 +24,7 @@ __all__ = ["status", "facts", "describe", "text", "PoolFacts", "RankRow", "PoolE
 
 
 class PoolEngine(Protocol):
-    """What these functions read of :class:`air_magic.kernel.pool.PoolEngine` (named here so
+    """What these functions read of :class:`air_magic.kernel.pool.engine.PoolEngine` (named here so
     that the engine imports this module and not the other way round)."""
 
     spec: LaunchSpec

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from air_magic import capture
-from air_magic.kernel.pool_wire import OutOfStep, replies
+from air_magic.kernel.pool.wire import OutOfStep, replies
 from air_magic.protocol import ValueRecord
 
 __all__ = ["StateCheck", "settle", "compare", "SETTLE_WAIT"]

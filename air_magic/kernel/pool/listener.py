@@ -1,5 +1,5 @@
 """Where a pool's ranks connect to the kernel, and how the kernel knows each is one of its own
-(:mod:`air_magic.kernel.pool` starts the ranks and keeps the connections)::
+(:mod:`air_magic.kernel.pool.engine` starts the ranks and keeps the connections)::
 
     listener()  a Unix socket in a private folder (or a short one of its own), or for ranks
                 on other machines a TCP port at the address they reach the kernel at

@@ -33,7 +33,7 @@ from air_magic.errors import AirMagicError
 from air_magic.rank.results import aligned
 
 if TYPE_CHECKING:
-    from air_magic.kernel.pool import PoolEngine
+    from air_magic.kernel.pool.engine import PoolEngine
 
 __all__ = ["ModelBackError", "state_dict", "model", "save", "Area", "parts"]
 

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from air_magic.kernel.pool_call import RankCallState
+from air_magic.kernel.pool.call import RankCallState
 from air_magic.kernel.rank_output import file_size
 from air_magic.protocol import spool_file
 

@@ -1,0 +1,20 @@
+"""What moves between rooms must not break: the files a rank names by path."""
+
+from __future__ import annotations
+
+import os
+
+import air_magic
+from air_magic.rank import interrupts
+from air_magic.rank.inspect import debugger
+
+PACKAGE = os.path.dirname(os.path.abspath(air_magic.__file__)) + os.sep
+
+
+def test_the_debugger_skips_every_frame_of_air_magic_s_own_files() -> None:
+    assert debugger._PACKAGE == PACKAGE
+
+
+def test_the_interrupt_knows_the_debugger_s_file_where_it_is() -> None:
+    ours = [f for f in interrupts._debugger_files() if f.startswith(PACKAGE)]
+    assert ours == [os.path.abspath(debugger.__file__)]
