@@ -1,5 +1,5 @@
 """``air_magic.Pool``: ranks that stay across cells (the front; the engine is
-:mod:`air_magic.kernel.pool.engine`, the rank side :mod:`air_magic.rank.pool`).
+:mod:`air_magic.kernel.pool.engine`, the rank side :mod:`air_magic.rank.pool.serve`).
 
 >>> pool = air_magic.Pool(2)                          # doctest: +SKIP
 >>> pool.push(lr=0.01)                                # doctest: +SKIP

@@ -254,7 +254,7 @@ def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None
     """A thread that waits on the rank's stack pipe and answers what is asked: its stacks
     (``?``), or its collectives (``c``, ``q`` or ``r`` and a token:
     :func:`air_magic.rank.inspect.collectives.answer`), or cuts a pool's group's connections (``x``:
-    :func:`air_magic.rank.regroup.cut`).
+    :func:`air_magic.rank.pool.regroup.cut`).
     A request the thread answers leaves the user's code alone (no signal interrupts its
     system calls).  It costs nothing while idle (blocked in ``open``/``read``) and is not
     one of ``threading``'s threads.  Without the pipe, stack requests come by signal."""
@@ -283,7 +283,7 @@ def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None
                         pass
                 elif asked.startswith(b"x"):  # a pool's hang: cut its group's connections
                     try:
-                        from air_magic.rank import regroup
+                        from air_magic.rank.pool import regroup
 
                         regroup.cut()
                     except Exception:  # the kernel sees the collective still waiting
@@ -565,7 +565,7 @@ def _run(request: LaunchRequest, rank: int) -> int:
         with open(request.payload_path, "rb") as handle:
             payload = cloudpickle.load(handle)
         if payload["kind"] == "pool":  # a rank that stays: the kernel's cells until it closes the pool
-            from air_magic.rank import pool as _pool
+            from air_magic.rank.pool import serve as _pool
 
             _pool.serve(main, rank, payload, _error_record, shm_dir, request.work_dir)
             value = None

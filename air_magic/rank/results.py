@@ -200,7 +200,7 @@ class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
     def _dtensor_piece(self, dtensor: Any) -> Any:
         """A DTensor travels as this rank's shard and where it goes in the full tensor: the
         kernel puts the full tensor together from every rank's record (:func:`assemble_piece`)."""
-        from air_magic.rank.model_back import _part
+        from air_magic.rank.pool.model_back import _part
 
         part = _part(dtensor, int(os.environ.get("RANK", "0")))
         index = self._pieces

@@ -1,7 +1,7 @@
 """Bytes written into a file another process maps (a returned tensor, a model's part): all of a
 buffer at one offset with ``pwrite``, whose pages are allocated as they are written (none zeroed
 first), so a full file system is an ``ENOSPC`` error at the write, never a SIGBUS at a later touch.
-Used by :mod:`air_magic.rank.results` and :mod:`air_magic.rank.model_back`."""
+Used by :mod:`air_magic.rank.results` and :mod:`air_magic.rank.pool.model_back`."""
 
 from __future__ import annotations
 

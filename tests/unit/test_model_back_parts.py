@@ -6,7 +6,7 @@ import pytest
 
 from air_magic.kernel.pool import model_back
 from air_magic.kernel.pool.model_back import Layout, parts
-from air_magic.rank.model_back import _in_turn
+from air_magic.rank.pool.model_back import _in_turn
 
 
 def _layout(sizes: dict[str, int], aliases: dict[str, str] | None = None) -> Layout:

@@ -1,7 +1,7 @@
 """What a pool's interrupt decides, without processes: which ranks are left in collectives
 that cannot complete (and only those are cut free), which groups the ranks left uneven, and
 what the cell says of the ranks' state once they compared it (the shapes of
-:func:`air_magic.rank.inspect.collectives.dump`'s and :func:`air_magic.rank.state.fingerprint`'s
+:func:`air_magic.rank.inspect.collectives.dump`'s and :func:`air_magic.rank.pool.state.fingerprint`'s
 answers)."""
 
 from __future__ import annotations

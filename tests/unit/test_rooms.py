@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import air_magic
-from air_magic.rank import interrupts
 from air_magic.rank.inspect import debugger
+from air_magic.rank.pool import interrupts
 
 PACKAGE = os.path.dirname(os.path.abspath(air_magic.__file__)) + os.sep
 

@@ -48,6 +48,9 @@ from air_magic.settings import settings
 
 __all__ = ["BreakpointDesk", "HELP", "post_mortem_on"]
 
+#: Seconds a rank's new stop waits for lower ranks to stop too, so that ranks ask in rank order.
+HOLD = 0.3
+
 HELP = """air_magic's debugger commands (besides pdb's own: help, p, pp, l, ll, w, u, d, n, s, c, b, display, interact):
   :all CMD   send CMD to every rank stopped now (e.g. ':all c' continues them all)
   :r N       answer rank N's prompt next (when several ranks are stopped)
@@ -95,8 +98,22 @@ class BreakpointDesk:
     def poll(self) -> None:
         """Read what came; serve one stopped rank's prompt (the loop calls again for the next)."""
         self._read()
+        self._hold_for_lower_ranks()
         while self.stopped:  # one prompt after another while ranks wait (the answers come at once)
             self._serve()
+
+    def _hold_for_lower_ranks(self) -> None:
+        """Ranks ask in rank order: a rank that has just stopped, with lower ranks not stopped
+        (yet), waits up to ``HOLD`` s from its stop for them (on a loaded machine rank 1 may
+        reach the line everyone stops at before rank 0)."""
+        while self.stopped:
+            lowest = min(self.stopped)
+            event = self.stopped[lowest]
+            left = event.get("seen", 0.0) + HOLD - time.monotonic()
+            if lowest == 0 or not event.get("first") or left <= 0:
+                return
+            time.sleep(min(0.02, left))
+            self._read()
 
     def _read(self) -> None:
         for rank in range(self.world_size):
@@ -110,7 +127,7 @@ class BreakpointDesk:
             events, self.offsets[rank] = read_events(path, self.offsets[rank])
             for event in events:
                 if event.get("kind") == "stop":
-                    self.stopped[rank] = event
+                    self.stopped[rank] = {**event, "seen": time.monotonic()}
                 elif event.get("kind") == "resumed":
                     self.stopped.pop(rank, None)
                     _show(event.get("text", ""))

@@ -6,4 +6,4 @@ ranks, one call on them; RankCallState), ``wire`` and ``listener`` (the Unix soc
 ``interrupt`` (Ctrl-C and q: every rank stopped at one point), ``regroup`` (a fresh process group
 after a cut), ``state`` (what an interrupt left, compared across ranks), ``status`` and ``view``
 (what the notebook, the panel and the sidebar show of it), ``model_back`` (a model gathered from
-the ranks).  The ranks' half is :mod:`air_magic.rank.pool`."""
+the ranks).  The ranks' half is :mod:`air_magic.rank.pool.serve`."""

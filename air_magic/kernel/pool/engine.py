@@ -1,5 +1,5 @@
 """A pool of ranks that stays across cells: the kernel side (the rank side is
-:mod:`air_magic.rank.pool`; what travels between them, :mod:`air_magic.kernel.pool.wire`;
+:mod:`air_magic.rank.pool.serve`; what travels between them, :mod:`air_magic.kernel.pool.wire`;
 what the pool says of itself, :mod:`air_magic.kernel.pool.status`; a call seen as a
 launch, for the panel, :mod:`air_magic.kernel.pool.view`; where the ranks connect and how
 each is known as one of the pool's, :mod:`air_magic.kernel.pool.listener`).
@@ -580,7 +580,7 @@ class PoolEngine:
 
     def ask(self, kind: str, data: dict[str, Any], label: str) -> list[Any]:
         """A message of air_magic's own on every rank (``"model"``: the model back, answered by
-        :mod:`air_magic.rank.model_back`); one value per rank."""
+        :mod:`air_magic.rank.pool.model_back`); one value per rank."""
         with self._turn():
             return self._call(self._ready(), kind, data, label)
 
@@ -590,7 +590,7 @@ class PoolEngine:
         return self._ids
 
     def sync(self, names: list[str], src: int) -> list[str]:
-        """``names`` copied from rank ``src`` to every other (:func:`air_magic.rank.state.sync`);
+        """``names`` copied from rank ``src`` to every other (:func:`air_magic.rank.pool.state.sync`);
         what was copied.  A name that cannot be copied raises ``ValueError`` (the rank's why)."""
         with self._turn():
             values = self._call(self._ready(), "sync", {"names": names, "src": src}, f"pool.sync({src=})")

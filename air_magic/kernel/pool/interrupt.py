@@ -1,7 +1,7 @@
 """A pool call's interrupt, kernel side: Ctrl-C, ``q`` at a breakpoint, the panel's Stop or a
 hang's Ctrl-C.  Every rank stops at one point; the pool says "intact" only once it has
-checked (the rank side is :mod:`air_magic.rank.interrupts`, :mod:`air_magic.rank.fence` and
-:mod:`air_magic.rank.state`)::
+checked (the rank side is :mod:`air_magic.rank.pool.interrupts`, :mod:`air_magic.rank.pool.fence` and
+:mod:`air_magic.rank.pool.state`)::
 
     Interrupt(engine, call, records, pending, desk).run()   (always raises KeyboardInterrupt)
       prompts waiting at breakpoints answered as q answers them

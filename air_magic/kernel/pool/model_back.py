@@ -1,6 +1,6 @@
 """The model back, kernel side: a pool's module as one full state dict in the kernel, as a
 module, or as safetensors files, with no process group and no CUDA here (the rank side is
-:mod:`air_magic.rank.model_back`)::
+:mod:`air_magic.rank.pool.model_back`)::
 
     state_dict(engine, "model")
       1. ask every rank for its plan ("model", plan)  ->  per key: full shape, dtype, each
@@ -152,7 +152,7 @@ class Area:
     bytes), of one ``kind``: ``"shm"`` (files of ``shm_dir``, where statvfs says it has room),
     ``"memfd"`` (not bounded by /dev/shm's size) or ``"file"`` (in ``fallback_dir``).  The kernel
     only sizes them (``ftruncate``); each rank reserves the bytes it writes
-    (:func:`air_magic.rank.model_back.write`).  Several parts rather than one file: a file takes
+    (:func:`air_magic.rank.pool.model_back.write`).  Several parts rather than one file: a file takes
     one writer at a time (its inode's lock), so ranks that write different parts at once write
     in parallel."""
 

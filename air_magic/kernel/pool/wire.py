@@ -1,5 +1,5 @@
 """The pool's wire, kernel side: one call sent to every rank, and the replies read back
-(the rank side is :mod:`air_magic.rank.pool`; the engine, :mod:`air_magic.kernel.pool.engine`)::
+(the rank side is :mod:`air_magic.rank.pool.serve`; the engine, :mod:`air_magic.kernel.pool.engine`)::
 
     kernel                                         rank r
     ------                                         ------

@@ -20,7 +20,7 @@ goes to it (:mod:`air_magic.protocol.debugging` draws the exchange)::
 Quitting (``q``, EOF or Interrupt in the notebook) in a launch raises KeyboardInterrupt at
 the line the rank was at, with tracing off: the launch then ends as after Ctrl-C.  In a
 pool's call it stops the rank as a Ctrl-C that came at that line would
-(:func:`air_magic.rank.interrupts.request_here`): where its peers are not at the same point
+(:func:`air_magic.rank.pool.interrupts.request_here`): where its peers are not at the same point
 (one waits in the gradient all-reduce this rank's ``loss.backward()`` would join), the rank
 runs on, breakpoints skipped, to the point where they all stop, so that no rank keeps a step
 its peers did not make.
@@ -98,7 +98,7 @@ def set_trace(frame: types.FrameType | None = None, *, header: str | None = None
         pdb.Pdb().set_trace(frame or sys._getframe().f_back)
         return
     frame = frame or sys._getframe().f_back
-    from air_magic.rank import interrupts
+    from air_magic.rank.pool import interrupts
 
     if interrupts.pending():  # quit, or interrupted: the rank runs on to where every rank stops
         return
@@ -259,7 +259,7 @@ class _Answers:
                 "(AIR_MAGIC_ON_BREAKPOINT=error; PYTHONBREAKPOINT=0 turns breakpoints off)"
             )
         if line == ANSWER_QUIT:
-            from air_magic.rank import interrupts
+            from air_magic.rank.pool import interrupts
 
             if interrupts.active() and not debugger.post_mortem:  # a pool's call: stop as its Ctrl-C does
                 debugger.quit_asked = True
@@ -278,7 +278,7 @@ class _Answers:
         return None if line == ANSWER_EOF else line
 
     def _line(self, timeout: float | None) -> str | None:
-        from air_magic.rank import interrupts
+        from air_magic.rank.pool import interrupts
 
         fd = _answers_fd()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -402,7 +402,7 @@ class RankPdb(pdb.Pdb):
             text = self.out.take()
             _send("resumed", text=text)
         if self.quit_asked and self.at is not None:
-            from air_magic.rank import interrupts
+            from air_magic.rank.pool import interrupts
 
             # Raises KeyboardInterrupt here where every rank stops here; else the rank runs on.
             self.handoff = interrupts.request_here(self.at)
