@@ -52,6 +52,7 @@ from air_magic.kernel.pool import status as _status
 from air_magic.kernel.pool.call import Call as _Call
 from air_magic.kernel.pool.call import RankCallState
 from air_magic.kernel.pool.call import Ranks as _Ranks
+from air_magic.kernel.pool.decide import CLOSED_GRACE, first_gone
 from air_magic.kernel.pool.interrupt import GRACE, Interrupt
 from air_magic.kernel.pool.listener import greet as _greet
 from air_magic.kernel.pool.listener import listener as _listener
@@ -85,9 +86,6 @@ __all__ = [
 
 #: Seconds a pool waits for its ranks to connect (the helper may still be importing torch).
 POOL_START_TIMEOUT = 300.0
-#: Seconds a rank whose connection closed has to end (its exit then says how it ended) before
-#: the closed connection itself is the reason the pool breaks.
-_CLOSED_GRACE = 1.0
 #: Factories called as a pool's cell or call begins in the caller's thread (not a
 #: ``submit``), with the call seen as a launch (:class:`~air_magic.kernel.pool.view.PoolCallView`):
 #: each returns a watcher, or None.  Its ``tick()`` is called from the call's wait loop (every
@@ -867,17 +865,9 @@ class PoolEngine:
     def _first_gone(
         self, ranks: _Ranks, pending: dict[int, Connection], closed: dict[int, float] | None = None
     ) -> int | None:
-        """The pending rank that ended first (not one stopped because another ended), if any;
-        or one that closed its connection a second ago and has not ended (its code closed it)."""
-        states = ranks.launch.ranks
-        gone = [r for r in pending if states[r].returncode is not None]
-        if not gone:
-            if ranks.launch.done() and pending:
-                return min(pending)
-            late = [r for r, at in (closed or {}).items() if r in pending and time.monotonic() - at > _CLOSED_GRACE]
-            return min(late) if late else None
-        first = [r for r in gone if not states[r].stopped] or gone
-        return min(first, key=lambda r: (states[r].ended_at or 0.0, r))
+        """The pending rank that ended first (:func:`~air_magic.kernel.pool.decide.first_gone`)."""
+        launch = ranks.launch
+        return first_gone(launch.ranks, pending, closed or {}, launch.done(), time.monotonic())
 
     def rebuild_group(self, call: _Call) -> str:
         """Fresh connections for the ranks' default group (every rank idle); ``''`` when it
@@ -925,7 +915,7 @@ class PoolEngine:
         # errors that only echo a peer's end (gloo's "Connection closed by peer") wait a moment
         # for that end to be reported.
         gone = self._first_gone(ranks, pending, call.closed)
-        deadline = time.monotonic() + _CLOSED_GRACE
+        deadline = time.monotonic() + CLOSED_GRACE
         while not own and gone is None and time.monotonic() < deadline:
             time.sleep(0.02)
             gone = self._first_gone(ranks, pending, call.closed)
