@@ -184,6 +184,7 @@ class Launch:
         self._stop_reason: str | None = None
         self._failures: list[int] = []
         self._stop_at: float | None = None  # time.monotonic() when the helper began to stop it
+        self._stops: list[tuple[str, float]] = []  # every stop the helper began: (reason, when)
         #: What runs its ranks: the helper process they are forked from, or another backend
         #: (:class:`air_magic.backends.ray.backend.RayBackend`) that speaks the same messages.
         self.helper: Backend | None = None
@@ -584,7 +585,7 @@ class Launch:
         state = self.ranks[rank]
         state.returncode = returncode
         state.ended_at = at
-        state.stopped = _outcome.is_stopped_exit(returncode, at, self._stop_at)
+        state.stopped = _outcome.is_stopped_exit(returncode, at, self._stop_at, self._stops)
         # Exit code 0 without a result (os._exit(0)): its peers would wait for it in
         # init_process_group or a collective until the timeout. A failure: stop them now.
         state.left = returncode == 0 and not os.path.exists(_results.result_path(self.work_dir, rank))
@@ -639,14 +640,16 @@ class Launch:
 
     def _on_stopping(self, reason: str, at: float | None = None) -> None:
         self._stop_reason = self._stop_reason or reason
+        began = at if at is not None else time.monotonic()
+        self._stops.append((reason, began))  # each stop's signals, by when they could be sent
         if self._stop_at is None:
-            self._stop_at = at if at is not None else time.monotonic()
+            self._stop_at = began
         self.status = "stopping"
         # A rank the stop ended whose exit was told first (the helper's messages cross): stopped,
         # not failed, as the cell says (a pool broken by its interrupt showed "r1 failed").
         for state in self.ranks:
             if state.returncode is not None and not state.stopped:
-                state.stopped = _outcome.is_stopped_exit(state.returncode, state.ended_at, self._stop_at)
+                state.stopped = _outcome.is_stopped_exit(state.returncode, state.ended_at, self._stop_at, self._stops)
 
     def finish(self) -> None:
         """Every rank has ended: the outcome, the observers' end, the files' cleanup.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from air_magic.errors import (
     LaunchCancelledError,
@@ -32,7 +32,14 @@ from air_magic.errors import (
     attach_rank_rendering,
 )
 from air_magic.hints import hints_for
-from air_magic.protocol import FINAL_STACK_SIGNAL, INTERRUPTED_EXIT, TRACEBACK_MARK, ErrorRecord, UnpicklableRecord
+from air_magic.protocol import (
+    FINAL_STACK_SIGNAL,
+    INTERRUPTED_EXIT,
+    STOP_ESCALATION,
+    TRACEBACK_MARK,
+    ErrorRecord,
+    UnpicklableRecord,
+)
 
 #: A rank's entry in ``records`` when it left no result file.
 MISSING = object()
@@ -133,9 +140,30 @@ def stopped(n: int, every: str = "its") -> str:
     return f"{every} {n} ranks were stopped" if n != 1 else "its rank was stopped"
 
 
-def is_stopped_exit(returncode: int, at: float | None, stop_at: float | None) -> bool:
-    """A stop signal after the stop began: air_magic ended the rank, not its own failure."""
-    return returncode in STOP_EXITS and stop_at is not None and (at is None or at >= stop_at)
+def is_stopped_exit(
+    returncode: int, at: float | None, stop_at: float | None, stops: Sequence[tuple[str, float]] = ()
+) -> bool:
+    """A stop signal after the stop began: air_magic ended the rank, not its own failure.
+
+    With the stops begun (``(reason, when)``, the helper's clock), a SIGTERM or SIGKILL counts
+    only once one of them could have sent it (a failure's SIGKILL comes 2 s after its SIGTERM):
+    a rank killed from outside just before a stop, whose exit the helper saw just after it on a
+    loaded machine, is the failure, not one of the ranks stopped because of it."""
+    if returncode not in STOP_EXITS or stop_at is None or (at is not None and at < stop_at):
+        return False
+    if not stops or at is None or returncode not in (-signal.SIGTERM, -signal.SIGKILL):
+        return True
+    for reason, began in stops:
+        steps = STOP_ESCALATION.get(reason)
+        if not steps:
+            return True  # a stop whose signals are not known here: as before
+        if any(-int(signum) == returncode and at >= began + delay - _ESCALATION_SLACK for delay, signum in steps):
+            return True
+    return False
+
+
+#: Seconds a stop's signal may be seen before its step's time (the helper's timer and clock).
+_ESCALATION_SLACK = 0.1
 
 
 def needs_records(ending: Ending) -> bool:

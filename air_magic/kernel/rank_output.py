@@ -117,11 +117,15 @@ def log_end(path: str) -> str:
         return ""
 
 
-def request_stacks(work_dir: str, running: dict[int, int], timeout: float) -> None:
+def request_stacks(
+    work_dir: str, running: dict[int, int], timeout: float, thread_wait: float = THREAD_ANSWER_SECONDS
+) -> None:
     """Ask every running rank (``{rank: pid}``) for its stacks (see
     :func:`~air_magic.protocol.ask_for_stacks`); wait (at most ``timeout`` s) until each
-    stack file has stopped growing.  A rank whose thread has not answered in
-    ``THREAD_ANSWER_SECONDS`` is asked by signal."""
+    stack file has stopped growing.  A rank whose thread has not answered in ``thread_wait``
+    s (at most half the timeout) is asked by signal: faulthandler then writes the stacks from
+    the signal handler, which reads other threads' frames as they change (a busy thread's can
+    come out garbled), so a caller that can wait gives the thread longer."""
     asked = {rank: pid for rank, pid in running.items() if ask_for_stacks(work_dir, rank, pid)}
     begin = time.monotonic()
     deadline = begin + timeout
@@ -132,7 +136,7 @@ def request_stacks(work_dir: str, running: dict[int, int], timeout: float) -> No
         now = {rank: file_size(stack_path(work_dir, rank)) for rank in asked}
         if all(now[r] > 0 and now[r] == sizes.get(r) for r in asked):
             break
-        if not resignalled and time.monotonic() - begin >= min(THREAD_ANSWER_SECONDS, timeout / 2):
+        if not resignalled and time.monotonic() - begin >= min(thread_wait, timeout / 2):
             resignalled = True
             for rank in [r for r in asked if now[r] == 0]:
                 ask_for_stacks(work_dir, rank, asked[rank], by_signal=True)
@@ -262,6 +266,10 @@ def py_spy_stacks(pid: int, timeout: float = 10.0) -> str:
     return "\n".join(lines) if done.returncode == 0 else ""
 
 
+#: No source file has this many lines: a frame that says so was read while it changed.
+_NO_SUCH_LINE = 10_000_000
+
+
 def _main_thread_frames(text: str) -> list[dict[str, str]]:
     """The frames, most recent first, of the thread that runs the launched code."""
     threads: list[list[dict[str, str]]] = [[]]
@@ -270,7 +278,7 @@ def _main_thread_frames(text: str) -> list[dict[str, str]]:
             threads.append([])
             continue
         match = _FRAME.match(line)
-        if match:
+        if match and int(match["line"]) < _NO_SUCH_LINE:  # (a frame faulthandler read half-changed)
             frame = match.groupdict()
             frame["file"] = frame["file"] or frame["cell"]
             threads[-1].append(frame)

@@ -342,3 +342,17 @@ def test_an_async_collective_of_a_rank_that_computes_is_not_waited_in() -> None:
         busy={0: 0.9, 1: 0.8},
     )
     assert made is None
+
+
+def test_a_frame_read_while_it_changed_is_no_frame_of_the_user_s() -> None:
+    from air_magic.kernel.rank_output import user_frame
+
+    # faulthandler, from a signal handler, read a busy thread's frame half-changed.
+    garbled = 'Thread 0x00007f (most recent call first):\n  File "OSError", line 2043993280 in ismethod\n'
+    assert user_frame(garbled) == ("", False)
+    whole = (
+        "Thread 0x00007f (most recent call first):\n"
+        '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        "  Cell In[4], line 6 in <module>\n"
+    )
+    assert user_frame(whole) == ("Cell In[4]:6 in <module>", True)

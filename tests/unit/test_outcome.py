@@ -197,6 +197,14 @@ def test_stopped_exits_and_describe_exit() -> None:
     assert not _outcome.is_stopped_exit(1, 5.0, 4.0) and not _outcome.is_stopped_exit(-9, 5.0, None)
     # 130: the rank's code raised the KeyboardInterrupt the stop's SIGINT made (a cancel, a failure elsewhere)
     assert _outcome.is_stopped_exit(130, 5.0, 4.0) and not _outcome.is_stopped_exit(130, 3.0, 4.0)
+    # With the stops begun: a SIGKILL seen 0.5 s into a failure's stop (whose SIGKILL comes at 2 s)
+    # was not air_magic's (a rank killed from outside, its exit seen late): the failure itself.
+    failure = [("failure", 4.0)]
+    assert not _outcome.is_stopped_exit(-9, 4.5, 4.0, failure)
+    assert _outcome.is_stopped_exit(-9, 6.1, 4.0, failure) and _outcome.is_stopped_exit(-15, 4.2, 4.0, failure)
+    assert _outcome.is_stopped_exit(-9, 4.5, 4.0, failure + [("kill", 4.4)])  # a kill after it: at once
+    assert not _outcome.is_stopped_exit(-15, 4.5, 4.0, [("kill", 4.0)])  # a kill sends no SIGTERM
+    assert _outcome.is_stopped_exit(130, 4.1, 4.0, [("cancel", 4.0)])  # (its KeyboardInterrupt: any time)
     assert describe_exit(-11).startswith("was killed by SIGSEGV (exit -11): a segmentation fault")
     assert describe_exit(-200) == "was killed by signal 200 (exit -200)"
 

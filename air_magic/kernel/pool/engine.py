@@ -965,7 +965,7 @@ class PoolEngine:
                     # A rank read on its way (between the call's start and the cell's first line,
                     # or a busy machine's late answer) shows neither the cell nor a collective:
                     # looked at again, twice at most.
-                    request_stacks(launch.work_dir, running, 1.0)  # type: ignore[arg-type]
+                    request_stacks(launch.work_dir, running, 3.0, thread_wait=1.5)  # type: ignore[arg-type]
                     stacks.update(read_stacks(launch.work_dir, running, {**self.sources, **call.sources}))
                     running = {r: pid for r, pid in running.items() if user_frame(stacks.get(r, "")) == ("", False)}
                     if not running:
