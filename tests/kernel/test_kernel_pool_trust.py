@@ -140,7 +140,7 @@ def test_making_a_pool_again_closes_the_earlier_one_and_says_so(k: Kernel) -> No
     assert wait_until(lambda: all(gone(p) for p in first), timeout=10)
     k.ok("pool = air_magic.Pool(2, tracking=False)", timeout=180)
     assert wait_until(lambda: all(gone(p) for p in second), timeout=10)
-    assert k.value("len(__import__('air_magic.kernel.pool.engine').kernel.pool.open_pools())") == 1
+    assert k.value("len(__import__('air_magic.kernel.pool.engine').kernel.pool.engine.open_pools())") == 1
     third = pool_pids(k)
     k.ok("%distributed_pool --stop")
     assert wait_until(lambda: all(gone(p) for p in third), timeout=10)

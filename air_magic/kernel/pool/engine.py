@@ -258,13 +258,13 @@ class PoolEngine:
         pool a call broke, what each rank did of that call: failed, stopped, ended)."""
         state = self.state
         if state == "broken" and self._last_call is not None and self._last_call.ranks is self._ranks:
-            return self._last_call.states.get(rank, state)
+            return str(self._last_call.states.get(rank, state))  # (the plain word: status() shows it)
         if state in ("broken", "closed", "starting", "new"):
             return state
         call = self._call_now
         if call is None:
             return "idle"
-        return call.states.get(rank, "running")
+        return str(call.states.get(rank, RankCallState.RUNNING))
 
     # -- life ------------------------------------------------------------------------------------
 
