@@ -253,10 +253,23 @@ def test_a_pool_call_and_a_launch_end_in_summaries_of_one_model(k: Kernel) -> No
     assert [r["state"] for r in data["ranks"]] == ["finished", "finished"]
 
 
+def _in_the_cell(name: str) -> str:
+    """A pool cell's first lines: each rank says it is in the cell (a file in the kernel's folder)."""
+    return f"%%distributed --pool\nimport os, time\nopen(f'in-{name}-{{os.environ[\"RANK\"]}}', 'w').close()\n"
+
+
+def _wait_in_the_cell(k: Kernel, name: str) -> None:
+    """Until every rank runs the cell (not a fixed sleep: a loaded machine starts it late)."""
+    marks = [os.path.join(k.workdir, f"in-{name}-{rank}") for rank in (0, 1)]
+    assert wait_until(lambda: all(os.path.exists(m) for m in marks), timeout=30)
+    for mark in marks:
+        os.unlink(mark)
+
+
 def test_ctrl_c_stops_every_rank_s_cell_and_keeps_the_state(k: Kernel) -> None:
     k.ok("%%distributed --pool\nbefore = 'kept'")
-    msg_id = k.execute("%%distributed --pool\nimport time\ntime.sleep(60)")
-    time.sleep(1.5)
+    msg_id = k.execute(_in_the_cell("ctrl-c") + "time.sleep(60)")
+    _wait_in_the_cell(k, "ctrl-c")
     begin = time.monotonic()
     k.km.interrupt_kernel()
     res = k.collect(msg_id, timeout=30)
@@ -281,8 +294,8 @@ def test_an_idle_pool_costs_no_cpu(k: Kernel) -> None:
 def test_a_killed_rank_breaks_the_pool_and_the_next_cell_restarts_it_saying_so(k: Kernel) -> None:
     k.ok("%%distributed --pool\nold = 1")
     pids = pool_pids(k)
-    msg_id = k.execute("%%distributed --pool\nimport time\ntime.sleep(30)")
-    time.sleep(1.0)
+    msg_id = k.execute(_in_the_cell("kill") + "time.sleep(30)")
+    _wait_in_the_cell(k, "kill")
     begin = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     res = k.collect(msg_id, timeout=30)
