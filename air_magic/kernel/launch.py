@@ -183,7 +183,6 @@ class Launch:
         self.sources = payload.sources
         self._stop_reason: str | None = None
         self._failures: list[int] = []
-        self._stop_at: float | None = None  # time.monotonic() when the helper began to stop it
         self._stops: list[tuple[str, float]] = []  # every stop the helper began: (reason, when)
         #: What runs its ranks: the helper process they are forked from, or another backend
         #: (:class:`air_magic.backends.ray.backend.RayBackend`) that speaks the same messages.
@@ -638,12 +637,15 @@ class Launch:
             return False
         return bool(waiting)
 
+    @property
+    def _stop_at(self) -> float | None:
+        """time.monotonic() when the helper began to stop the launch (its first stop)."""
+        return self._stops[0][1] if self._stops else None
+
     def _on_stopping(self, reason: str, at: float | None = None) -> None:
         self._stop_reason = self._stop_reason or reason
         began = at if at is not None else time.monotonic()
         self._stops.append((reason, began))  # each stop's signals, by when they could be sent
-        if self._stop_at is None:
-            self._stop_at = began
         self.status = "stopping"
         # A rank the stop ended whose exit was told first (the helper's messages cross): stopped,
         # not failed, as the cell says (a pool broken by its interrupt showed "r1 failed").

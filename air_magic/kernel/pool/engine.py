@@ -961,10 +961,10 @@ class PoolEngine:
             if launch.local_processes:
                 running = {r: launch.ranks[r].pid for r in pending if launch.ranks[r].pid}
                 stacks = {}
-                for _look in range(3):
+                for _look in range(2):
                     # A rank read on its way (between the call's start and the cell's first line,
                     # or a busy machine's late answer) shows neither the cell nor a collective:
-                    # looked at again, twice at most.
+                    # looked at again, once.
                     request_stacks(launch.work_dir, running, 3.0, thread_wait=1.5)  # type: ignore[arg-type]
                     stacks.update(read_stacks(launch.work_dir, running, {**self.sources, **call.sources}))
                     running = {r: pid for r, pid in running.items() if user_frame(stacks.get(r, "")) == ("", False)}

@@ -17,13 +17,11 @@ groups), and the pool restarts instead, saying so.
 
 from __future__ import annotations
 
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from air_magic import capture
-from air_magic.kernel.pool.wire import OutOfStep, replies
-from air_magic.protocol import ErrorRecord, ValueRecord, ask_to_cut
+from air_magic.kernel.pool.wire import ask_every_rank
+from air_magic.protocol import ErrorRecord, ask_to_cut
 
 __all__ = ["cut", "rebuild", "can_rebuild", "broke_the_group", "REBUILT"]
 
@@ -67,26 +65,5 @@ def cut(work_dir: str, world_size: int) -> int:
 
 def rebuild(conns: list[Connection], call_id: int, round_: int) -> str:
     """Every rank makes its new backend; ``''`` when all did, else why not."""
-    message = capture.dumps(("regroup", call_id, {"round": round_}))
-    pending = dict(enumerate(conns))
-    for rank, conn in list(pending.items()):
-        try:
-            conn.send_bytes(message)
-        except OSError:
-            return f"rank {rank}'s connection closed"
-    deadline = time.monotonic() + REBUILD_WAIT
-    closed: dict[int, float] = {}
-    while pending and time.monotonic() < deadline:
-        try:
-            answers = replies(pending, call_id, 0.05, lambda rank, _id: None, closed)
-        except OutOfStep as exc:
-            return str(exc)
-        for reply in answers:
-            if not isinstance(reply.record, ValueRecord):
-                text = getattr(reply.record, "message", "") or str(reply.record)
-                return f"rank {reply.rank} could not rebuild it ({text[:200]})"
-        if closed:
-            return f"rank {min(closed)}'s connection closed"
-    if pending:
-        return f"rank{'s' * (len(pending) != 1)} {', '.join(map(str, sorted(pending)))} did not rebuild it in {REBUILD_WAIT:g} s"
-    return ""
+    answers = ask_every_rank(conns, "regroup", call_id, {"round": round_}, REBUILD_WAIT, "rebuild it")
+    return answers if isinstance(answers, str) else ""

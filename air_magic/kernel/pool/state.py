@@ -14,14 +14,11 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from air_magic import capture
-from air_magic.kernel.pool.wire import OutOfStep, replies
-from air_magic.protocol import ValueRecord
+from air_magic.kernel.pool.wire import ask_every_rank
 
 __all__ = ["StateCheck", "settle", "compare", "SETTLE_WAIT"]
 
@@ -69,31 +66,7 @@ class StateCheck:
 def settle(conns: list[Connection], call_id: int, timeout: float = SETTLE_WAIT) -> dict[int, Any] | str:
     """Every rank puts back what an interrupt left half-way and says its fingerprints:
     ``{rank: {"repaired": [...], "names": {...}}}``, or why not (a string)."""
-    message = capture.dumps(("settle", call_id, {}))
-    pending = dict(enumerate(conns))
-    for rank, conn in list(pending.items()):
-        try:
-            conn.send_bytes(message)
-        except OSError:
-            return f"rank {rank}'s connection closed"
-    found: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    closed: dict[int, float] = {}
-    while pending and time.monotonic() < deadline:
-        try:
-            answers = replies(pending, call_id, 0.05, lambda rank, _id: None, closed)
-        except OutOfStep as exc:
-            return str(exc)
-        for reply in answers:
-            if not isinstance(reply.record, ValueRecord):
-                text = getattr(reply.record, "message", "") or str(reply.record)
-                return f"rank {reply.rank} could not check its state ({text[:200]})"
-            found[reply.rank] = reply.record.value
-        if closed:
-            return f"rank {min(closed)}'s connection closed"
-    if pending:
-        return f"rank{'s' * (len(pending) != 1)} {', '.join(map(str, sorted(pending)))} did not answer in {timeout:g} s"
-    return found
+    return ask_every_rank(conns, "settle", call_id, {}, timeout, "check its state")
 
 
 def compare(answers: dict[int, Any]) -> StateCheck:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from air_magic import capture
+from air_magic.protocol import ValueRecord
 from air_magic.rank import results as _results
 
 __all__ = ["OutOfStep", "Reply", "replies", "load"]
@@ -124,3 +126,37 @@ def load(blob: bytes, folders: tuple[str | None, ...] = (), assembled: dict[int,
         return _results.loads_record(blob, folders, assembled)
     except Exception as exc:
         return exc
+
+
+def ask_every_rank(
+    conns: list[Connection], kind: str, call_id: int, data: dict[str, Any], timeout: float, doing: str
+) -> dict[int, Any] | str:
+    """Send one message (``kind``, e.g. ``settle`` or ``regroup``) to every rank and wait up
+    to ``timeout`` s for each one's value: ``{rank: value}``, or why not (a string naming the
+    rank; ``doing``: what the ranks were asked, ``check its state``)."""
+    message = capture.dumps((kind, call_id, data))
+    pending = dict(enumerate(conns))
+    for rank, conn in list(pending.items()):
+        try:
+            conn.send_bytes(message)
+        except OSError:
+            return f"rank {rank}'s connection closed"
+    found: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    closed: dict[int, float] = {}
+    while pending and time.monotonic() < deadline:
+        try:
+            answers = replies(pending, call_id, 0.05, lambda rank, _id: None, closed)
+        except OutOfStep as exc:
+            return str(exc)
+        for reply in answers:
+            if not isinstance(reply.record, ValueRecord):
+                text = getattr(reply.record, "message", "") or str(reply.record)
+                return f"rank {reply.rank} could not {doing} ({text[:200]})"
+            found[reply.rank] = reply.record.value
+        if closed:
+            return f"rank {min(closed)}'s connection closed"
+    if pending:
+        which = ", ".join(map(str, sorted(pending)))
+        return f"rank{'s' * (len(pending) != 1)} {which} did not {doing} in {timeout:g} s"
+    return found
