@@ -10,8 +10,10 @@ from air_magic.protocol.paths import stack_path, stack_request_path
 
 # -- shared constants ------------------------------------------------------------------------------
 
-#: The signal that makes a rank write every thread's Python stack to its stack file
-#: (``faulthandler``; a real-time signal no library is known to use).
+#: The signal that makes a rank write its main thread's Python stack to its stack file
+#: (``faulthandler``; a real-time signal no library is known to use).  The main thread's
+#: only: reading other threads' frames from a signal handler crashes a rank whose other
+#: thread imports at that moment.
 STACK_SIGNAL = signal.SIGRTMAX - 3
 #: The same, once a launch's time is up: the rank writes its stacks and then ends by this
 #: signal (faulthandler chained to the default action), so no user code runs after the

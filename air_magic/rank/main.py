@@ -233,10 +233,14 @@ def _dump_stacks_on_request(work_dir: str, rank: int) -> None:
     that answers on its stack pipe without interrupting the user's code, and two
     signals for what the thread cannot answer.
 
-    ``STACK_SIGNAL`` writes every thread's Python stack (by faulthandler, from the
-    signal handler itself: it works while a C call holds the GIL).  It can cut a system
+    ``STACK_SIGNAL`` writes the main thread's Python stack (by faulthandler, from the
+    signal handler itself: it works while a C call holds the GIL; Linux gives a signal
+    sent to the process to its main thread first).  Only that thread's: faulthandler
+    reads other threads' frames without their lock, and one that imports meanwhile (as
+    the answering thread does on its first read of torch's Flight Recorder with stacks,
+    which imports torch._inductor) crashes the rank with SIGSEGV.  It can cut a system
     call such as ``nanosleep`` short, so the kernel side sends it only when the thread
-    did not answer.  ``FINAL_STACK_SIGNAL`` (a timeout) writes them too, then ends the
+    did not answer.  ``FINAL_STACK_SIGNAL`` (a timeout) writes it too, then ends the
     rank by the signal's default action: no line of the user's code runs once the
     launch's time is up.  Python's own handler table is untouched."""
     import faulthandler
@@ -245,8 +249,8 @@ def _dump_stacks_on_request(work_dir: str, rank: int) -> None:
     # O_APPEND: the kernel empties the file before each request; writes start at its end.
     path = stack_path(work_dir, rank)
     _stack_file = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600), "w")
-    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
-    faulthandler.register(FINAL_STACK_SIGNAL, file=_stack_file, all_threads=True, chain=True)
+    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=False, chain=False)
+    faulthandler.register(FINAL_STACK_SIGNAL, file=_stack_file, all_threads=False, chain=True)
     _answer_stack_requests(stack_request_path(work_dir, rank), _stack_file.fileno(), work_dir, rank)
 
 

@@ -249,6 +249,7 @@ def test_a_rank_that_raised_while_the_other_waits_is_named_as_it_was_and_the_stu
     assert ("running", "failed") in seen, seen
     assert "; rank 0 was stopped by air_magic." in res.error_text
     assert "failed too" not in res.error_text
+    assert "[air_magic] where each rank was:" in res.error_text, res.error_text
     where = res.error_text[res.error_text.index("[air_magic] where each rank was:") :]
     assert "rank 0: in all_reduce (torch.distributed), called at Cell In[" in where, where
     assert "<air_magic cell" not in where

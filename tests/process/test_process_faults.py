@@ -448,6 +448,61 @@ def test_stacks_of_a_rank_whose_c_call_holds_the_gil_still_come() -> None:
     assert len(results) == 2
 
 
+@distributed(num_accelerators=2, accelerator_type="CPU", tracking=False)
+def imports_in_a_thread(folder: str) -> str:
+    import importlib
+    import sys
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group()
+    rank = dist.get_rank()
+    sys.path.insert(0, folder)
+
+    def import_all() -> None:  # fresh modules, one after another: frames made and dropped
+        for i in range(400):
+            importlib.import_module(f"mod_{rank}_{i}")
+
+    thread = threading.Thread(target=import_all)
+    thread.start()
+    open(f"{folder}/started-{rank}", "w").close()
+    while thread.is_alive():
+        time.sleep(0.01)
+    dist.all_reduce(torch.ones(1))
+    return "survived"
+
+
+def test_a_rank_asked_for_its_stacks_by_signal_while_a_thread_imports_survives(tmp_path: Any) -> None:
+    # faulthandler reads other threads' frames without their lock: dumping every thread from
+    # the signal handler while one imports crashed the rank (SIGSEGV).  The main thread's only.
+    from air_magic.protocol import ask_for_stacks, stack_path
+
+    for rank in range(2):
+        for i in range(400):
+            (tmp_path / f"mod_{rank}_{i}.py").write_text(
+                "".join(f"def f{j}(x):\n    return x + {j}\n" for j in range(50)) + "VALUE = f1(1)\n"
+            )
+    handle = imports_in_a_thread.submit(str(tmp_path))
+    try:
+        assert wait_until(lambda: _running(handle) and os.path.exists(tmp_path / "started-1"), timeout=30)
+        asked, seen = 0, ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not handle.done():
+            for rank in range(2):
+                asked += ask_for_stacks(handle.work_dir, rank, handle.ranks[rank].pid, by_signal=True)
+            time.sleep(0.01)
+            if asked == 20:
+                seen = open(stack_path(handle.work_dir, 0), encoding="utf-8", errors="replace").read()
+        assert handle.result(timeout=60) == ["survived", "survived"]
+        assert asked >= 20, asked  # the signals came while the threads imported
+        assert "in imports_in_a_thread" in seen and "in import_all" not in seen, seen  # the main thread's
+    finally:
+        handle.cancel()
+
+
 def test_a_timeout_says_where_each_rank_was() -> None:
     with pytest.raises(LaunchTimeoutError) as info:
         one_rank_lags.with_overrides(timeout=4).distributed()
