@@ -221,6 +221,7 @@ class DistributedMagics(Magics):
             Out[4]: [torch.Size([1, 4]), torch.Size([1, 4])]
         """
         args = self.distributed_pool.parser.parse_args(words(line, "%distributed_pool"))  # type: ignore[attr-defined]
+        from air_magic.kernel.pool import status as pool_status
         from air_magic.pool import Pool, current_pool
 
         engine = current_pool()
@@ -239,7 +240,7 @@ class DistributedMagics(Magics):
                 )
                 return None
             engine.restart()
-            print(engine.describe())
+            print(pool_status.describe(engine))
             return None
         if wants_new:
             if engine is not None:
@@ -258,7 +259,7 @@ class DistributedMagics(Magics):
                 )
             except ConfigurationError as exc:
                 raise UsageError(f"%distributed_pool: {exc}") from None
-            print(pool._engine.describe())
+            print(pool_status.describe(pool._engine))
             return None
         if engine is None:
             print(

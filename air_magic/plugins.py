@@ -172,7 +172,7 @@ def register() -> None:
             return
         from air_magic.kernel.launcher import Launch, Launcher
         from air_magic.kernel.machine.claims import claim_observer
-        from air_magic.kernel.pool import engine as _pool
+        from air_magic.kernel.pool import wait as _pool
 
         Launch.render = panel_mimebundle
         _pool.CALL_WATCHERS.append(pool_panel)

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any, Callable, overload
 
+from air_magic.kernel.pool import status as pool_status
 from air_magic.kernel.pool.engine import PoolBrokenError, PoolBusyError, PoolCall, PoolEngine, current_pool, open_pools
 from air_magic.spec import AcceleratorArg, check_timeout, make_spec
 
@@ -339,16 +340,16 @@ class Pool:
 
     def status(self) -> dict[str, Any]:
         """Ranks, state, memory per rank (bytes), calls run, uptime (s), restarts."""
-        return self._engine.status()
+        return pool_status.status(self._engine)
 
     def __repr__(self) -> str:
-        return self._engine.text()
+        return pool_status.text(self._engine)
 
     def _repr_html_(self) -> str:
         # The same status as %distributed_pool shows, drawn by the panel (panel/_pool_status.py).
         from air_magic.panel._pool_status import html
 
-        return html(self._engine.facts())
+        return html(pool_status.facts(self._engine))
 
     def __enter__(self) -> "Pool":
         return self

@@ -1,6 +1,6 @@
 """The panel of a pool's call: a launch's panel, drawn on the call seen as a launch.
 
-The pool's engine (:mod:`air_magic.kernel.pool.engine`) makes a
+The pool's call (:func:`air_magic.kernel.pool.wait.run_call`) makes a
 :class:`~air_magic.kernel.pool.view.PoolCallView` as a call begins and calls the factory
 registered in ``CALL_WATCHERS`` with it; ``end()`` once the view says how the call ended::
 

@@ -60,9 +60,9 @@ def test_a_users_own_sigint_handler_is_left_alone() -> None:
 
 
 def test_a_ctrl_c_while_a_pool_call_goes_out_is_held_until_every_rank_has_it() -> None:
-    """(``air_magic.kernel.pool.engine._held_sigint``: a message cut half-way, or sent to some ranks
+    """(``air_magic.kernel.pool.wait._held_sigint``: a message cut half-way, or sent to some ranks
     only, would leave the pool's connections out of step.)"""
-    from air_magic.kernel.pool.engine import _held_sigint
+    from air_magic.kernel.pool.wait import _held_sigint
 
     sent = []
     with _held_sigint() as came:

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import pytest
 
+from air_magic.kernel.pool import status as pool_status
 from air_magic.kernel.pool.engine import PoolEngine, _Ranks
 from air_magic.spec import make_spec
 
@@ -62,14 +63,14 @@ def test_a_gpu_pool_says_each_rank_s_gpu_memory(monkeypatch: pytest.MonkeyPatch,
         },
     )
     engine = _engine("cuda", ranks)
-    assert engine.status()["gpu_memory"] == [12 * 2**30, 3 * 2**29]
-    assert "; GPU memory per rank: 12.9 GB, 1.6 GB" in engine.describe()  # the panel's units
-    text = engine.text()
+    assert pool_status.status(engine)["gpu_memory"] == [12 * 2**30, 3 * 2**29]
+    assert "; GPU memory per rank: 12.9 GB, 1.6 GB" in pool_status.describe(engine)  # the panel's units
+    text = pool_status.text(engine)
     ranks = text.splitlines()[1:]
     assert [line.split(",")[1].strip().split(" · ")[0] for line in ranks] == ["GPU 12.9 GB", "GPU 1.6 GB"]
     from air_magic.panel._pool_status import html
 
-    markup = html(engine.facts())
+    markup = html(pool_status.facts(engine))
     assert "GPU 12.9 GB · " in markup and ">memory</th>" in markup
 
 
@@ -78,5 +79,5 @@ def test_a_cpu_pool_never_asks_nvml(monkeypatch: pytest.MonkeyPatch, ranks: list
     nv.nvmlInit = lambda: pytest.fail("NVML asked for a pool of CPU ranks")  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pynvml", nv)
     engine = _engine("cpu", ranks)
-    assert engine.status()["gpu_memory"] == [None, None]
-    assert "GPU memory" not in engine.describe()
+    assert pool_status.status(engine)["gpu_memory"] == [None, None]
+    assert "GPU memory" not in pool_status.describe(engine)

@@ -5,6 +5,8 @@ share of them."""
 from __future__ import annotations
 
 import enum
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -69,3 +71,35 @@ class Call:
     regrouped: str = ""  # the note of a group rebuilt after the call (its collective timed out)
     assembled: dict[int, Any] = field(default_factory=dict)  # DTensors' full tensors, shared by the replies
     waiter: int = field(default_factory=threading.get_ident)  # the thread that waits for it
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """KeyboardInterrupt in these ranks' code.  A rank that has not begun the call yet (it
+        was not scheduled: a loaded machine) is interrupted as it begins it (:meth:`on_began`):
+        a SIGINT sent before would find it idle, and be ignored."""
+        with self.lock:
+            self.wanted.update(ranks)
+            now = sorted((set(ranks) & self.started) - self.signalled)
+            self.signalled.update(now)
+        if now:
+            self.ranks.launch.signal_ranks(now, signal.SIGINT)
+
+    def on_began(self, rank: int) -> None:
+        """A rank began the call: from now on a SIGINT raises in it."""
+        with self.lock:
+            self.started.add(rank)
+            late = rank in self.wanted and rank not in self.signalled
+            if late:
+                self.signalled.add(rank)
+        if late:
+            self.ranks.launch.signal_ranks([rank], signal.SIGINT)
+
+    def stop(self) -> bool:
+        """A panel's Stop (:meth:`~air_magic.kernel.pool.engine.PoolEngine.stop_call`): a call
+        the kernel's main thread waits for gets the SIGINT that Jupyter's interrupt sends the
+        kernel, so it ends exactly as after Ctrl-C; another (a ``pool.submit``) interrupts
+        every rank."""
+        if not self.background and self.waiter == threading.main_thread().ident:
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            self.interrupt(list(range(len(self.ranks.conns))))
+        return True

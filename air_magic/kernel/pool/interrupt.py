@@ -3,7 +3,7 @@ hang's Ctrl-C.  Every rank stops at one point; the pool says "intact" only once 
 checked (the rank side is :mod:`air_magic.rank.pool.interrupts`, :mod:`air_magic.rank.pool.fence` and
 :mod:`air_magic.rank.pool.state`)::
 
-    Interrupt(engine, call, records, pending, desk).run()   (always raises KeyboardInterrupt)
+    Interrupt(engine, wait, desk).run()   (always raises KeyboardInterrupt)
       prompts waiting at breakpoints answered as q answers them
       SIGINT to every rank still in the call; their replies taken for GRACE s, and each look:
         stuck(): a rank waits in a collective that a rank back from the call never started
@@ -18,8 +18,8 @@ checked (the rank side is :mod:`air_magic.rank.pool.interrupts`, :mod:`air_magic
           modules', optimizers' and engines' fingerprints
         compare() -> "intact", or what differs and how to repair it (pool.sync)
 
-The engine (:class:`air_magic.kernel.pool.engine.PoolEngine`) owns the ranks; this object owns one
-interrupt of one call.
+The engine (:class:`air_magic.kernel.pool.engine.PoolEngine`) owns the ranks, the call's wait
+(:class:`air_magic.kernel.pool.wait.CallWait`) its replies; this object owns one interrupt of one call.
 """
 
 from __future__ import annotations
@@ -51,30 +51,32 @@ INTACT = "you interrupted the pool's cell; every rank stopped it, and the pool a
 class Engine(Protocol):
     """What an interrupt asks of the pool's engine (:class:`air_magic.kernel.pool.engine.PoolEngine`)."""
 
-    def interrupt(self, ranks: list[int]) -> None: ...
-    def take_replies(self, call: Call, pending: dict[int, Connection], records: dict[int, Any]) -> list[Any]: ...
-    def check_retired(self, call: Call) -> None: ...
-    def not_stopped(self, call: Call, pending: dict[int, Connection], records: dict[int, Any], what: str) -> None: ...
     def break_ranks(self, ranks: Ranks, because: str) -> None: ...
     def rebuild_group(self, call: Call) -> str: ...
     def next_id(self) -> int: ...
 
 
+class Wait(Protocol):
+    """What it asks of the call's wait (:class:`air_magic.kernel.pool.wait.CallWait`)."""
+
+    call: Call
+    records: dict[int, Any]  # rank -> its reply's record
+    pending: dict[int, Connection]  # ranks not back yet
+
+    def take_replies(self) -> list[Any]: ...
+    def check_retired(self) -> None: ...
+    def not_stopped(self, what: str) -> NoReturn: ...
+
+
 class Interrupt:
     """One interrupt of one pool call (see the module's docstring)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        call: Call,
-        records: dict[int, Any],
-        pending: dict[int, Connection],
-        desk: BreakpointDesk | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine, wait: Wait, desk: BreakpointDesk | None = None) -> None:
         self.engine = engine
-        self.call = call
-        self.records = records
-        self.pending = pending
+        self.wait = wait
+        self.call = call = wait.call
+        self.records = wait.records
+        self.pending = wait.pending
         self.desk = desk
         self.launch = call.ranks.launch
         self.n = len(call.ranks.conns)
@@ -84,7 +86,7 @@ class Interrupt:
     def run(self) -> NoReturn:
         if self.desk is not None:
             self.desk.release()
-        self.engine.interrupt(list(self.pending))
+        self.call.interrupt(list(self.pending))
         for attempt in range(2):
             if attempt:  # a rank in a C call (sleep()), past its wait for its peers: told again
                 if not self.pending or not self.launch.local_processes:
@@ -93,7 +95,7 @@ class Interrupt:
                 self.launch.signal_ranks(sorted(self.pending), signal.SIGINT)
             self._wait(GRACE)
         if self.pending:
-            self.engine.not_stopped(self.call, self.pending, self.records, "you interrupted the pool's cell")
+            self.wait.not_stopped("you interrupted the pool's cell")
         self._finish()
 
     # -- waiting for the ranks ---------------------------------------------------------------------
@@ -104,8 +106,8 @@ class Interrupt:
         deadline = time.monotonic() + seconds
         next_look = time.monotonic() + STUCK_LOOK
         while self.pending and time.monotonic() < deadline:
-            self.engine.check_retired(self.call)
-            self.engine.take_replies(self.call, self.pending, self.records)
+            self.wait.check_retired()
+            self.wait.take_replies()
             if self.pending and len(self.pending) < self.n and time.monotonic() >= next_look:
                 next_look = time.monotonic() + STUCK_LOOK
                 if self._cut_free():

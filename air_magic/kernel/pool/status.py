@@ -20,7 +20,7 @@ from air_magic.kernel.launch import Launch
 from air_magic.protocol.units import fmt_bytes
 from air_magic.spec import LaunchSpec
 
-__all__ = ["status", "facts", "describe", "text", "PoolFacts", "RankRow", "PoolEngine"]
+__all__ = ["status", "facts", "describe", "text", "PoolFacts", "RankRow", "PoolEngine", "GpuMemory"]
 
 
 class PoolEngine(Protocol):
@@ -175,3 +175,39 @@ def _run_text(engine: PoolEngine) -> str:
     name = getattr(launch, "run_name", None)
     named = f"'{name}' " if name else ""
     return f"MLflow run {named}(id {launch.run_id}) has a child run for each cell that logs"
+
+
+class GpuMemory:
+    """Each rank's GPU memory, by NVML (kept open once asked: the panel asks every half second)."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+
+    def sample(self, launch: Launch | None, pids: list[int]) -> list[int | None]:
+        """Each rank's GPU memory (with its child processes'), for a pool of GPU ranks; None
+        where it is not known (CPU ranks, no NVML)."""
+        found: list[int | None] = [None] * len(pids)
+        if launch is None or launch.placement.device != "cuda" or not pids:
+            return found
+        try:
+            import psutil
+
+            from air_magic.accelerators import NvmlDevices
+
+            family: dict[int, list[int]] = {}
+            for rank, pid in enumerate(pids):
+                try:
+                    family[rank] = [pid] + [child.pid for child in psutil.Process(pid).children(recursive=True)]
+                except psutil.Error:
+                    family[rank] = [pid]
+            if self._nvml is None:
+                self._nvml = NvmlDevices()
+            sampled = self._nvml.sample(family)
+            return [sampled.get(rank, (None, None, None, None))[2] for rank in range(len(pids))]
+        except Exception:  # no NVML (a missing driver or nvidia-ml-py): the GPU numbers are left out
+            return found
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.close()
+            self._nvml = None
