@@ -157,7 +157,7 @@ def ask_for_collectives(work_dir: str, rank: int, how: str = "c") -> str | None:
 
 def ask_to_cut(work_dir: str, rank: int) -> bool:
     """Ask ``rank``'s stack thread to shut down its pool group's connections (a hang's way
-    out: :mod:`air_magic.rank.pool.regroup`); False when it cannot be asked."""
+    out: :mod:`air_magic.rank.pool.interrupts.regroup`); False when it cannot be asked."""
     try:
         fd = os.open(stack_request_path(work_dir, rank), os.O_WRONLY | os.O_NONBLOCK)
     except OSError:

@@ -258,7 +258,7 @@ def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None
     """A thread that waits on the rank's stack pipe and answers what is asked: its stacks
     (``?``), or its collectives (``c``, ``q`` or ``r`` and a token:
     :func:`air_magic.rank.inspect.collectives.answer`), or cuts a pool's group's connections (``x``:
-    :func:`air_magic.rank.pool.regroup.cut`).
+    :func:`air_magic.rank.pool.interrupts.regroup.cut`).
     A request the thread answers leaves the user's code alone (no signal interrupts its
     system calls).  It costs nothing while idle (blocked in ``open``/``read``) and is not
     one of ``threading``'s threads.  Without the pipe, stack requests come by signal."""
@@ -287,7 +287,7 @@ def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None
                         pass
                 elif asked.startswith(b"x"):  # a pool's hang: cut its group's connections
                     try:
-                        from air_magic.rank.pool import regroup
+                        from air_magic.rank.pool.interrupts import regroup
 
                         regroup.cut()
                     except Exception:  # the kernel sees the collective still waiting

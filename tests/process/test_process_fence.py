@@ -1,4 +1,4 @@
-"""The fence (``air_magic.rank.pool.fence``), in two real gloo processes: once armed, a rank's next
+"""The fence (``air_magic.rank.pool.interrupts.fence``), in two real gloo processes: once armed, a rank's next
 collective raises KeyboardInterrupt before it is issued, wherever it comes from (the user's
 ``dist.all_reduce``, DDP's reducer in C++ during ``backward()``); no sequence number moves, so
 no peer can pair with it; disarmed, the same process group and DDP model train on (after the
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.process
 
 RANK = """
 import json, os, sys, torch, torch.distributed as dist, torch.nn as nn
-from air_magic.rank.pool import fence, state
+from air_magic.rank.pool.interrupts import fence, state
 rank = int(sys.argv[1])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -1,4 +1,4 @@
-"""A pool's process groups rebuilt again and again (``air_magic.rank.pool.regroup``), in two real
+"""A pool's process groups rebuilt again and again (``air_magic.rank.pool.interrupts.regroup``), in two real
 gloo processes: 8 rounds, past the 5 backend types torch has to spare (rounds 6 to 8 hand each
 collective to a new ProcessGroup on its way through the dispatcher).  After every round the
 same DDP model trains on and the same ``new_group`` reduces, with the right numbers, and each
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.process
 
 RANK = """
 import json, os, sys, time, torch, torch.distributed as dist, torch.nn as nn
-from air_magic.rank.pool import fence, regroup
+from air_magic.rank.pool.interrupts import fence, regroup
 rank = int(sys.argv[1])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 before = regroup._connections()

@@ -1,7 +1,7 @@
 """What a pool's interrupt decides, without processes: which ranks are left in collectives
 that cannot complete (and only those are cut free), which groups the ranks left uneven, and
 what the cell says of the ranks' state once they compared it (the shapes of
-:func:`air_magic.rank.inspect.collectives.dump`'s and :func:`air_magic.rank.pool.state.fingerprint`'s
+:func:`air_magic.rank.inspect.collectives.dump`'s and :func:`air_magic.rank.pool.interrupts.state.fingerprint`'s
 answers)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from air_magic.kernel.inspect.collectives import stuck, uneven
-from air_magic.kernel.pool import state as pool_state
-from air_magic.kernel.pool.interrupt import INTACT, _not_made_by, headline
+from air_magic.kernel.pool.interrupts import state as pool_state
+from air_magic.kernel.pool.interrupts.interrupt import INTACT, _not_made_by, headline
 from air_magic.protocol import ErrorRecord, ValueRecord
 
 

@@ -6,7 +6,7 @@ import os
 
 import air_magic
 from air_magic.rank.inspect import debugger
-from air_magic.rank.pool import interrupts
+from air_magic.rank.pool.interrupts import safe_point
 
 PACKAGE = os.path.dirname(os.path.abspath(air_magic.__file__)) + os.sep
 
@@ -16,5 +16,5 @@ def test_the_debugger_skips_every_frame_of_air_magic_s_own_files() -> None:
 
 
 def test_the_interrupt_knows_the_debugger_s_file_where_it_is() -> None:
-    ours = [f for f in interrupts._debugger_files() if f.startswith(PACKAGE)]
+    ours = [f for f in safe_point._debugger_files() if f.startswith(PACKAGE)]
     assert ours == [os.path.abspath(debugger.__file__)]

@@ -1,5 +1,5 @@
 """One start of a pool's ranks, and one call running on them: what the engine
-(:mod:`air_magic.kernel.pool.engine`) and a call's interrupt (:mod:`air_magic.kernel.pool.interrupt`)
+(:mod:`air_magic.kernel.pool.engine`) and a call's interrupt (:mod:`air_magic.kernel.pool.interrupts.interrupt`)
 share of them."""
 
 from __future__ import annotations

@@ -41,12 +41,12 @@ from air_magic.errors import AirMagicError, interrupted
 from air_magic.kernel.inspect.hangs import HangReport
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
-from air_magic.kernel.pool import regroup as pool_regroup
 from air_magic.kernel.pool import status as _status
 from air_magic.kernel.pool.call import Call as _Call
 from air_magic.kernel.pool.call import RankCallState
 from air_magic.kernel.pool.call import Ranks as _Ranks
-from air_magic.kernel.pool.interrupt import GRACE
+from air_magic.kernel.pool.interrupts import regroup as pool_regroup
+from air_magic.kernel.pool.interrupts.interrupt import GRACE
 from air_magic.kernel.pool.mirror import KernelMirror
 from air_magic.kernel.pool.start import POOL_START_TIMEOUT, end_ranks, kill, start_ranks
 from air_magic.kernel.pool.wait import PoolBrokenError, run_call
@@ -466,7 +466,7 @@ class PoolEngine:
         return self._ids
 
     def sync(self, names: list[str], src: int) -> list[str]:
-        """``names`` copied from rank ``src`` to every other (:func:`air_magic.rank.pool.state.sync`);
+        """``names`` copied from rank ``src`` to every other (:func:`air_magic.rank.pool.interrupts.state.sync`);
         what was copied.  A name that cannot be copied raises ``ValueError`` (the rank's why)."""
         with self._turn():
             values = self._call(self._ready(), "sync", {"names": names, "src": src}, f"pool.sync({src=})")

@@ -1,6 +1,6 @@
 """One call's wait on a pool, kernel side: the replies, the faults and the outcome of one call
 (the pool's face and life are :mod:`air_magic.kernel.pool.engine`'s; an interrupt of the call,
-:mod:`air_magic.kernel.pool.interrupt`'s)::
+:mod:`air_magic.kernel.pool.interrupts.interrupt`'s)::
 
     CallWait(engine, call, pump, watchers, desk).collect(timeout)
       each look (50 ms): the ranks' replies (take_replies), rank 0's output, the watchers
@@ -28,10 +28,10 @@ from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, Res
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel.inspect.debugger import BreakpointDesk
 from air_magic.kernel.inspect.hangs import HangWatch, ReportShown
-from air_magic.kernel.pool import regroup as pool_regroup
 from air_magic.kernel.pool.call import Call, RankCallState, Ranks
 from air_magic.kernel.pool.decide import CLOSED_GRACE, first_failure, first_gone, interrupted_all
-from air_magic.kernel.pool.interrupt import GRACE, Interrupt
+from air_magic.kernel.pool.interrupts import regroup as pool_regroup
+from air_magic.kernel.pool.interrupts.interrupt import GRACE, Interrupt
 from air_magic.kernel.pool.mirror import KernelMirror
 from air_magic.kernel.pool.view import PoolCallView
 from air_magic.kernel.pool.wire import OutOfStep, replies

@@ -15,7 +15,7 @@ the user did.  The rank's stack thread answers without touching the thread that 
                              <-- collectives-<rank>.json {"token": ..., "groups": ..., "pending": ...}
 
 A collective is never made here for a peer: one a rank was left waiting in, that its peers
-will not make, raises once the kernel cuts the group's connections (air_magic.rank.pool.regroup).
+will not make, raises once the kernel cuts the group's connections (air_magic.rank.pool.interrupts.regroup).
 """
 
 from __future__ import annotations

@@ -98,9 +98,9 @@ def set_trace(frame: types.FrameType | None = None, *, header: str | None = None
         pdb.Pdb().set_trace(frame or sys._getframe().f_back)
         return
     frame = frame or sys._getframe().f_back
-    from air_magic.rank.pool import interrupts
+    from air_magic.rank.pool.interrupts import safe_point
 
-    if interrupts.pending():  # quit, or interrupted: the rank runs on to where every rank stops
+    if safe_point.pending():  # quit, or interrupted: the rank runs on to where every rank stops
         return
     debugger = RankPdb()
     debugger.called_at = _place(frame)
@@ -259,9 +259,9 @@ class _Answers:
                 "(AIR_MAGIC_ON_BREAKPOINT=error; PYTHONBREAKPOINT=0 turns breakpoints off)"
             )
         if line == ANSWER_QUIT:
-            from air_magic.rank.pool import interrupts
+            from air_magic.rank.pool.interrupts import safe_point
 
-            if interrupts.active() and not debugger.post_mortem:  # a pool's call: stop as its Ctrl-C does
+            if safe_point.active() and not debugger.post_mortem:  # a pool's call: stop as its Ctrl-C does
                 debugger.quit_asked = True
                 return "continue\n"
             raise KeyboardInterrupt(f"you quit the debugger on rank {_where['rank']}")
@@ -278,7 +278,7 @@ class _Answers:
         return None if line == ANSWER_EOF else line
 
     def _line(self, timeout: float | None) -> str | None:
-        from air_magic.rank.pool import interrupts
+        from air_magic.rank.pool.interrupts import safe_point
 
         fd = _answers_fd()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -286,7 +286,7 @@ class _Answers:
             left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
             readable = select.select([fd], [], [], max(left, 0.0))[0]
             if not readable:
-                if interrupts.pending():  # the pool's call was interrupted while this prompt waited
+                if safe_point.pending():  # the pool's call was interrupted while this prompt waited
                     return ANSWER_QUIT
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
@@ -402,10 +402,10 @@ class RankPdb(pdb.Pdb):
             text = self.out.take()
             _send("resumed", text=text)
         if self.quit_asked and self.at is not None:
-            from air_magic.rank.pool import interrupts
+            from air_magic.rank.pool.interrupts import safe_point
 
             # Raises KeyboardInterrupt here where every rank stops here; else the rank runs on.
-            self.handoff = interrupts.request_here(self.at)
+            self.handoff = safe_point.request_here(self.at)
 
     def get_stack(self, f: Any, t: Any) -> tuple[list[tuple[Any, int]], int]:
         """pdb's stack without the frames that run the rank (the helper, the rank's main,

@@ -10,14 +10,14 @@ Ray ranks on other nodes, with an auth key: no CPU while idle)::
     ------                                    ------
     Listener(socket, authkey)  <-- connect -- ("hello", r, pid)
     ("cell", id, code, names, sources) -->    exec in the namespace; SIGINT raises only here,
-                                              outside torch's frames (air_magic.rank.pool.interrupts)
+                                              outside torch's frames (air_magic.rank.pool.interrupts.safe_point)
                                        <--    ("began", id): from now on SIGINT raises
     ("call", id, func, args, kwargs)   -->    func(*args, **kwargs)
     ("push", id, names) / ("pull", id, name, ranks) -->  set names / read one (on the ranks asked)
     ("model", id, {op, name, ...})     -->    the model back (air_magic.rank.pool.model_back)
     ("settle", id, {})                 -->    after an interrupt: what it left half-way put
                                               back, and the state the kernel compares
-                                              (air_magic.rank.pool.state)
+                                              (air_magic.rank.pool.interrupts.state)
     ("sync", id, {names, src})         -->    pool.sync: names copied from one rank to the others
     ("regroup", id, {round})           -->    fresh connections for the group (a hang's way out)
                                        <--    ("done", id, record, names of the namespace,
@@ -54,8 +54,8 @@ from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableReco
 from air_magic.rank import results as _results
 from air_magic.rank import tracking_shim as _tracking
 from air_magic.rank.inspect import debugger as _debugger
-from air_magic.rank.pool import interrupts as _interrupts
-from air_magic.rank.pool import state as _state
+from air_magic.rank.pool.interrupts import safe_point as _safe_point
+from air_magic.rank.pool.interrupts import state as _state
 
 __all__ = ["serve"]
 
@@ -197,10 +197,10 @@ def _handle(
             except _state.SyncError as exc:  # (refused on every rank alike, before any collective)
                 return ValueRecord({"refused": str(exc)})
         if kind == "regroup":  # the group's connections were cut (a hang's way out): fresh ones
-            from air_magic.rank.pool import regroup
+            from air_magic.rank.pool.interrupts import regroup
 
             return ValueRecord(regroup.rebuild(data["round"]))
-        _interrupts.install(_id)  # SIGINT raises, at a point the rank's training can go on from
+        _safe_point.install(_id)  # SIGINT raises, at a point the rank's training can go on from
         try:
             began()
             if kind == "cell":
@@ -239,7 +239,7 @@ def _handle(
             else:
                 raise ValueError(f"unknown pool message {kind!r}")
         finally:
-            _interrupts.uninstall()
+            _safe_point.uninstall()
         return ValueRecord(value)
     except SystemExit as exc:
         return ValueRecord(None) if exc.code in (None, 0) else error_record(exc, sources)
@@ -388,8 +388,8 @@ def _join_the_group(device: str) -> None:
     else:
         dist.init_process_group("gloo")
     dist.barrier()  # every rank is in (NCCL's communicator made): the first cell finds the group ready
-    if dist.get_backend() == "gloo":  # what a hang's way out cuts (air_magic.rank.pool.regroup)
-        from air_magic.rank.pool import regroup
+    if dist.get_backend() == "gloo":  # what a hang's way out cuts (air_magic.rank.pool.interrupts.regroup)
+        from air_magic.rank.pool.interrupts import regroup
 
         regroup.note_links()
         regroup.watch_new_groups()  # (the groups of the user's code, DeepSpeed's, a DeviceMesh's)
@@ -438,7 +438,7 @@ def _take_what_can_be(real_init: Callable[..., Any], args: tuple[Any, ...], kwar
         return
     timeout = asked.get("timeout")
     if timeout is not None:
-        from air_magic.rank.pool import regroup
+        from air_magic.rank.pool.interrupts import regroup
 
         regroup.set_timeout(timeout)
     have = str(dist.get_backend())

@@ -1,6 +1,6 @@
 """A pool rank's training state after an interrupt: put back what was left half-way, say what
 the kernel compares, and copy it from one rank to the others on request (the kernel side is
-:mod:`air_magic.kernel.pool.state`)::
+:mod:`air_magic.kernel.pool.interrupts.state`)::
 
     kernel                                      rank r (idle: every rank is back from the call)
     ("settle", id, {})            ------->      repair(): each name of the namespace that is

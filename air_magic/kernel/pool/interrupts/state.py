@@ -1,5 +1,5 @@
 """Whether a pool's ranks still hold one model after an interrupt: the kernel side of
-:mod:`air_magic.rank.pool.state`.  The pool says "intact" only after this check::
+:mod:`air_magic.rank.pool.interrupts.state`.  The pool says "intact" only after this check::
 
     every rank back from the interrupted call (and its group rebuilt where it had to be)
       settle(conns, id)   ("settle", id, {}) to every rank: each puts back what the interrupt

@@ -1,7 +1,7 @@
 """A pool call's interrupt, kernel side: Ctrl-C, ``q`` at a breakpoint, the panel's Stop or a
 hang's Ctrl-C.  Every rank stops at one point; the pool says "intact" only once it has
-checked (the rank side is :mod:`air_magic.rank.pool.interrupts`, :mod:`air_magic.rank.pool.fence` and
-:mod:`air_magic.rank.pool.state`)::
+checked (the rank side is :mod:`air_magic.rank.pool.interrupts.safe_point`, :mod:`air_magic.rank.pool.interrupts.fence` and
+:mod:`air_magic.rank.pool.interrupts.state`)::
 
     Interrupt(engine, wait, desk).run()   (always raises KeyboardInterrupt)
       prompts waiting at breakpoints answered as q answers them
@@ -32,9 +32,9 @@ from typing import Any, NoReturn, Protocol
 from air_magic.errors import interrupted
 from air_magic.kernel.inspect import collectives as _collectives
 from air_magic.kernel.inspect.debugger import BreakpointDesk
-from air_magic.kernel.pool import regroup as pool_regroup
-from air_magic.kernel.pool import state as _state
 from air_magic.kernel.pool.call import Call, RankCallState, Ranks
+from air_magic.kernel.pool.interrupts import regroup as pool_regroup
+from air_magic.kernel.pool.interrupts import state as _state
 from air_magic.protocol import ErrorRecord
 
 __all__ = ["Interrupt", "GRACE", "STUCK_LOOK", "INTACT"]

@@ -28,7 +28,7 @@ same line.  The ranks agree through the process group's own store (torch's TCPSt
                                                           in a collective this rank has yet
                                                           to make: running on makes it, with
                                                           the rank's own data)
-    no agreement for AGREE_FOR s: the fence (air_magic.rank.pool.fence): the rank's next
+    no agreement for AGREE_FOR s: the fence (air_magic.rank.pool.interrupts.fence): the rank's next
                 collective raises before it starts, wherever it comes from (FSDP's hooks,
                 DDP's reducer in C++): every rank stops before the first collective that
                 not all of them made; a peer left waiting in it is cut free by the kernel
@@ -37,7 +37,7 @@ same line.  The ranks agree through the process group's own store (torch's TCPSt
                 SIGINT, at a safe point: a rank in sleep() reaches no line); SAFE_CPU_SECONDS
                 of CPU time inside torch (a long computation, no way out): KeyboardInterrupt
                 where it is, as a plain Ctrl-C would.  The kernel then compares the ranks'
-                state (air_magic.rank.pool.state) before it calls the pool intact
+                state (air_magic.rank.pool.interrupts.state) before it calls the pool intact
 
 CPU time, not wall time, bounds the wait inside torch: it does not pass while the thread
 waits for its peers.  Withdrawing and stopping are compare-and-set operations on the one
@@ -233,7 +233,7 @@ def _in_safe_frame(frame: types.FrameType, event: str, arg: Any) -> Any:
 def _fence_when_due() -> None:
     """Past AGREE_FOR without an agreement: the rank's next collective raises."""
     if not _pending.get("fenced") and time.monotonic() >= _pending["fence"] and _pending.get("peers") is not None:
-        from air_magic.rank.pool import fence
+        from air_magic.rank.pool.interrupts import fence
 
         _pending["fenced"] = True
         fence.arm(
@@ -255,7 +255,7 @@ def _clear() -> None:
             each.f_trace = None
         except Exception:  # a frame that has ended
             pass
-    from air_magic.rank.pool import fence
+    from air_magic.rank.pool.interrupts import fence
 
     fence.disarm()
 
@@ -271,7 +271,7 @@ class _Peers:
         self.store, self.rank, self.world, self.groups, self.key = store, rank, world, groups, key
 
     def position(self) -> dict[str, int]:
-        from air_magic.rank.pool import regroup
+        from air_magic.rank.pool.interrupts import regroup
 
         return {str(g.group_name): regroup.sequence_number(g) for g in self.groups}
 

@@ -1,4 +1,4 @@
-"""A hang's way out that keeps the pool: the kernel side of :mod:`air_magic.rank.pool.regroup`.
+"""A hang's way out that keeps the pool: the kernel side of :mod:`air_magic.rank.pool.interrupts.regroup`.
 
     a pool's Ctrl-C: ranks still in collectives no peer will make (a skipped one the others
     could not make for them, ops that disagree), or a collective that timed out (gloo

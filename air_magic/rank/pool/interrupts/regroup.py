@@ -29,7 +29,7 @@ a new ``ProcessGroup`` of its own (a gloo backend under the same prefix scheme) 
 place of the old one (below Autograd, as torch's dispatcher runs it), so the objects that hold
 the old group keep working, any number of rounds: 0.03 ms more per collective (tried: a gloo
 all_reduce of 2 floats on 2 ranks, 0.52 ms, became 0.55 ms).  The fence
-(:mod:`air_magic.rank.pool.fence`) registers over these kernels while it is armed; torch puts them
+(:mod:`air_magic.rank.pool.interrupts.fence`) registers over these kernels while it is armed; torch puts them
 back when it is disarmed.
 """
 
@@ -238,7 +238,7 @@ def _install_redirect() -> None:
         return
     import torch
 
-    from air_magic.rank.pool.fence import OPERATORS
+    from air_magic.rank.pool.interrupts.fence import OPERATORS
 
     library = torch.library.Library("c10d", "IMPL")
     for name in OPERATORS:
