@@ -32,18 +32,9 @@ from air_magic.kernel import logs as _logs
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel.inspect.debugger import BreakpointDesk
 from air_magic.kernel.inspect.hangs import HangReport, HangWatch, ReportShown, watch_launch
+from air_magic.kernel.inspect.stacks import StallWatch, describe_stacks, read_stacks, request_stacks
 from air_magic.kernel.outcome import RankState, describe_exit
-from air_magic.kernel.rank_output import (
-    OutputPump,
-    StallWatch,
-    bound_log,
-    collapse_log,
-    describe_stacks,
-    log_end,
-    read_records,
-    read_stacks,
-    request_stacks,
-)
+from air_magic.kernel.rank_output import OutputPump, bound_log, collapse_log, log_end, read_records
 from air_magic.protocol import (
     INTERRUPTED_EXIT,
     Exited,

@@ -41,7 +41,6 @@ from typing import Any
 import cloudpickle
 
 from air_magic.protocol import (
-    FINAL_STACK_SIGNAL,
     INTERRUPTED_EXIT,
     LEFT_PREFIX,
     RESULT_NAME,
@@ -54,13 +53,11 @@ from air_magic.protocol import (
     UnpicklableRecord,
     ValueRecord,
     elastic_error_path,
-    format_thread_stacks,
     joined_path,
     printable,
     rendezvous_path,
     result_path,
     stack_path,
-    stack_request_path,
     stderr_ranges_path,
 )
 from air_magic.protocol.debugging import POSTMORTEM_ENV
@@ -68,6 +65,7 @@ from air_magic.rank import groups as _groups
 from air_magic.rank import results as _results
 from air_magic.rank import tracking_shim as _rank_tracking
 from air_magic.rank.inspect import debugger as _debugger
+from air_magic.rank.inspect import stacks as _stacks
 
 # Where they were defined before the protocol had a module of its own.
 __all__ = ["child_main", "format_user_traceback", "RESULT_NAME", "STACK_SIGNAL", "TRACEBACK_MARK"]
@@ -95,7 +93,7 @@ def child_main(request: LaunchRequest, rank: int, port: int, alive_fd: int, clos
         _fresh_random_state()
         # Rank 0's output is shown in the cell: where it wrote to sys.stderr is kept.
         _redirect_output(request.log_paths[rank], stderr_ranges=rank == 0)
-        _dump_stacks_on_request(request.work_dir, rank)
+        _stacks.answer_requests(request.work_dir, rank, cut=_cut_the_pools_group)
         _watch_kernel(alive_fd)
         _apply_environment(request, rank, port)
         if request.private_rendezvous:
@@ -225,82 +223,11 @@ def _redirect_output(log_path: str, stderr_ranges: bool = False) -> None:
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin  # type: ignore[misc]
 
 
-_stack_file: Any = None  # kept open for faulthandler, which writes to its descriptor
+def _cut_the_pools_group() -> None:
+    """A pool's hang: its group's connections cut (:func:`air_magic.rank.pool.interrupts.regroup.cut`)."""
+    from air_magic.rank.pool.interrupts import regroup
 
-
-def _dump_stacks_on_request(work_dir: str, rank: int) -> None:
-    """Make the rank answer stack requests: its stack file (``stack_path``), a thread
-    that answers on its stack pipe without interrupting the user's code, and two
-    signals for what the thread cannot answer.
-
-    ``STACK_SIGNAL`` writes the main thread's Python stack (by faulthandler, from the
-    signal handler itself: it works while a C call holds the GIL; Linux gives a signal
-    sent to the process to its main thread first).  Only that thread's: faulthandler
-    reads other threads' frames without their lock, and one that imports meanwhile (as
-    the answering thread does on its first read of torch's Flight Recorder with stacks,
-    which imports torch._inductor) crashes the rank with SIGSEGV.  It can cut a system
-    call such as ``nanosleep`` short, so the kernel side sends it only when the thread
-    did not answer.  ``FINAL_STACK_SIGNAL`` (a timeout) writes it too, then ends the
-    rank by the signal's default action: no line of the user's code runs once the
-    launch's time is up.  Python's own handler table is untouched."""
-    import faulthandler
-
-    global _stack_file
-    # O_APPEND: the kernel empties the file before each request; writes start at its end.
-    path = stack_path(work_dir, rank)
-    _stack_file = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600), "w")
-    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=False, chain=False)
-    faulthandler.register(FINAL_STACK_SIGNAL, file=_stack_file, all_threads=False, chain=True)
-    _answer_stack_requests(stack_request_path(work_dir, rank), _stack_file.fileno(), work_dir, rank)
-
-
-def _answer_stack_requests(ask: str, out: int, work_dir: str, rank: int) -> None:
-    """A thread that waits on the rank's stack pipe and answers what is asked: its stacks
-    (``?``), or its collectives (``c``, ``q`` or ``r`` and a token:
-    :func:`air_magic.rank.inspect.collectives.answer`), or cuts a pool's group's connections (``x``:
-    :func:`air_magic.rank.pool.interrupts.regroup.cut`).
-    A request the thread answers leaves the user's code alone (no signal interrupts its
-    system calls).  It costs nothing while idle (blocked in ``open``/``read``) and is not
-    one of ``threading``'s threads.  Without the pipe, stack requests come by signal."""
-    import _thread
-
-    try:
-        os.mkfifo(ask, 0o600)
-    except OSError:
-        return
-
-    def answer() -> None:
-        me = _thread.get_ident()
-        while True:
-            try:
-                fd = os.open(ask, os.O_RDONLY)  # until the kernel side opens it to ask
-                try:
-                    asked = os.read(fd, 64)
-                finally:
-                    os.close(fd)
-                if asked[:1] in (b"c", b"q", b"r"):  # collectives: as a pool's Ctrl-C, a look, a report
-                    try:
-                        from air_magic.rank.inspect import collectives
-
-                        collectives.answer(work_dir, rank, asked[1:].decode("ascii", "replace"), asked[:1].decode())
-                    except Exception:  # no answer: the kernel reads the rank as one it cannot ask
-                        pass
-                elif asked.startswith(b"x"):  # a pool's hang: cut its group's connections
-                    try:
-                        from air_magic.rank.pool.interrupts import regroup
-
-                        regroup.cut()
-                    except Exception:  # the kernel sees the collective still waiting
-                        pass
-                elif asked:
-                    os.write(out, format_thread_stacks(skip=me).encode("utf-8", "replace"))
-            except BaseException:  # the rank is ending (its files gone): requests come by signal
-                return
-
-    try:
-        _thread.start_new_thread(answer, ())
-    except RuntimeError:  # no thread to be had (a process limit): requests come by signal
-        os.unlink(ask)
+    regroup.cut()
 
 
 class _BarLine:

@@ -128,8 +128,7 @@ OVER_THE_BAR = {
     "kernel/inspect/hangs.py": 735,
     "kernel/launch.py": 922,
     "kernel/launch.py:Launch": 753,
-    "kernel/rank_output.py": 649,
-    "rank/main.py": 698,
+    "rank/main.py": 625,
     "rank/zygote.py": 601,
     "tracking/observer.py": 755,
 }

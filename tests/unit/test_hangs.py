@@ -144,7 +144,7 @@ Thread 4250 (idle)
 
 def test_a_rank_that_holds_the_gil_is_read_by_py_spy_where_it_is_installed(tmp_path: Any, monkeypatch: Any) -> None:
     """py-spy is a program air_magic does not own: a stand-in prints its output."""
-    from air_magic.kernel.rank_output import py_spy_stacks, user_frame
+    from air_magic.kernel.inspect.stacks import py_spy_stacks, user_frame
 
     spy = tmp_path / "py-spy"
     spy.write_text(f"#!{sys.executable}\nprint({PY_SPY_OUTPUT!r})\n")
@@ -345,7 +345,7 @@ def test_an_async_collective_of_a_rank_that_computes_is_not_waited_in() -> None:
 
 
 def test_a_frame_read_while_it_changed_is_no_frame_of_the_user_s() -> None:
-    from air_magic.kernel.rank_output import user_frame
+    from air_magic.kernel.inspect.stacks import user_frame
 
     # faulthandler, from a signal handler, read a busy thread's frame half-changed.
     garbled = 'Thread 0x00007f (most recent call first):\n  File "OSError", line 2043993280 in ismethod\n'

@@ -18,3 +18,17 @@ def test_the_debugger_skips_every_frame_of_air_magic_s_own_files() -> None:
 def test_the_interrupt_knows_the_debugger_s_file_where_it_is() -> None:
     ours = [f for f in safe_point._debugger_files() if f.startswith(PACKAGE)]
     assert ours == [os.path.abspath(debugger.__file__)]
+
+
+def test_where_each_rank_was_skips_air_magic_s_own_frames_wherever_the_stacks_module_lives() -> None:
+    from air_magic.kernel.inspect import stacks
+
+    assert stacks._PACKAGE_ROOT == PACKAGE
+    assert not stacks._is_user_frame(os.path.join(PACKAGE, "rank", "pool", "serve.py"))
+    assert stacks._is_user_frame("/home/someone/train.py")
+
+
+def test_a_rank_s_error_leaves_out_air_magic_s_own_frames() -> None:
+    from air_magic.rank import main
+
+    assert main._PACKAGE_ROOT == PACKAGE

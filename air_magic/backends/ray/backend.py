@@ -576,7 +576,7 @@ class _RayLaunch:
 
     def stacks(self, timeout: float) -> dict[int, str]:
         """The running ranks' stacks, by rank, also written where a local rank writes its own
-        (the launch's folder), for :func:`air_magic.kernel.rank_output.read_stacks`."""
+        (the launch's folder), for :func:`air_magic.kernel.inspect.stacks.read_stacks`."""
         ranks = sorted(self.running) if self.ray.is_initialized() else []
         refs = {rank: self.agents[rank].stacks.remote(self.id, min(timeout, _STACK_GRACE)) for rank in ranks}
         found = {}

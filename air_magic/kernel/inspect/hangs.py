@@ -668,7 +668,7 @@ def watch_launch(
     """The watch of ``launch``'s ranks: local ranks are asked on their pipes and their stacks
     read as :meth:`Launch.stacks` reads them (py-spy where nothing came back); a Ray launch's
     through its backend's agents."""
-    from air_magic.kernel.rank_output import py_spy_stacks, read_stacks, request_stacks, user_frame
+    from air_magic.kernel.inspect.stacks import py_spy_stacks, read_stacks, request_stacks, user_frame
 
     def running_ended() -> dict[int, str]:
         return {s.rank: f"exit {s.returncode}" for s in launch.ranks if s.returncode is not None}

@@ -28,6 +28,7 @@ from air_magic.errors import AirMagicError, LaunchError, LaunchTimeoutError, Res
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel.inspect.debugger import BreakpointDesk
 from air_magic.kernel.inspect.hangs import HangWatch, ReportShown
+from air_magic.kernel.inspect.stacks import describe_stacks, read_stacks, request_stacks, user_frame
 from air_magic.kernel.pool.call import Call, RankCallState, Ranks
 from air_magic.kernel.pool.decide import CLOSED_GRACE, first_failure, first_gone, interrupted_all
 from air_magic.kernel.pool.interrupts import regroup as pool_regroup
@@ -35,14 +36,7 @@ from air_magic.kernel.pool.interrupts.interrupt import GRACE, Interrupt
 from air_magic.kernel.pool.mirror import KernelMirror
 from air_magic.kernel.pool.view import PoolCallView
 from air_magic.kernel.pool.wire import OutOfStep, replies
-from air_magic.kernel.rank_output import (
-    OutputPump,
-    bound_log_in_place,
-    describe_stacks,
-    read_stacks,
-    request_stacks,
-    user_frame,
-)
+from air_magic.kernel.rank_output import OutputPump, bound_log_in_place
 from air_magic.protocol import ErrorRecord, UnpicklableRecord, ValueRecord
 
 __all__ = ["CallWait", "PoolBrokenError", "run_call", "CALL_WATCHERS"]
