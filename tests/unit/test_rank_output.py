@@ -106,8 +106,8 @@ def test_what_the_rank_wrote_to_stderr_goes_to_stderr_in_order(tmp_path: Any, ca
     path = str(tmp_path / "rank-0.log")
     code = (
         "import sys, logging\n"
-        "from air_magic.rank.main import _redirect_output\n"
-        f"_redirect_output({path!r}, stderr_ranges=True)\n"
+        "from air_magic.rank.output import redirect\n"
+        f"redirect({path!r}, stderr_ranges=True)\n"
         "print('one')\n"
         "print('two', file=sys.stderr)\n"
         "logging.warning('three')\n"
@@ -135,9 +135,9 @@ def test_a_log_without_stderr_ranges_is_all_stdout(tmp_path: Any, capsys: Any) -
 
 
 def test_text_after_a_progress_bar_s_state_takes_its_line() -> None:
-    """The rank's streams (rank/main.py's _BarLine): a print after a bar's state starts with
+    """The rank's streams (rank/output.py's _BarLine): a print after a bar's state starts with
     a carriage return; anything else is written as it was given."""
-    from air_magic.rank.main import _BarLine
+    from air_magic.rank.output import _BarLine
 
     line = _BarLine()
     writes = [b"\rsteps 10%", b"loss", b" ", b"1", b"\n", b"\rsteps 20%", b"\rsteps 30%", b"\n", b"plain", b"\n"]
