@@ -38,7 +38,6 @@ import collections
 import functools
 import importlib
 import os
-import resource
 import select
 import selectors
 import shutil
@@ -68,15 +67,14 @@ from air_magic.protocol import (
     decode,
     encode,
     end_carriers,
-    pid_limits,
     signal_rank,
 )
+from air_magic.rank import system as _system
 from air_magic.settings import settings
 
 #: The longest single wait of the main loop: selectors refuse waits of ~25 days or more
 #: (OverflowError), and a timer further away is simply waited for in several steps.
 _MAX_WAIT = 3600.0
-_PR_SET_CHILD_SUBREAPER = 36
 #: How long ranks get to write their stacks before a timeout stops them.
 _STACK_GRACE = 0.5
 
@@ -93,53 +91,10 @@ class _CannotFork(Exception):
     """The system refused to create a rank's process; the text says which limit."""
 
 
-def fork_refused(rank: int, world_size: int, exc: OSError) -> str:
-    """What a launch says when the system refuses to fork its rank ``rank``."""
-    limits = [
-        f"the cgroup limit pids.max is {most} ({now} processes in it now: {path})" for most, now, path in pid_limits()
-    ]
-    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-    if soft != resource.RLIM_INFINITY:
-        limits.append(f"ulimit -u (RLIMIT_NPROC) is {soft} processes for this user")
-    which = "; ".join(limits) or "a limit on the number of processes was reached"
-    could = f"{rank} of its {world_size} ranks could start" if rank else "none of its ranks could start"
-    return (
-        f"the system refused to start rank {rank} ({type(exc).__name__}: {exc.strerror or exc}): {which}. "
-        f"{could[0].upper()}{could[1:]}. Ask for fewer ranks, or raise the limit."
-    )
-
-
-#: Shared-memory segments a library names after the launch's rendezvous: DeepSpeed's CPU
-#: all-reduce creates ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
-#: (about 66 MB each) in /dev/shm and never unlinks them.  Left there they fill a small
-#: /dev/shm (a container's 64 MB) and a later launch that draws the same port would map a
-#: dead launch's flags and wait on them forever.
-_PEER_SEGMENT_PATTERNS = ("deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_",)
-
-
-def remove_peer_segments(port: int, shm: str = "/dev/shm") -> list[str]:
-    """Delete the shared-memory segments named after loopback port ``port`` that ranks
-    of this user left in ``shm``; the names removed."""
-    prefixes = tuple(pattern.format(uid=os.getuid(), port=port) for pattern in _PEER_SEGMENT_PATTERNS)
-    try:
-        names = os.listdir(shm)
-    except OSError:
-        return []
-    removed = []
-    for name in names:
-        if any(name.startswith(prefix) and name[len(prefix) :].isdigit() for prefix in prefixes):
-            try:
-                os.unlink(os.path.join(shm, name))
-            except OSError:
-                continue
-            removed.append(name)
-    return removed
-
-
 def _release_port(launch: _Launch) -> None:
     """The launch's ranks are gone: free its port and what its ranks named after it."""
     if launch.port is not None:
-        remove_peer_segments(launch.port.getsockname()[1])
+        _system.remove_peer_segments(launch.port.getsockname()[1])
         launch.port.close()
         launch.port = None
 
@@ -171,7 +126,7 @@ class Zygote:
         self.selector = selectors.DefaultSelector()
         self.launches: dict[str, _Launch] = {}
         self.timers: list[tuple[float, str, Callable[[], None]]] = []
-        self.use_pidfd = _pidfds_work()
+        self.use_pidfd = _system.pidfds_work()
         #: Messages read while a launch's ranks were being forked, handled after it.
         self.pending: collections.deque[StartLaunch | Stop] = collections.deque()
         self._next_look = 0.0  # time.monotonic() of the next look at the kernel between forks
@@ -283,7 +238,7 @@ class Zygote:
         reserved.bind(("127.0.0.1", 0))
         launch.port = reserved
         port = reserved.getsockname()[1]
-        remove_peer_segments(port)  # a launch of this user that drew the port before and died
+        _system.remove_peer_segments(port)  # a launch of this user that drew the port before and died
         close_in_child = [self.conn.fileno(), reserved.fileno(), self.selector_fd()]
         for other in self.launches.values():
             if other is launch:
@@ -305,7 +260,7 @@ class Zygote:
                 if pid == 0:  # the rank; child_main never returns
                     _rank.child_main(request, rank, port, self.alive_fd, close_in_child)
             except BlockingIOError as exc:  # EAGAIN: a limit on processes (pids.max, ulimit -u)
-                raise _CannotFork(fork_refused(rank, request.world_size, exc)) from exc
+                raise _CannotFork(_system.fork_refused(rank, request.world_size, exc)) from exc
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
             launch.running[rank] = pid
@@ -444,7 +399,7 @@ class Zygote:
         ended.  Their own children come next, as they are handed over in turn."""
         ranks = {pid for launch in self.launches.values() for pid in launch.running.values()}
         for _ in range(8):
-            orphans = [pid for pid in _children(os.getpid()) if pid not in ranks]
+            orphans = [pid for pid in _system.children(os.getpid()) if pid not in ranks]
             if not orphans:
                 return
             for pid in orphans:
@@ -500,43 +455,6 @@ class Zygote:
             pass  # the kernel is gone; the next recv() ends the loop
 
 
-def _pidfds_work() -> bool:
-    """Linux >= 5.3 tells a process's exit through a pidfd; elsewhere exits are polled."""
-    try:
-        fd = os.pidfd_open(os.getpid())
-    except (AttributeError, OSError):
-        return False
-    os.close(fd)
-    return True
-
-
-def _children(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (from ``/proc``; a few hundred entries to read)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            found.append(int(name))
-    return found
-
-
-def _become_subreaper() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-
-
 def _watch_kernel_while_preloading(alive_fd: int, session_dir: str, shm_dir: str) -> Callable[[], None]:
     """Leave at once if the kernel dies while the preload runs (seconds, or minutes for a
     heavy ``AIR_MAGIC_PRELOAD``): the control socket is only read after it.
@@ -574,7 +492,7 @@ def main(argv: list[str]) -> int:
     session_dir, shm_dir = argv[2], argv[3]
     # Interrupts are the kernel's to handle: it tells us what to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _become_subreaper()
+    _system.become_subreaper()
     os.set_inheritable(alive_fd, True)
     conn = Connection(ctrl_fd)
     zygote = Zygote(conn, alive_fd, session_dir, shm_dir)

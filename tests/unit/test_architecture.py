@@ -128,7 +128,6 @@ OVER_THE_BAR = {
     "kernel/inspect/hangs.py": 735,
     "kernel/launch.py": 922,
     "kernel/launch.py:Launch": 753,
-    "rank/zygote.py": 601,
     "tracking/observer.py": 755,
 }
 

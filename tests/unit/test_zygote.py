@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from air_magic.rank import system as _system
 from air_magic.rank import zygote as _zygote
 
 
@@ -88,6 +89,6 @@ def test_a_launchs_peer_segments_go_with_it_and_nothing_else(tmp_path: Any) -> N
     ]
     for name in mine + kept:
         (tmp_path / name).write_bytes(b"")
-    assert sorted(_zygote.remove_peer_segments(41234, str(tmp_path))) == sorted(mine)
+    assert sorted(_system.remove_peer_segments(41234, str(tmp_path))) == sorted(mine)
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
-    assert _zygote.remove_peer_segments(41234, str(tmp_path / "missing")) == []
+    assert _system.remove_peer_segments(41234, str(tmp_path / "missing")) == []
