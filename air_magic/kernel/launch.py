@@ -31,7 +31,8 @@ from air_magic.errors import LaunchCancelledError, LaunchError, interrupted
 from air_magic.kernel import logs as _logs
 from air_magic.kernel import outcome as _outcome
 from air_magic.kernel.inspect.debugger import BreakpointDesk
-from air_magic.kernel.inspect.hangs import HangReport, HangWatch, ReportShown, watch_launch
+from air_magic.kernel.inspect.hang_report import HangReport
+from air_magic.kernel.inspect.hangs import HangWatch, ReportShown, watch_launch
 from air_magic.kernel.inspect.stacks import StallWatch, describe_stacks, read_stacks, request_stacks
 from air_magic.kernel.outcome import RankState, describe_exit
 from air_magic.kernel.rank_output import OutputPump, bound_log, collapse_log, log_end, read_records

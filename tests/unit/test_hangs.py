@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from air_magic.kernel.inspect.hangs import BLOCKED, COMPUTING, ENDED, IN_COLLECTIVE, OUTSIDE, PAUSED, report
+from air_magic.kernel.inspect.hang_report import BLOCKED, COMPUTING, ENDED, IN_COLLECTIVE, OUTSIDE, PAUSED, report
 
 
 def seen(enqueued: int, completed: int, *pending: dict[str, Any], last_where: str = "") -> dict[str, Any]:

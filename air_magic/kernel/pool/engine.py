@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 from air_magic import capture
 from air_magic.errors import AirMagicError, interrupted
-from air_magic.kernel.inspect.hangs import HangReport
+from air_magic.kernel.inspect.hang_report import HangReport
 from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool import status as _status
