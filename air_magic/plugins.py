@@ -35,10 +35,10 @@ _lock = threading.Lock()
 def flush_tracking(timeout: float | None) -> bool:
     """Wait (bounded, said after a second) for the ended launches' points to be stored;
     nothing to do where tracking was never used (nothing is imported for it)."""
-    observer = sys.modules.get("air_magic.tracking.observer")
-    if observer is None:
+    writer = sys.modules.get("air_magic.tracking.writer")
+    if writer is None:
         return True
-    return bool(observer.flush(timeout))
+    return bool(writer.flush(timeout))
 
 
 def warm_front_end() -> None:
@@ -72,9 +72,9 @@ def _warm() -> None:
 def tracking(launch: "Launch") -> "LaunchObserver | None":
     """MLflow tracking (imported only when a launch has tracking on).  A launch first waits
     for the previous launches' points to be stored (bounded)."""
-    observer = sys.modules.get("air_magic.tracking.observer")
-    if observer is not None:
-        observer.flush(observer.FLUSH_BEFORE_LAUNCH)
+    writer = sys.modules.get("air_magic.tracking.writer")
+    if writer is not None:
+        writer.flush(writer.FLUSH_BEFORE_LAUNCH)
     if not launch.spec.tracking:
         return None
     from air_magic.panel import shows_panel
@@ -217,6 +217,6 @@ def _close_pools_and_store() -> None:
     pool = sys.modules.get("air_magic.kernel.pool.engine")
     if pool is not None and pool.open_pools():
         pool.close_all()
-        observer = sys.modules.get("air_magic.tracking.observer")
-        if observer is not None:  # (imported only where a launch tracked)
-            flush_tracking(observer.FLUSH_AT_EXIT)
+        writer = sys.modules.get("air_magic.tracking.writer")
+        if writer is not None:  # (imported only where a launch tracked)
+            flush_tracking(writer.FLUSH_AT_EXIT)

@@ -1,5 +1,5 @@
-"""tracking/: MLflow, as an observer of launches -- the kernel's writer (one run per launch),
-reaching and trusting a store, the upload of spooled points, recovery of what dead kernels
+"""tracking/: MLflow, as an observer of launches (``observer``) -- the kernel's writer thread,
+one run per launch (``writer``), reaching and trusting a store, the upload of spooled points, recovery of what dead kernels
 left, MLflow's own log lines.
 Imports kernel/ (types), protocol/ (the spool) and settings; nothing imports it but plugins.py.
 
@@ -61,15 +61,13 @@ from __future__ import annotations
 from air_magic.tracking.observer import (
     TrackingObserver,
     current_uri,
-    flush,
     open_command,
-    pending,
     tracking_observer,
     tracking_off_notice,
-    unreachable_line,
     warm_in_background,
 )
 from air_magic.tracking.recovery import Recovered, recover_in_background, upload_pending
+from air_magic.tracking.writer import flush, pending, unreachable_line
 
 __all__ = [
     "TrackingObserver",

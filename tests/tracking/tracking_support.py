@@ -67,9 +67,9 @@ class Store:
 
         # A launch of this process stores its last points after its values came back: what
         # the store holds is read once that is over (what shows meanwhile is tested apart).
-        observer = sys.modules.get("air_magic.tracking.observer")
-        if observer is not None:
-            assert observer.flush(120), "the launches' points were not stored in 120 s"
+        writer = sys.modules.get("air_magic.tracking.writer")
+        if writer is not None:
+            assert writer.flush(120), "the launches' points were not stored in 120 s"
 
         return MlflowClient(self.uri)
 

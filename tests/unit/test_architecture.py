@@ -127,7 +127,6 @@ OVER_THE_BAR = {
     "cli.py": 626,
     "kernel/launch.py": 922,
     "kernel/launch.py:Launch": 753,
-    "tracking/observer.py": 755,
 }
 
 
