@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from air_magic.backends.ray.backend import _RayLaunch
+from air_magic.backends.ray.ray_launch import RayLaunch
 from air_magic.protocol import StartFailed
 
 #: What the launch used of Ray after its process left Ray.
@@ -35,9 +35,9 @@ class _Agent:
         raise RuntimeError(f"the agent's {name}() was called after this process left Ray")
 
 
-def _launch(sent: list[Any]) -> _RayLaunch:
+def _launch(sent: list[Any]) -> RayLaunch:
     USED.clear()
-    launch = _RayLaunch.__new__(_RayLaunch)  # no thread, no cluster
+    launch = RayLaunch.__new__(RayLaunch)  # no thread, no cluster
     launch.ray = _LeftRay()
     launch.id = "L"
     launch.agents = [_Agent(), _Agent()]

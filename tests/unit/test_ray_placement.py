@@ -4,7 +4,7 @@ keeps of the kernel's environment (pure functions; no Ray needed)."""
 from __future__ import annotations
 
 from air_magic.backends.ray.agent import node_environment
-from air_magic.backends.ray.backend import placement_environment
+from air_magic.backends.ray.ray_launch import placement_environment
 
 
 def _node(node_id: str, address: str, gpus: list[str] | None = None) -> dict:

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from air_magic.backends.ray import agent as _ray_agent  # noqa: E402
-from air_magic.backends.ray.backend import _RayLaunch  # noqa: E402
+from air_magic.backends.ray.ray_launch import RayLaunch  # noqa: E402
 from air_magic.protocol import UnpicklableRecord, ValueRecord  # noqa: E402
 from air_magic.rank import results as _results  # noqa: E402
 
@@ -209,6 +209,6 @@ def test_the_folders_of_dead_agents_are_removed_and_those_of_live_ones_kept(tmp_
 
 
 def _fake_launch(shm: str, work: str) -> Any:
-    launch = _RayLaunch.__new__(_RayLaunch)  # its thread, Ray and agents are not needed here
+    launch = RayLaunch.__new__(RayLaunch)  # its thread, Ray and agents are not needed here
     launch.request = type("R", (), {"shm_dir": shm, "work_dir": work})()
     return launch
