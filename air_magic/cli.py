@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-import json
 import linecache
 import os
 import sys
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from air_magic._version import __version__
 from air_magic.errors import CaptureError, ConfigurationError, LaunchCancelledError, render_lines
+from air_magic.kernel.machine import verbs as machine_verbs
 from air_magic.options import add_launch_arguments
 
 if TYPE_CHECKING:  # what launches is imported by run only: ps and stop answer without it
@@ -143,22 +143,7 @@ def _parser(lint: bool = True) -> tuple[argparse.ArgumentParser, argparse.Argume
         metavar="ADDRESS",
         help="the Ray cluster to run on, with --backend ray (sets RAY_ADDRESS for the launch)",
     )
-    ps = verbs.add_parser(
-        "ps",
-        help="list the machine's air_magic launches and pools (every user's), and GPU memory no launch holds",
-        description="Every air_magic launch and pool on this machine: yours in full (kernel, notebook, pids, "
-        "GPUs, GPU and host memory, state, age), other users' as owner, GPUs and age; then the processes "
-        "holding GPU memory that are no launch's.",
-    )
-    ps.add_argument("--json", action="store_true", help="a JSON list, for scripts")
-    stop = verbs.add_parser(
-        "stop",
-        help="stop one of your launches or pools (its cell says it was stopped from outside)",
-        description="Stop a launch or pool of yours by its id (air-magic ps lists them): its ranks get SIGTERM, "
-        "then SIGKILL after 5 s; its notebook cell raises, saying who stopped it. Someone else's is refused "
-        "(root may).",
-    )
-    stop.add_argument("id", metavar="ID", help="the launch's or pool's id, as air-magic ps shows it")
+    machine_verbs.add_parsers(verbs)
     return parser, run
 
 
@@ -191,29 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return lint_cli.run(args)
     if args.verb in ("ps", "stop"):
-        return machine_verb(args)
+        return machine_verbs.run(args)
     return run(args, script_args)
-
-
-def machine_verb(args: argparse.Namespace) -> int:
-    """``air-magic ps`` and ``air-magic stop ID``."""
-    from air_magic.kernel.machine import ps as machine
-
-    try:
-        if args.verb == "stop":
-            print(machine.stop(args.id))
-            return EXIT_OK
-        found, skipped = machine.rows()
-        if args.json:
-            print(json.dumps(found, indent=1))
-        else:
-            print(machine.table(found, machine.orphans(), skipped))
-        for line in skipped if args.json else ():
-            sys.stderr.write(f"[air_magic] skipped a record: {line}\n")
-        return EXIT_OK
-    except (machine.StopError, OSError) as exc:  # OSError: the list's folder cannot be trusted
-        sys.stderr.write(f"air-magic {args.verb}: error: {exc}\n")
-        return EXIT_FAILED
 
 
 def run(args: argparse.Namespace, script_args: Sequence[str] = ()) -> int:

@@ -123,7 +123,6 @@ def test_no_folder_of_the_heart_holds_more_than_ten_modules_flat() -> None:
 #: comes under the bar leaves this list.  No other module or class may pass the bars.
 MODULE_LINES, CLASS_LINES = 600, 400
 OVER_THE_BAR = {
-    "cli.py": 626,
     "kernel/launch.py": 922,
     "kernel/launch.py:Launch": 753,
 }
