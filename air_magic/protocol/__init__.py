@@ -1,6 +1,7 @@
 """protocol/: what the kernel side and the rank side share -- messages and records (messages),
-the launch folder's files (paths), signals and stack requests (processes), spool lines and
-files (spool_lines, spool), private folders (private), the tail reader (tail).
+a pool's messages (pool), the launch folder's files (paths), signals and stack requests
+(processes), spool lines and files (spool_lines, spool), private folders (private), the tail
+reader (tail).
 Imports the standard library only: nothing else of air_magic, no third-party package.
 
 What travels, and where::

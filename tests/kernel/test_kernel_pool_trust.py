@@ -83,9 +83,10 @@ def test_a_reply_to_another_call_breaks_the_pool_instead_of_giving_its_values(k:
         "import gc, os, cloudpickle\n"
         "from multiprocessing.connection import Connection\n"
         "from air_magic.protocol import ValueRecord\n"
-        "if os.environ['RANK'] == '0':\n"
+        "from air_magic.protocol.pool import CallDone\n"
+        "if os.environ['RANK'] == '0':  # a well-formed reply, to a call that is not this one\n"
         "    conn = [c for c in gc.get_objects() if isinstance(c, Connection)][0]\n"
-        "    conn.send(('done', 10**6, cloudpickle.dumps(ValueRecord('stale')), [], []))\n"
+        "    conn.send(CallDone(10**6, cloudpickle.dumps(ValueRecord('stale')), [], []))\n"
         "'mine'"
     )
     res = k.run(cell)

@@ -51,6 +51,7 @@ from air_magic.kernel.pool.mirror import KernelMirror
 from air_magic.kernel.pool.start import POOL_START_TIMEOUT, end_ranks, kill, start_ranks
 from air_magic.kernel.pool.wait import PoolBrokenError, run_call
 from air_magic.protocol import RESULT_NAME
+from air_magic.protocol.pool import PoolKind, PoolRequest
 from air_magic.spec import LaunchSpec
 
 __all__ = [
@@ -501,7 +502,7 @@ class PoolEngine:
         call = _Call(ranks, self.next_id(), label, data.get("sources") or {}, background=background)
         self.sources.update(call.sources)
         with _not_sent_yet():
-            message = capture.dumps((kind, call.id, data | {"label": label} | self.mirror.state()))  # once
+            message = capture.dumps(PoolRequest(PoolKind(kind), call.id, data | {"label": label} | self.mirror.state()))
         self._call_now = self._last_call = call
         self.current = label
         self.cells += 1

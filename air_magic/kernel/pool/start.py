@@ -6,7 +6,7 @@ knows each is one of its own::
                     (or a short one of its own), or for ranks on other machines a TCP port
                     at the address they reach the kernel at; the launch;
                     ranks --connect--> accept --greet()--> multiprocessing's challenge both
-                    ways (the pool's key), then the rank's ("hello", rank, pid)
+                    ways (the pool's key), then the rank's RankHello(rank, pid)
                     --> Ranks; anything else (a reset, garbage, a wrong key, silence past
                     the handshake's time) is closed and the pool waits on.  A failed or
                     interrupted start kills what it started.
@@ -37,6 +37,7 @@ from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool.call import Ranks
 from air_magic.kernel.pool.mirror import KernelMirror
 from air_magic.protocol import Stop
+from air_magic.protocol.pool import PoolClose, RankHello
 from air_magic.settings import settings
 from air_magic.spec import LaunchSpec
 
@@ -108,7 +109,7 @@ def end_ranks(ranks: Ranks, close_first: bool) -> None:
     if close_first:
         for conn in ranks.conns:
             try:
-                conn.send_bytes(cloudpickle.dumps(("close",)))
+                conn.send_bytes(cloudpickle.dumps(PoolClose()))
             except OSError:
                 pass
         deadline = time.monotonic() + 5.0
@@ -177,8 +178,11 @@ def greet(sock: socket.socket, authkey: bytes, world_size: int) -> tuple[int, Co
         answer_challenge(conn, authkey)
         if not conn.poll(_HANDSHAKE_SECONDS):
             raise EOFError("no hello")
-        kind, rank, pid = conn.recv()
-        if kind != "hello" or not isinstance(rank, int) or not 0 <= rank < world_size or not isinstance(pid, int):
+        hello = conn.recv()
+        if not isinstance(hello, RankHello):
+            raise ValueError("not a rank's hello")
+        rank, pid = hello.rank, hello.pid
+        if not isinstance(rank, int) or not 0 <= rank < world_size or not isinstance(pid, int):
             raise ValueError("not a rank's hello")
         with socket.socket(fileno=os.dup(conn.fileno())) as same:  # reads block again
             same.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))

@@ -3,9 +3,9 @@
 
     kernel                                         rank r
     ------                                         ------
-    send(conns, call)   ("cell", id, data) ---->   runs it (SIGINT raises only now)
-    replies(pending, id)              <----  ("began", id): a SIGINT raises in its code now
-                                      <----  ("done", id, record blob, the rank's own names,
+    send(conns, call)   PoolRequest(CELL, id, data) ---->   runs it (SIGINT raises only now)
+    replies(pending, id)              <----  CallBegan(id): a SIGINT raises in its code now
+                                      <----  CallDone(id, record blob, the rank's own names,
                                               the processes its code forked with os.fork())
                                               (a large tensor: its bytes in a file of the
                                               launch's /dev/shm folder, the blob names it)
@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from air_magic import capture
 from air_magic.protocol import ValueRecord
+from air_magic.protocol.pool import CallBegan, CallDone, PoolKind, PoolRequest
 from air_magic.rank import results as _results
 
 __all__ = ["OutOfStep", "Reply", "replies", "load"]
@@ -64,7 +65,7 @@ def replies(
     """The replies to call ``call_id`` that came within ``timeout`` s; a rank that answered
     leaves ``pending``.  A rank whose connection closed stays there and is added to
     ``closed`` (with when it was seen), and is not waited on again: the caller sees the
-    rank's end.  A rank's ``("began", id)`` goes to ``began(rank, id)``.  A record's large
+    rank's end.  A rank's ``CallBegan(id)`` goes to ``began(rank, id)``.  A record's large
     tensors are files the rank wrote into ``folders`` (mapped here, then unlinked); a DTensor's
     full tensor is put together in ``assembled``, shared by the call's replies.  Raises
     :class:`OutOfStep`."""
@@ -87,31 +88,21 @@ def replies(
                 f"sent the kernel something that is not a reply ({type(exc).__name__}: {exc}): "
                 "its code wrote on air_magic's connection",
             ) from None
-        kind, answered = _kind_and_id(message)
-        if kind is None:
+        if not isinstance(message, (CallBegan, CallDone)):
             raise OutOfStep(rank, f"sent the kernel something that is not a reply ({_short(message)})")
+        answered = message.id
         if answered != call_id:
             raise OutOfStep(
                 rank,
                 f"answered call #{answered} while call #{call_id} ran (a process its code forked went on "
                 "speaking on the rank's connection, or an earlier reply was left unread)",
             )
-        if kind == "began":
+        if isinstance(message, CallBegan):
             began(rank, answered)
             continue
-        _, _, blob, names, forked = message
-        found.append(Reply(rank, load(blob, folders, assembled), list(names), list(forked)))
+        found.append(Reply(rank, load(message.blob, folders, assembled), list(message.names), list(message.forked)))
         del pending[rank]
     return found
-
-
-def _kind_and_id(message: Any) -> tuple[str | None, Any]:
-    if isinstance(message, tuple) and len(message) >= 2:
-        if message[0] == "began" and len(message) == 2:
-            return "began", message[1]
-        if message[0] == "done" and len(message) == 5:
-            return "done", message[1]
-    return None, None
 
 
 def _short(message: Any) -> str:
@@ -134,7 +125,7 @@ def ask_every_rank(
     """Send one message (``kind``, e.g. ``settle`` or ``regroup``) to every rank and wait up
     to ``timeout`` s for each one's value: ``{rank: value}``, or why not (a string naming the
     rank; ``doing``: what the ranks were asked, ``check its state``)."""
-    message = capture.dumps((kind, call_id, data))
+    message = capture.dumps(PoolRequest(PoolKind(kind), call_id, data))
     pending = dict(enumerate(conns))
     for rank, conn in list(pending.items()):
         try:

@@ -6,23 +6,24 @@ process group once, and waits between cells on its connection to the kernel (a U
 socket in the kernel's private session folder, or a TCP port of the kernel's machine for
 Ray ranks on other nodes, with an auth key: no CPU while idle)::
 
-    kernel                                    rank r
+    kernel                                    rank r         (air_magic.protocol.pool)
     ------                                    ------
-    Listener(socket, authkey)  <-- connect -- ("hello", r, pid)
-    ("cell", id, code, names, sources) -->    exec in the namespace; SIGINT raises only here,
-                                              outside torch's frames (air_magic.rank.pool.interrupts.safe_point)
-                                       <--    ("began", id): from now on SIGINT raises
-    ("call", id, func, args, kwargs)   -->    func(*args, **kwargs)
-    ("push", id, names) / ("pull", id, name, ranks) -->  set names / read one (on the ranks asked)
-    ("model", id, {op, name, ...})     -->    the model back (air_magic.rank.pool.model_back)
-    ("settle", id, {})                 -->    after an interrupt: what it left half-way put
+    Listener(socket, authkey)  <-- connect -- RankHello(r, pid)
+    PoolRequest(CELL, id, {code, names, sources}) -->  exec in the namespace; SIGINT raises
+                                              only here, outside torch's frames
+                                              (air_magic.rank.pool.interrupts.safe_point)
+                                       <--    CallBegan(id): from now on SIGINT raises
+    PoolRequest(CALL, id, {func, args, kwargs}) -->  func(*args, **kwargs)
+    PUSH {names} / PULL {name, ranks}  -->    set names / read one (on the ranks asked)
+    MODEL {op, name, ...}              -->    the model back (air_magic.rank.pool.model_back)
+    SETTLE {}                          -->    after an interrupt: what it left half-way put
                                               back, and the state the kernel compares
                                               (air_magic.rank.pool.interrupts.state)
-    ("sync", id, {names, src})         -->    pool.sync: names copied from one rank to the others
-    ("regroup", id, {round})           -->    fresh connections for the group (a hang's way out)
-                                       <--    ("done", id, record, names of the namespace,
-                                                   pids the call forked with os.fork())
-    ("close",) or the kernel gone      -->    the rank returns; the launch ends
+    SYNC {names, src}                  -->    pool.sync: names copied from one rank to the others
+    REGROUP {round}                    -->    fresh connections for the group (a hang's way out)
+                                       <--    CallDone(id, record, names of the namespace,
+                                                       pids the call forked with os.fork())
+    PoolClose() or the kernel gone     -->    the rank returns; the launch ends
 
 Each call also carries the kernel's working directory, and its ``sys.path`` and environment
 where they changed since the last call: a pool cell runs where a launch from the same
@@ -51,6 +52,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from air_magic.protocol import RESULT_NAME, ErrorRecord, Record, UnpicklableRecord, ValueRecord, printable
+from air_magic.protocol.pool import CallBegan, CallDone, PoolKind, PoolRequest, RankHello
 from air_magic.rank import results as _results
 from air_magic.rank import tracking_shim as _tracking
 from air_magic.rank.inspect import debugger as _debugger
@@ -87,33 +89,33 @@ def serve(
     conn = Client(address if isinstance(address, str) else tuple(address), authkey=data["authkey"])
     me = os.getpid()
     _watch_forks(me)
-    conn.send(("hello", rank, me))
+    conn.send(RankHello(rank, me))
     while True:
         try:
             message = cloudpickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the kernel closed the pool, or is gone
             return
-        kind = message[0]
-        if kind == "close":
+        if not isinstance(message, PoolRequest):  # PoolClose: the pool closed
             return
-        tracked = message[0] in ("cell", "call")
+        kind = message.kind
+        tracked = kind in (PoolKind.CELL, PoolKind.CALL)
         if tracked:  # what the call logs goes to a child run of the pool's (made if it logs)
-            _tracking.begin_call(message[1], message[2].get("label") or message[0])
-        began = functools.partial(_say_began, conn, message[1], me)
+            _tracking.begin_call(message.id, message.data.get("label") or str(kind))
+        began = functools.partial(_say_began, conn, message.id, me)
         record = _handle(main, message, error_record, began)
         if os.getpid() != me:  # a process the call's code forked, back at the end of the call
-            _end_forked_child(rank, me, message[2].get("label") or kind)
+            _end_forked_child(rank, me, message.data.get("label") or str(kind))
         if tracked:
-            _tracking.end_call(message[1], _status(record))
+            _tracking.end_call(message.id, _status(record))
         try:
-            blob = _results.dumps_record(record, shm_dir, f"r{rank}c{message[1]}", work_dir)
+            blob = _results.dumps_record(record, shm_dir, f"r{rank}c{message.id}", work_dir)
         except BaseException as exc:  # the value cannot be pickled
             value_type = type(record[0]).__module__ + "." + type(record[0]).__qualname__
             blob = cloudpickle.dumps(UnpicklableRecord(value_type, f"{type(exc).__name__}: {printable(exc)}"))
         names = _owned(main.__dict__)
         forked, _forked[:] = list(_forked), []
         try:
-            conn.send(("done", message[1], blob, names, forked))
+            conn.send(CallDone(message.id, blob, names, forked))
         except OSError:
             return
 
@@ -141,7 +143,7 @@ def _watch_forks(me: int) -> None:
 
 def _say_began(conn: Any, call_id: int, me: int) -> None:
     if os.getpid() == me:
-        conn.send(("began", call_id))
+        conn.send(CallBegan(call_id))
 
 
 def _end_forked_child(rank: int, parent: int, label: str) -> None:
@@ -167,14 +169,14 @@ def _status(record: Record) -> str:
 
 def _handle(
     main: types.ModuleType,
-    message: tuple[Any, ...],
+    message: PoolRequest,
     error_record: Callable[[BaseException, dict[str, tuple[str, str]]], ErrorRecord],
     began: Callable[[], None] = lambda: None,
 ) -> Record:
     """Run one message of the kernel.  ``began`` tells the kernel that a SIGINT raises now:
     it interrupts a rank only after that (one sent before would find the rank idle, and be
     ignored: a rank the machine had not scheduled yet when the call was cancelled)."""
-    kind, _id, data = message
+    kind, _id, data = message.kind, message.id, message.data
     namespace = main.__dict__
     _take_kernel_state(data)
     _sources.update(data.get("sources", {}))
