@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 from typing import Any
@@ -9,6 +10,18 @@ from typing import Any
 from air_magic.protocol.paths import stack_path, stack_request_path
 
 # -- shared constants ------------------------------------------------------------------------------
+
+
+class StackAsk(bytes, enum.Enum):
+    """What the kernel asks a rank's answering thread on its stack pipe (one byte first; a
+    collectives' request then carries its token): :mod:`air_magic.rank.inspect.stacks`."""
+
+    STACKS = b"?"  # every thread's Python stack, into the stack file
+    COLLECTIVES = b"c"  # the pending collectives, with where the code made them (a pool's Ctrl-C)
+    LOOK = b"q"  # each group's numbers only (the hang watch's quick look)
+    REPORT = b"r"  # a hang report's: the last completed collective of each group too
+    CUT = b"x"  # a pool's hang: its group's connections cut
+
 
 #: The signal that makes a rank write its main thread's Python stack to its stack file
 #: (``faulthandler``; a real-time signal no library is known to use).  The main thread's
@@ -122,7 +135,7 @@ def ask_for_stacks(work_dir: str, rank: int, pid: int, *, by_signal: bool = Fals
             pass
         else:
             try:
-                os.write(fd, b"?")
+                os.write(fd, StackAsk.STACKS.value)
                 return True
             except OSError:
                 pass
@@ -147,7 +160,7 @@ def ask_for_collectives(work_dir: str, rank: int, how: str = "c") -> str | None:
     except OSError:
         return None
     try:
-        os.write(fd, how.encode() + token.encode())
+        os.write(fd, StackAsk(how.encode()).value + token.encode())
         return token
     except OSError:
         return None
@@ -163,7 +176,7 @@ def ask_to_cut(work_dir: str, rank: int) -> bool:
     except OSError:
         return False
     try:
-        os.write(fd, b"x")
+        os.write(fd, StackAsk.CUT.value)
         return True
     except OSError:
         return False

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from air_magic.protocol import (
     FINAL_STACK_SIGNAL,
     STACK_SIGNAL,
+    StackAsk,
     format_thread_stacks,
     stack_path,
     stack_request_path,
@@ -79,14 +80,14 @@ def _answer(ask: str, out: int, work_dir: str, rank: int, cut: Callable[[], None
                     asked = os.read(fd, 64)
                 finally:
                     os.close(fd)
-                if asked[:1] in (b"c", b"q", b"r"):  # collectives: as a pool's Ctrl-C, a look, a report
+                if asked[:1] in (StackAsk.COLLECTIVES, StackAsk.LOOK, StackAsk.REPORT):  # a Ctrl-C's, a look, a report
                     try:
                         from air_magic.rank.inspect import collectives
 
                         collectives.answer(work_dir, rank, asked[1:].decode("ascii", "replace"), asked[:1].decode())
                     except Exception:  # no answer: the kernel reads the rank as one it cannot ask
                         pass
-                elif asked.startswith(b"x"):  # a pool's hang: cut its group's connections
+                elif asked[:1] == StackAsk.CUT:  # a pool's hang: cut its group's connections
                     try:
                         if cut is not None:
                             cut()
