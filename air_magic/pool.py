@@ -74,7 +74,7 @@ class Pool:
     @property
     def state(self) -> str:
         """``idle``, ``running``, ``broken`` (the next call starts fresh ranks) or ``closed``."""
-        return self._engine.state
+        return str(self._engine.state)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank and wait for it.

@@ -125,7 +125,7 @@ def _pool_facts(launch: "Launch") -> dict[str, Any]:
     engine = pool_of(launch.id)
     if engine is None:
         return {"state": "closed", "restarts": None, "calls": None}
-    return {"state": engine.state, "restarts": engine.restarts, "calls": engine.cells}
+    return {"state": str(engine.state), "restarts": engine.restarts, "calls": engine.cells}
 
 
 def _progress(launch: "Launch") -> dict[int, str]:

@@ -16,7 +16,21 @@ from typing import Any
 from air_magic.kernel.inspect.hangs import HangWatch
 from air_magic.kernel.launch import Launch
 
-__all__ = ["Ranks", "Call", "RankCallState"]
+__all__ = ["Ranks", "Call", "RankCallState", "PoolState"]
+
+
+class PoolState(str, enum.Enum):
+    """How a pool stands (``PoolEngine.state``; ``Pool.state`` says the plain word)."""
+
+    NEW = "new"  # made, not started
+    STARTING = "starting"  # its ranks start and connect
+    IDLE = "idle"  # its ranks wait for a call
+    RUNNING = "running"  # a call runs on them
+    BROKEN = "broken"  # its ranks cannot go on: the next call starts fresh ones
+    CLOSED = "closed"  # closed for good
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class RankCallState(str, enum.Enum):

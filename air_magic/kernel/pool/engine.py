@@ -43,7 +43,7 @@ from air_magic.kernel.launch import Launch
 from air_magic.kernel.launcher import Launcher
 from air_magic.kernel.pool import status as _status
 from air_magic.kernel.pool.call import Call as _Call
-from air_magic.kernel.pool.call import RankCallState
+from air_magic.kernel.pool.call import PoolState, RankCallState
 from air_magic.kernel.pool.call import Ranks as _Ranks
 from air_magic.kernel.pool.interrupts import regroup as pool_regroup
 from air_magic.kernel.pool.interrupts.interrupt import GRACE
@@ -193,18 +193,18 @@ class PoolEngine:
         return 0
 
     @property
-    def state(self) -> str:
-        """``new``, ``starting``, ``idle``, ``running``, ``broken`` or ``closed``."""
+    def state(self) -> PoolState:
+        """How the pool stands (:class:`~air_magic.kernel.pool.call.PoolState`)."""
         if self._closed:
-            return "closed"
+            return PoolState.CLOSED
         if self._starting:
-            return "starting"
+            return PoolState.STARTING
         ranks = self._ranks
         if ranks is None:
-            return "new"
+            return PoolState.NEW
         if ranks.broken or ranks.launch.done():
-            return "broken"
-        return "running" if self._call_now is not None else "idle"
+            return PoolState.BROKEN
+        return PoolState.RUNNING if self._call_now is not None else PoolState.IDLE
 
     @property
     def broken_because(self) -> str:
@@ -225,13 +225,13 @@ class PoolEngine:
         """One rank's state: the pool's, or during a call, what the rank did of it (and for a
         pool a call broke, what each rank did of that call: failed, stopped, ended)."""
         state = self.state
-        if state == "broken" and self._last_call is not None and self._last_call.ranks is self._ranks:
+        if state is PoolState.BROKEN and self._last_call is not None and self._last_call.ranks is self._ranks:
             return str(self._last_call.states.get(rank, state))  # (the plain word: status() shows it)
-        if state in ("broken", "closed", "starting", "new"):
-            return state
+        if state in (PoolState.BROKEN, PoolState.CLOSED, PoolState.STARTING, PoolState.NEW):
+            return str(state)
         call = self._call_now
         if call is None:
-            return "idle"
+            return str(PoolState.IDLE)
         return str(call.states.get(rank, RankCallState.RUNNING))
 
     # -- life ------------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ class PoolEngine:
             raise PoolBrokenError(
                 "this pool is closed; start a new one (air_magic.Pool(...), or %distributed_pool -n N)."
             )
-        if self.state == "broken" or self._ranks is None:
+        if self.state is PoolState.BROKEN or self._ranks is None:
             because = self.broken_because or "its ranks ended"
             n = self.world_size or self.spec.num_accelerators or 0
             print(

@@ -59,7 +59,7 @@ def status(engine: PoolEngine) -> dict[str, Any]:
         except psutil.Error:
             memory.append(None)
     gpu_memory = engine.gpu_memory() if local else [None] * len(pids)
-    state = engine.state
+    state = str(engine.state)  # (the plain word, as rank_states)
     return {
         "ranks": len(pids),
         "pids": pids,
