@@ -26,6 +26,7 @@ from air_magic.protocol import (
     TRACEBACK_MARK,
     TailReader,
     ValueRecord,
+    file_size,
     stderr_ranges_path,
 )
 from air_magic.rank import results as _results
@@ -85,13 +86,6 @@ def bound_log_in_place(path: str, limit: int) -> None:
             os.truncate(ranges, 0)
     except OSError:
         pass
-
-
-def file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _size(n: int) -> str:

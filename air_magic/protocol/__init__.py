@@ -101,6 +101,7 @@ from air_magic.protocol.spool_lines import (
 )
 from air_magic.protocol.tail import (
     TailReader,
+    file_size,
 )
 
 __all__ = [
@@ -175,4 +176,5 @@ __all__ = [
     "parse_line",
     "_open_for_reading",
     "TailReader",
+    "file_size",
 ]

@@ -8,6 +8,14 @@ from typing import Callable
 # -- reading what a process appends to a file -------------------------------------------------
 
 
+def file_size(path: str) -> int:
+    """The size of the file at ``path``; 0 when there is none (yet, or any more)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def _open_for_reading(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 

@@ -20,7 +20,7 @@ import time
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import air_magic.protocol
-from air_magic.protocol import THREAD_ANSWER_SECONDS, ask_for_stacks, stack_path
+from air_magic.protocol import THREAD_ANSWER_SECONDS, ask_for_stacks, file_size, stack_path
 
 __all__ = [
     "request_stacks",
@@ -31,13 +31,6 @@ __all__ = [
     "StallWatch",
     "Watched",
 ]
-
-
-def _file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def request_stacks(
@@ -56,7 +49,7 @@ def request_stacks(
     sizes: dict[int, int] = {}
     while time.monotonic() < deadline:
         time.sleep(0.02)
-        now = {rank: _file_size(stack_path(work_dir, rank)) for rank in asked}
+        now = {rank: file_size(stack_path(work_dir, rank)) for rank in asked}
         if all(now[r] > 0 and now[r] == sizes.get(r) for r in asked):
             break
         if not resignalled and time.monotonic() - begin >= min(thread_wait, timeout / 2):
@@ -262,7 +255,7 @@ class StallWatch:
         if self.seconds <= 0 or now < self.next_check:
             return
         self.next_check = now + 1.0
-        sizes = [_file_size(state.log_path) for state in self.launch.ranks]
+        sizes = [file_size(state.log_path) for state in self.launch.ranks]
         if sizes != self.sizes:
             self.sizes, self.quiet_since = sizes, now
             return

@@ -27,8 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from air_magic.kernel.pool.call import RankCallState
-from air_magic.kernel.rank_output import file_size
-from air_magic.protocol import spool_file
+from air_magic.protocol import file_size, spool_file
 
 if TYPE_CHECKING:
     from air_magic.kernel.launch import Launch
