@@ -32,7 +32,7 @@ from air_magic.kernel.inspect.stacks import describe_stacks, read_stacks, reques
 from air_magic.kernel.pool.call import Call, RankCallState, Ranks
 from air_magic.kernel.pool.decide import CLOSED_GRACE, first_failure, first_gone, interrupted_all
 from air_magic.kernel.pool.interrupts import regroup as pool_regroup
-from air_magic.kernel.pool.interrupts.interrupt import GRACE, Interrupt
+from air_magic.kernel.pool.interrupts.interrupt import GRACE, Engine, Interrupt
 from air_magic.kernel.pool.mirror import KernelMirror
 from air_magic.kernel.pool.view import PoolCallView
 from air_magic.kernel.pool.wire import OutOfStep, replies
@@ -54,18 +54,15 @@ class PoolBrokenError(AirMagicError):
     """A pool's ranks could not go on: a cell of a broken pool starts fresh ranks first."""
 
 
-class PoolEngine(Protocol):
-    """What one call asks of the pool's engine (:class:`air_magic.kernel.pool.engine.PoolEngine`,
-    named here so that the engine imports this module and not the other way round)."""
+class PoolEngine(Engine, Protocol):
+    """What one call asks of the pool's engine (:class:`air_magic.kernel.pool.engine.PoolEngine`)
+    beyond what its interrupt asks (:class:`Engine`); named here so that the engine imports
+    this module and not the other way round."""
 
     mirror: KernelMirror  # (the ranks' own names, from their replies)
     sources: dict[str, tuple[str, str]]  # the cells every call so far ran
     last_failed_rank: int | None
     cells: int
-
-    def break_ranks(self, ranks: Ranks, because: str) -> None: ...
-    def rebuild_group(self, call: Call) -> str: ...
-    def next_id(self) -> int: ...
 
 
 class CallWait:
